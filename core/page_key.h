@@ -7,12 +7,15 @@
 #define KVCELLAR_CORE_PAGE_KEY_H_
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include "absl/strings/string_view.h"
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 
 namespace kvcellar::core {
 
@@ -52,6 +55,41 @@ struct PageKeyHash {
     return static_cast<size_t>(v);
   }
 };
+
+// ---- Key chain (docs/keys.md) ----------------------------------------------------------------
+//
+// k_i = SHA-256(k_{i-1} || tokens[iP, (i+1)P) as uint32 little-endian), k_{-1} = ns_digest.
+// Only full pages are keyed; a trailing partial page has no key. The functions below never
+// allocate (except the std::vector convenience) and are safe to call from any thread.
+
+// Number of full pages in `num_tokens` tokens; 0 when page_size is 0.
+inline size_t FullPages(size_t num_tokens, uint32_t page_size) {
+  return page_size == 0 ? 0 : num_tokens / page_size;
+}
+
+// The key of one page: SHA-256(parent || page_tokens as uint32 LE). `page_tokens` is the whole
+// page (page_size tokens); `parent` is the previous page's key, or ns_digest for page 0.
+PageKey ChainPageKey(const PageKey& parent, absl::Span<const uint32_t> page_tokens);
+
+// Writes the keys of the full pages of `tokens` to out[0..n) and returns n =
+// min(FullPages(tokens.size(), page_size), out.size()); so a short `out` asks for a prefix.
+//
+// `parent` is ns_digest when tokens[0] is the first token of the sequence. To extend a chain the
+// engine already has (it holds pages [0, i)), pass k_{i-1} and the tokens from i*page_size on:
+// the result equals keys [i, ...) of the full chain. page_size 0 keys nothing.
+size_t ComputePageKeys(const PageKey& parent, absl::Span<const uint32_t> tokens, uint32_t page_size,
+                       absl::Span<PageKey> out);
+
+// Convenience for tests and tools; allocates the result.
+std::vector<PageKey> ComputePageKeys(const PageKey& parent, absl::Span<const uint32_t> tokens,
+                                     uint32_t page_size);
+
+// Opaque namespaces: the engine supplies its own 32-byte page keys, which are unique only within
+// that engine's own scheme (two models hashed by the same engine code can produce the same
+// value). The daemon therefore indexes SHA-256(ns_digest || engine_key), which puts opaque keys in
+// the same global key space as chained keys without collisions: ns_digest of an opaque namespace
+// never equals a chained parent (the opaque flag is part of the namespace encoding).
+PageKey ScopeOpaqueKey(const PageKey& ns_digest, const PageKey& engine_key);
 
 }  // namespace kvcellar::core
 

@@ -1,0 +1,577 @@
+// HostPool: mapping setup (anonymous, hugetlb, THP, POSIX shm) and the slab allocator.
+#include "core/host_pool.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <fstream>
+#include <optional>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvcellar::core {
+namespace {
+
+// SlotRef.region is 16 bits.
+constexpr uint64_t kMaxRegions = uint64_t{1} << 16;
+// Class numbers are 16 bits and 0xffff marks a free region.
+constexpr size_t kMaxClasses = 0xffff;
+// The default classes span 64 KiB (a small page of a small model) to 64 MiB (a large page of a
+// large model, e.g. 128 tokens of a 70B model's full KV at bf16 on one shard is 40 MiB).
+constexpr uint64_t kDefaultMinSlot = 64 * kKiB;
+constexpr uint64_t kDefaultMaxSlot = 64 * kMiB;
+// Where tmpfs shm objects live, for the free-space check.
+constexpr char kShmDir[] = "/dev/shm";
+// Linux's huge page size when /proc/meminfo cannot be read.
+constexpr uint64_t kFallbackHugePageBytes = 2 * kMiB;
+
+std::string Errno(int err) { return std::strerror(err); }
+
+uint64_t AlignDown(uint64_t v, uint64_t a) { return v / a * a; }
+uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+// A field of /proc/meminfo (e.g. "HugePages_Free"), with "kB" values converted to bytes.
+std::optional<uint64_t> MeminfoValue(absl::string_view field) {
+  std::ifstream in("/proc/meminfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.size() > field.size() &&
+        line.compare(0, field.size(), field.data(), field.size()) == 0 &&
+        line[field.size()] == ':') {
+      std::istringstream rest(line.substr(field.size() + 1));
+      uint64_t v = 0;
+      std::string unit;
+      if (!(rest >> v)) return std::nullopt;
+      rest >> unit;
+      return unit == "kB" ? v * kKiB : v;
+    }
+  }
+  return std::nullopt;
+}
+
+uint64_t HugePageBytes() { return MeminfoValue("Hugepagesize").value_or(kFallbackHugePageBytes); }
+
+// True when the kernel's THP mode in `sysfs_file` lets madvise(MADV_HUGEPAGE) take effect: the
+// selected value, in brackets, is anything but "never" or "deny".
+bool ThpHonorsMadvise(const char* sysfs_file) {
+  std::ifstream in(sysfs_file);
+  std::string text;
+  std::getline(in, text);
+  const size_t open = text.find('[');
+  const size_t close = text.find(']', open);
+  if (open == std::string::npos || close == std::string::npos) return false;
+  const std::string mode = text.substr(open + 1, close - open - 1);
+  return mode != "never" && mode != "deny";
+}
+
+// Accepts "name" or "/name"; POSIX wants exactly one leading slash and no other.
+absl::StatusOr<std::string> NormalizeShmName(absl::string_view name) {
+  std::string n = name.empty() || name[0] != '/' ? absl::StrCat("/", name) : std::string(name);
+  if (n.size() < 2 || n.find('/', 1) != std::string::npos || n.size() > NAME_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shm_name \"", name, "\" must be one path component (no '/' after the first), 1 to ",
+        NAME_MAX - 1, " characters"));
+  }
+  return n;
+}
+
+std::string HugetlbAdvice(uint64_t bytes) {
+  const uint64_t page = HugePageBytes();
+  return absl::StrCat("HugePages_Total=", MeminfoValue("HugePages_Total").value_or(0),
+                      " HugePages_Free=", MeminfoValue("HugePages_Free").value_or(0),
+                      " Hugepagesize=", page / kKiB, "kB; the pool needs ",
+                      AlignUp(bytes, page) / page,
+                      " free huge pages (sysctl vm.nr_hugepages), or use huge_pages=auto");
+}
+
+struct Mapping {
+  uint8_t* base = nullptr;
+  HugePageBacking backing = HugePageBacking::kNone;
+  int fd = -1;
+  bool reattached = false;
+};
+
+// Private, not shared, anonymous memory: nothing else maps the anonymous pool (engines reach it
+// through CUDA), and THP for private anonymous memory follows transparent_hugepage/enabled, whose
+// common default "madvise" honours MADV_HUGEPAGE, while shared anonymous memory is shmem and
+// follows shmem_enabled, which defaults to "never".
+absl::StatusOr<Mapping> MapAnonymous(uint64_t bytes, HugePages mode) {
+  const int prot = PROT_READ | PROT_WRITE;
+  const int flags = MAP_PRIVATE | MAP_ANONYMOUS;
+  Mapping m;
+  if (mode != HugePages::kOff && bytes % HugePageBytes() == 0) {
+    void* p = mmap(nullptr, bytes, prot, flags | MAP_HUGETLB, -1, 0);
+    if (p != MAP_FAILED) {
+      m.base = static_cast<uint8_t*>(p);
+      m.backing = HugePageBacking::kHugetlb;
+      return m;
+    }
+    if (mode == HugePages::kOn) {
+      return absl::ResourceExhaustedError(absl::StrCat("huge_pages=on: mmap of ", bytes,
+                                                       " bytes with MAP_HUGETLB failed (",
+                                                       Errno(errno), "); ", HugetlbAdvice(bytes)));
+    }
+  } else if (mode == HugePages::kOn) {
+    return absl::InvalidArgumentError(absl::StrCat("huge_pages=on: capacity ", bytes,
+                                                   " is not a multiple of the huge page size ",
+                                                   HugePageBytes()));
+  }
+  void* p = mmap(nullptr, bytes, prot, flags, -1, 0);
+  if (p == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("mmap of ", bytes, " bytes of anonymous memory failed: ", Errno(errno)));
+  }
+  m.base = static_cast<uint8_t*>(p);
+  if (mode == HugePages::kAuto && madvise(p, bytes, MADV_HUGEPAGE) == 0 &&
+      ThpHonorsMadvise("/sys/kernel/mm/transparent_hugepage/enabled")) {
+    m.backing = HugePageBacking::kTransparent;
+  }
+  return m;
+}
+
+absl::StatusOr<Mapping> MapShm(const std::string& name, uint64_t bytes, HugePages mode) {
+  if (mode == HugePages::kOn) {
+    return absl::InvalidArgumentError(
+        "huge_pages=on needs an anonymous pool: a POSIX shm object lives on tmpfs, which cannot "
+        "be hugetlb-backed; use huge_pages=auto (transparent huge pages, per "
+        "transparent_hugepage/shmem_enabled) or drop shm_name");
+  }
+  // Open an existing object, else create it exclusively; retry once if another process created
+  // it between the two calls.
+  int fd = -1;
+  bool created = false;
+  for (int attempt = 0; attempt < 2 && fd < 0; ++attempt) {
+    fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0600);
+    if (fd < 0 && errno == ENOENT) {
+      fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+      created = fd >= 0;
+      if (fd < 0 && errno == EEXIST) continue;
+    }
+    if (fd < 0) {
+      const int err = errno;
+      const std::string msg = absl::StrCat("shm_open(\"", name, "\") failed: ", Errno(err));
+      return err == EACCES ? absl::PermissionDeniedError(msg) : absl::InternalError(msg);
+    }
+  }
+  if (fd < 0) {
+    return absl::UnavailableError(absl::StrCat("shm_open(\"", name, "\") kept racing"));
+  }
+  // The first step on any error below is to close; an object this call created is unlinked too.
+  auto fail = [&](absl::Status s) {
+    if (created) shm_unlink(name.c_str());
+    close(fd);
+    return s;
+  };
+  // One live pool per object: two allocators over the same bytes would hand out the same slots.
+  // The lock goes with the descriptor, so a crashed daemon never leaves it held.
+  if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    if (err == EWOULDBLOCK) {
+      return fail(absl::FailedPreconditionError(
+          absl::StrCat("shm object ", name, " is in use by another live host pool")));
+    }
+    return fail(absl::InternalError(absl::StrCat("flock on shm object ", name, ": ", Errno(err))));
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    return fail(
+        absl::InternalError(absl::StrCat("fstat of shm object ", name, ": ", Errno(errno))));
+  }
+  Mapping m;
+  if (st.st_size != 0) {
+    if (static_cast<uint64_t>(st.st_size) != bytes) {
+      return fail(absl::FailedPreconditionError(absl::StrCat(
+          "shm object ", name, " has ", st.st_size, " bytes but the pool wants ", bytes,
+          "; the geometry changed: remove the object (HostPool::UnlinkShm) or restore the "
+          "capacity")));
+    }
+    m.reattached = true;
+  } else {
+    // tmpfs allocates on first touch; a write past its free space is SIGBUS, not an error. Refuse
+    // up front when the object could never fit (e.g. a container's default 64 MiB /dev/shm).
+    struct statvfs vfs;
+    if (statvfs(kShmDir, &vfs) == 0) {
+      const uint64_t avail = uint64_t{vfs.f_bavail} * vfs.f_frsize;
+      if (avail < bytes) {
+        return fail(absl::ResourceExhaustedError(absl::StrCat(
+            kShmDir, " has ", avail, " bytes free but the pool needs ", bytes,
+            " (in Kubernetes mount an emptyDir with medium: Memory and a sizeLimit at /dev/shm)")));
+      }
+    }
+    if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+      return fail(absl::ResourceExhaustedError(
+          absl::StrCat("ftruncate of shm object ", name, " to ", bytes, ": ", Errno(errno))));
+    }
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    return fail(absl::ResourceExhaustedError(
+        absl::StrCat("mmap of shm object ", name, " (", bytes, " bytes): ", Errno(errno))));
+  }
+  m.base = static_cast<uint8_t*>(p);
+  m.fd = fd;
+  if (mode == HugePages::kAuto && madvise(p, bytes, MADV_HUGEPAGE) == 0 &&
+      ThpHonorsMadvise("/sys/kernel/mm/transparent_hugepage/shmem_enabled")) {
+    m.backing = HugePageBacking::kTransparent;
+  }
+  return m;
+}
+
+}  // namespace
+
+absl::StatusOr<HugePages> ParseHugePages(absl::string_view name) {
+  if (name == "off") return HugePages::kOff;
+  if (name == "auto") return HugePages::kAuto;
+  if (name == "on") return HugePages::kOn;
+  return absl::InvalidArgumentError(
+      absl::StrCat("huge_pages \"", name, "\" is not one of off, auto, on"));
+}
+
+absl::string_view HugePagesName(HugePages mode) {
+  switch (mode) {
+    case HugePages::kOff:
+      return "off";
+    case HugePages::kAuto:
+      return "auto";
+    case HugePages::kOn:
+      return "on";
+  }
+  return "unknown";
+}
+
+absl::string_view HugePageBackingName(HugePageBacking backing) {
+  switch (backing) {
+    case HugePageBacking::kNone:
+      return "none";
+    case HugePageBacking::kHugetlb:
+      return "hugetlb";
+    case HugePageBacking::kTransparent:
+      return "transparent";
+  }
+  return "unknown";
+}
+
+std::vector<uint64_t> HostPool::DefaultSlotSizes(uint64_t region_bytes) {
+  region_bytes = AlignDown(region_bytes, kSlotAlignment);
+  if (region_bytes == 0) return {};
+  const uint64_t max_slot = std::min(kDefaultMaxSlot, region_bytes);
+  std::vector<uint64_t> sizes;
+  // Powers of two: KV objects are often exactly that (layers * 2 * P * heads * head_dim * 2).
+  for (uint64_t s = kDefaultMinSlot; s <= max_slot; s *= 2) sizes.push_back(s);
+  // A 1.25x series bounds the waste for every other size to about 20%. Each step takes the
+  // largest size that keeps a whole number of slots per region (region / n): for the same slot
+  // count a bigger slot is free. Below 5 slots per region the steps are region/4, /3, /2, /1.
+  uint64_t prev = std::min(kDefaultMinSlot, max_slot);
+  sizes.push_back(prev);
+  while (prev < max_slot) {
+    const uint64_t prev_count = region_bytes / prev;
+    const uint64_t target = prev + prev / 4;
+    const uint64_t count = std::min(prev_count - 1, (region_bytes + target - 1) / target);
+    prev = std::min(
+        max_slot, std::max(prev + kSlotAlignment, AlignDown(region_bytes / count, kSlotAlignment)));
+    sizes.push_back(prev);
+  }
+  sizes.push_back(max_slot);
+  std::sort(sizes.begin(), sizes.end());
+  sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+  return sizes;
+}
+
+absl::Status HostPool::UnlinkShm(absl::string_view shm_name) {
+  absl::StatusOr<std::string> name = NormalizeShmName(shm_name);
+  if (!name.ok()) return name.status();
+  if (shm_unlink(name->c_str()) != 0) {
+    const int err = errno;
+    if (err == ENOENT) return absl::NotFoundError(absl::StrCat("no shm object ", *name));
+    return absl::InternalError(absl::StrCat("shm_unlink(\"", *name, "\"): ", Errno(err)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<HostPool>> HostPool::Create(const HostPoolOptions& options) {
+  const uint64_t region_bytes = options.region_bytes;
+  if (region_bytes == 0 || region_bytes % kSlotAlignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("host pool region_bytes ", region_bytes,
+                                                   " must be a positive multiple of ",
+                                                   kSlotAlignment));
+  }
+  if (options.huge_pages == HugePages::kOn && region_bytes % HugePageBytes() != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("host pool region_bytes ", region_bytes,
+                                                   " must be a multiple of the huge page size ",
+                                                   HugePageBytes(), " with huge_pages=on"));
+  }
+  if (options.capacity_bytes < region_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("host pool capacity_bytes ", options.capacity_bytes,
+                     " is less than one region (region_bytes ", region_bytes, ")"));
+  }
+  const uint64_t region_count = options.capacity_bytes / region_bytes;
+  if (region_count > kMaxRegions) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "host pool capacity_bytes ", options.capacity_bytes, " is ", region_count, " regions of ",
+        region_bytes, " bytes; at most ", kMaxRegions, " fit a SlotRef: raise region_bytes"));
+  }
+  std::vector<uint64_t> sizes =
+      options.slot_sizes.empty() ? DefaultSlotSizes(region_bytes) : options.slot_sizes;
+  if (sizes.size() > kMaxClasses) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("host pool has ", sizes.size(), " slot sizes; at most ", kMaxClasses));
+  }
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] == 0 || sizes[i] % kSlotAlignment != 0 || sizes[i] > region_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "host pool slot_sizes[", i, "] = ", sizes[i], " must be a positive multiple of ",
+          kSlotAlignment, " no larger than region_bytes ", region_bytes));
+    }
+    if (i > 0 && sizes[i] <= sizes[i - 1]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("host pool slot_sizes must be strictly increasing: slot_sizes[", i,
+                       "] = ", sizes[i], " follows ", sizes[i - 1]));
+    }
+  }
+
+  const uint64_t bytes = region_count * region_bytes;
+  std::string shm_name;
+  absl::StatusOr<Mapping> mapping;
+  if (options.shm_name.empty()) {
+    mapping = MapAnonymous(bytes, options.huge_pages);
+  } else {
+    absl::StatusOr<std::string> name = NormalizeShmName(options.shm_name);
+    if (!name.ok()) return name.status();
+    shm_name = *std::move(name);
+    mapping = MapShm(shm_name, bytes, options.huge_pages);
+  }
+  if (!mapping.ok()) return mapping.status();
+
+  std::unique_ptr<HostPool> pool(new HostPool());
+  pool->base_ = mapping->base;
+  pool->capacity_bytes_ = bytes;
+  pool->region_bytes_ = region_bytes;
+  pool->region_count_ = static_cast<uint32_t>(region_count);
+  pool->slot_sizes_ = std::move(sizes);
+  pool->backing_ = mapping->backing;
+  pool->reattached_ = mapping->reattached;
+  pool->shm_name_ = std::move(shm_name);
+  pool->shm_fd_ = mapping->fd;
+  pool->unlink_on_destroy_ = options.unlink_on_destroy;
+
+  pool->classes_ = std::make_unique<SizeClass[]>(pool->slot_sizes_.size());
+  for (size_t c = 0; c < pool->slot_sizes_.size(); ++c) {
+    pool->classes_[c].slot_bytes = pool->slot_sizes_[c];
+    pool->classes_[c].slots_per_region = static_cast<uint32_t>(region_bytes / pool->slot_sizes_[c]);
+  }
+  pool->regions_ = std::make_unique<Region[]>(region_count);
+  MutexLock lock(&pool->free_mu_);
+  pool->free_regions_.reserve(region_count);
+  // Pushed in reverse so that region 0 is handed out first.
+  for (uint64_t r = region_count; r-- > 0;) pool->free_regions_.push_back(static_cast<uint32_t>(r));
+  return pool;
+}
+
+HostPool::~HostPool() {
+  if (base_ != nullptr) munmap(base_, capacity_bytes_);
+  if (!shm_name_.empty() && unlink_on_destroy_) shm_unlink(shm_name_.c_str());
+  // Closing drops the flock only after the unlink, so no new pool attaches a dying object.
+  if (shm_fd_ >= 0) close(shm_fd_);
+}
+
+absl::StatusOr<uint16_t> HostPool::ClassFor(uint64_t object_bytes) const {
+  if (object_bytes == 0) return absl::InvalidArgumentError("host pool object size is 0");
+  auto it = std::lower_bound(slot_sizes_.begin(), slot_sizes_.end(), object_bytes);
+  if (it == slot_sizes_.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("host pool object size ", object_bytes,
+                                                   " is larger than the largest slot size ",
+                                                   slot_sizes_.back()));
+  }
+  return static_cast<uint16_t>(it - slot_sizes_.begin());
+}
+
+absl::StatusOr<SlotRef> HostPool::Allocate(uint64_t object_bytes) {
+  absl::StatusOr<uint16_t> c = ClassFor(object_bytes);
+  if (!c.ok()) return c.status();
+  return AllocateInClass(*c);
+}
+
+absl::StatusOr<SlotRef> HostPool::AllocateInClass(uint16_t c) {
+  if (c >= slot_sizes_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "host pool size class ", c, " out of range; the pool has ", slot_sizes_.size()));
+  }
+  SizeClass& sc = classes_[c];
+  MutexLock lock(&sc.mu);
+  uint32_t r = sc.partial_head;
+  if (r == kNil) {
+    r = TakeFreeRegion(sc, c);
+    if (r == kNil) {
+      return absl::ResourceExhaustedError(absl::StrCat("host pool full: no free slot of ",
+                                                       sc.slot_bytes, " bytes (class ", c,
+                                                       ") and no free region"));
+    }
+  }
+  Region& g = regions_[r];
+  const uint32_t index = g.free_top > 0 ? g.free_stack[--g.free_top] : g.bump++;
+  g.allocated[index >> 6] |= uint64_t{1} << (index & 63);
+  if (++g.used == sc.slots_per_region) UnlinkPartial(sc, r);
+  ++sc.slots_used;
+  return SlotRef{c, static_cast<uint16_t>(r), index};
+}
+
+bool HostPool::InRange(SlotRef ref) const {
+  return ref.valid() && ref.size_class < slot_sizes_.size() && ref.region < region_count_ &&
+         ref.index < classes_[ref.size_class].slots_per_region;
+}
+
+bool HostPool::IsAllocated(const SizeClass& sc, SlotRef ref) const {
+  const Region& g = regions_[ref.region];
+  // Stable while sc.mu is held if it equals ref.size_class; otherwise the region is not ours
+  // (and its arrays may not exist), so the bitmap is read only after the owner matches.
+  return g.owner.load(std::memory_order_relaxed) == ref.size_class &&
+         (g.allocated[ref.index >> 6] >> (ref.index & 63) & 1) != 0;
+}
+
+absl::Status HostPool::RangeError(SlotRef ref) const {
+  return absl::InvalidArgumentError(
+      absl::StrCat("slot ref {class ", ref.size_class, ", region ", ref.region, ", index ",
+                   ref.index, "} names no slot of this host pool (", slot_sizes_.size(),
+                   " classes, ", region_count_, " regions)"));
+}
+
+absl::Status HostPool::NotAllocatedError(SlotRef ref) const {
+  const uint16_t owner = regions_[ref.region].owner.load(std::memory_order_relaxed);
+  return absl::FailedPreconditionError(absl::StrCat(
+      "slot ref {class ", ref.size_class, ", region ", ref.region, ", index ", ref.index,
+      "} is not allocated (double free or stale ref); region ", ref.region, " is ",
+      owner == kNoClass ? std::string("free") : absl::StrCat("in class ", owner)));
+}
+
+absl::Status HostPool::Free(SlotRef ref) {
+  if (!InRange(ref)) return RangeError(ref);
+  SizeClass& sc = classes_[ref.size_class];
+  MutexLock lock(&sc.mu);
+  if (!IsAllocated(sc, ref)) return NotAllocatedError(ref);
+  Region& g = regions_[ref.region];
+  g.allocated[ref.index >> 6] &= ~(uint64_t{1} << (ref.index & 63));
+  g.free_stack[g.free_top++] = ref.index;
+  --sc.slots_used;
+  const bool was_full = g.used == sc.slots_per_region;
+  --g.used;
+  if (g.used == 0) {
+    if (!was_full) UnlinkPartial(sc, ref.region);
+    ReturnRegion(sc, ref.region);
+  } else if (was_full) {
+    PushPartial(sc, ref.region);
+  }
+  return absl::OkStatus();
+}
+
+bool HostPool::Owns(SlotRef ref) const {
+  if (!InRange(ref)) return false;
+  const SizeClass& sc = classes_[ref.size_class];
+  MutexLock lock(&sc.mu);
+  return IsAllocated(sc, ref);
+}
+
+uint32_t HostPool::TakeFreeRegion(SizeClass& sc, uint16_t c) {
+  uint32_t r;
+  {
+    MutexLock lock(&free_mu_);
+    if (free_regions_.empty()) return kNil;
+    r = free_regions_.back();
+    free_regions_.pop_back();
+  }
+  // The region is now this class's; its fields are guarded by sc.mu from here on.
+  Region& g = regions_[r];
+  const uint32_t n = sc.slots_per_region;
+  if (g.capacity < n) {
+    // The one heap allocation: a region's first use by a class with more slots than it has
+    // held before. Bounded by region_count * (slots of the smallest class used).
+    g.free_stack = std::make_unique<uint32_t[]>(n);
+    g.allocated = std::make_unique<uint64_t[]>((n + 63) / 64);  // Zeroed.
+    g.capacity = n;
+  }
+  g.used = 0;
+  g.bump = 0;
+  g.free_top = 0;
+  g.owner.store(c, std::memory_order_relaxed);
+  ++sc.regions;
+  PushPartial(sc, r);
+  return r;
+}
+
+void HostPool::ReturnRegion(SizeClass& sc, uint32_t r) {
+  Region& g = regions_[r];
+  // Every slot is free, so the bitmap is already all zero, as a free region's must be.
+  g.owner.store(kNoClass, std::memory_order_relaxed);
+  g.free_top = 0;
+  g.bump = 0;
+  --sc.regions;
+  MutexLock lock(&free_mu_);
+  free_regions_.push_back(r);  // Never reallocates: reserved to region_count_.
+}
+
+void HostPool::PushPartial(SizeClass& sc, uint32_t r) {
+  Region& g = regions_[r];
+  g.prev = kNil;
+  g.next = sc.partial_head;
+  if (sc.partial_head != kNil) regions_[sc.partial_head].prev = r;
+  sc.partial_head = r;
+}
+
+void HostPool::UnlinkPartial(SizeClass& sc, uint32_t r) {
+  Region& g = regions_[r];
+  if (g.prev != kNil) {
+    regions_[g.prev].next = g.next;
+  } else {
+    sc.partial_head = g.next;
+  }
+  if (g.next != kNil) regions_[g.next].prev = g.prev;
+  g.prev = g.next = kNil;
+}
+
+absl::Status HostPool::ForEachChunk(uint64_t chunk_bytes, const RegionHook& hook) const {
+  const uint64_t regions_per_chunk =
+      chunk_bytes == 0 ? region_count_ : std::max<uint64_t>(1, chunk_bytes / region_bytes_);
+  for (uint64_t r = 0; r < region_count_; r += regions_per_chunk) {
+    const uint64_t n = std::min<uint64_t>(regions_per_chunk, region_count_ - r);
+    const uint64_t offset = r * region_bytes_;
+    absl::Status s = hook(base_ + offset, n * region_bytes_);
+    if (!s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("host pool chunk at offset ", offset, " (",
+                                                 n * region_bytes_, " bytes): ", s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::vector<SizeClassStats> HostPool::Stats() const {
+  std::vector<SizeClassStats> out(slot_sizes_.size());
+  for (size_t c = 0; c < slot_sizes_.size(); ++c) {
+    const SizeClass& sc = classes_[c];
+    SizeClassStats& s = out[c];
+    s.size_class = static_cast<uint16_t>(c);
+    s.slot_bytes = sc.slot_bytes;
+    s.slots_per_region = sc.slots_per_region;
+    MutexLock lock(&sc.mu);
+    s.regions = sc.regions;
+    s.slots_total = uint64_t{sc.regions} * sc.slots_per_region;
+    s.slots_used = sc.slots_used;
+    s.bytes_used = sc.slots_used * sc.slot_bytes;
+  }
+  return out;
+}
+
+uint32_t HostPool::FreeRegions() const {
+  MutexLock lock(&free_mu_);
+  return static_cast<uint32_t>(free_regions_.size());
+}
+
+}  // namespace kvcellar::core

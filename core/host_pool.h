@@ -1,0 +1,277 @@
+// HostPool: the L2 tier's memory, one large host mapping carved into fixed-size slots.
+//
+// The daemon keeps every L2 page object (one page of one shard, all layers) in a slot of this
+// pool. The mapping is made once at startup (huge pages where available) so that the GPU layer
+// can register it with CUDA in a few large chunks (ForEachChunk) instead of per object. Slots come
+// in size classes so namespaces with different object sizes share one pool. The allocator is
+// CacheLib-style: the mapping is split into equal regions; a class with no free slot takes a whole
+// free region and carves it into its slot size, and hands the region back once all its slots are
+// free. Allocate and Free are O(1), take one size class's mutex, never allocate heap memory in
+// the steady state, and make no system call unless a mutex is contended.
+//
+// The pool never touches slot bytes itself: it does not populate (MAP_POPULATE) or mlock the
+// mapping. Pages are faulted in by the first copy into a slot, and pinned by cudaHostRegister in
+// gpu/ (ForEachChunk) when a GPU is present; prefaulting 100+ GiB at startup would only delay it.
+//
+// Warm restart: with `shm_name` the pool is a POSIX shared memory object (/dev/shm) that outlives
+// the daemon, and a restarted daemon with the same capacity re-attaches the same bytes. Only the
+// data survives: the allocator state and the index do not, so the new pool starts empty and the
+// bytes are unreachable until something says which slot holds which page. Making them reachable
+// needs (a) the allocator's region/slot state and (b) per slot the (namespace, page key, shard,
+// length, checksum) of its object, both in a second small shm object written when an object is
+// published and cleared before its slot is freed; on restart the daemon rebuilds its index from
+// the records whose checksum verifies (never trusting a torn write) and frees the rest. That is
+// not implemented yet.
+//
+// Threading: every method may be called from any thread. Allocate, Free and Owns lock the mutex of
+// one size class, plus the free-region mutex when a region changes hands (order: class mutex,
+// then free-region mutex). ClassFor, Address, SlotBytes and the geometry accessors lock nothing.
+// Stats locks each class in turn, so it is not one atomic snapshot across classes.
+#ifndef KVCELLAR_CORE_HOST_POOL_H_
+#define KVCELLAR_CORE_HOST_POOL_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "core/slot_ref.h"
+
+namespace kvcellar::core {
+
+inline constexpr uint64_t kKiB = uint64_t{1} << 10;
+inline constexpr uint64_t kMiB = uint64_t{1} << 20;
+inline constexpr uint64_t kGiB = uint64_t{1} << 30;
+
+// Every slot size is a multiple of this, so every slot starts on a 4 KiB page boundary: O_DIRECT
+// reads and writes in storage/ need page-aligned buffers and lengths.
+inline constexpr uint64_t kSlotAlignment = 4 * kKiB;
+
+// 64 MiB regions: (1) SlotRef.region is 16 bits, so a pool has at most 65536 regions, and 64 MiB
+// allows pools up to 4 TiB; (2) it holds the largest default class (64 MiB) exactly once;
+// (3) it is a multiple of the 2 MiB huge page and of any CUDA registration granularity; (4) a
+// class grows and shrinks by 64 MiB at a time, small next to pools of tens to hundreds of GiB,
+// so memory moves between classes without much stranded in half-used regions.
+inline constexpr uint64_t kDefaultRegionBytes = 64 * kMiB;
+
+// Huge-page policy for the mapping.
+enum class HugePages {
+  kOff,   // Plain 4 KiB pages; nothing is requested.
+  kAuto,  // Anonymous pools try MAP_HUGETLB, then fall back to madvise(MADV_HUGEPAGE) (THP).
+          // Shared-memory pools (tmpfs) only madvise.
+  kOn,    // MAP_HUGETLB or fail. Anonymous pools only (tmpfs objects cannot be hugetlb).
+};
+// "off", "auto", "on".
+absl::StatusOr<HugePages> ParseHugePages(absl::string_view name);
+absl::string_view HugePagesName(HugePages mode);
+
+// What the mapping actually got.
+enum class HugePageBacking {
+  kNone,         // 4 KiB pages.
+  kHugetlb,      // Reserved hugetlb pages (MAP_HUGETLB).
+  kTransparent,  // madvise(MADV_HUGEPAGE) accepted and the kernel's THP mode allows it.
+};
+// "none", "hugetlb", "transparent".
+absl::string_view HugePageBackingName(HugePageBacking backing);
+
+struct HostPoolOptions {
+  // Rounded down to a whole number of regions; at least one region.
+  uint64_t capacity_bytes = 0;
+  // Multiple of kSlotAlignment and at least the largest slot size. See kDefaultRegionBytes.
+  uint64_t region_bytes = kDefaultRegionBytes;
+  // Size classes: strictly increasing multiples of kSlotAlignment, each <= region_bytes. Empty
+  // means DefaultSlotSizes(region_bytes). Listing the object sizes of the namespaces actually
+  // served wastes nothing; the defaults waste up to ~20% of a slot.
+  std::vector<uint64_t> slot_sizes;
+  HugePages huge_pages = HugePages::kAuto;
+  // Empty: an anonymous private mapping. Otherwise a POSIX shared memory object (/dev/shm) of
+  // that name ("/" prepended if missing) that a restarted daemon with the same capacity
+  // re-attaches. One live pool per object: a second Create while the first lives fails.
+  std::string shm_name;
+  // Remove the shm object when the pool is destroyed. Off by default: surviving the process is
+  // the point of a named pool. Use HostPool::UnlinkShm to remove it later.
+  bool unlink_on_destroy = false;
+};
+
+struct SizeClassStats {
+  uint16_t size_class = 0;
+  uint64_t slot_bytes = 0;
+  uint32_t slots_per_region = 0;
+  uint32_t regions = 0;      // Regions currently assigned to this class.
+  uint64_t slots_total = 0;  // regions * slots_per_region.
+  uint64_t slots_used = 0;
+  uint64_t bytes_used = 0;  // slots_used * slot_bytes (slot capacity, not object bytes).
+};
+
+class HostPool {
+ public:
+  // Called with one chunk of the mapping; see ForEachChunk.
+  using RegionHook = std::function<absl::Status(void* base, uint64_t bytes)>;
+
+  // Validates the options (errors name the bad option), maps the memory and builds an empty
+  // allocator. A re-attached shm pool starts empty too: its bytes survive, its allocations do not.
+  static absl::StatusOr<std::unique_ptr<HostPool>> Create(const HostPoolOptions& options);
+
+  // The default size classes, 64 KiB to min(64 MiB, region_bytes): the powers of two (KV objects
+  // often are one) merged with a series of steps of at most 1.25x, each the largest 4 KiB
+  // multiple that fits a whole number of slots in a region (at 64 MiB regions: 38 classes, less
+  // than 0.5% of any region unused, at most 20% of a slot unused below 16 MiB).
+  static std::vector<uint64_t> DefaultSlotSizes(uint64_t region_bytes);
+
+  // Removes a named pool's shm object ("/" prepended if missing). NotFound if absent.
+  static absl::Status UnlinkShm(absl::string_view shm_name);
+
+  ~HostPool();
+  HostPool(const HostPool&) = delete;
+  HostPool& operator=(const HostPool&) = delete;
+
+  // The smallest class whose slots hold object_bytes. InvalidArgument for 0 or for a size larger
+  // than the largest class (the message names both).
+  absl::StatusOr<uint16_t> ClassFor(uint64_t object_bytes) const;
+
+  // A free slot of ClassFor(object_bytes). ResourceExhausted when that class has no free slot
+  // and the pool has no free region: the caller evicts and retries.
+  absl::StatusOr<SlotRef> Allocate(uint64_t object_bytes);
+  absl::StatusOr<SlotRef> AllocateInClass(uint16_t size_class);
+
+  // Returns a slot. A ref that names no slot of this pool is InvalidArgument; a slot that is not
+  // currently allocated (double free, or a stale ref into a region that has since changed hands)
+  // is FailedPrecondition. Either way nothing changes: accounting stays exact. Errors are values
+  // rather than aborts because the caller (the index) can log and count them and keep serving.
+  absl::Status Free(SlotRef ref);
+
+  // True when `ref` names a slot of this pool that is currently allocated.
+  bool Owns(SlotRef ref) const;
+
+  // The slot's first byte. `ref` must be a live allocation of this pool (unchecked: hot path).
+  uint8_t* Address(SlotRef ref) const {
+    return base_ + uint64_t{ref.region} * region_bytes_ +
+           uint64_t{ref.index} * slot_sizes_[ref.size_class];
+  }
+  // Capacity of the slot (its class's slot size), not the size of the object stored in it.
+  uint64_t SlotBytes(SlotRef ref) const { return slot_sizes_[ref.size_class]; }
+
+  // Calls `hook` over the whole mapping in order, in chunks of chunk_bytes rounded down to whole
+  // regions (at least one region; 0 means the whole mapping in one call), so every chunk starts
+  // and ends on a region boundary and no slot straddles two chunks. Meant for cudaHostRegister.
+  // Stops at the first error and returns it, prefixed with the chunk's offset.
+  absl::Status ForEachChunk(uint64_t chunk_bytes, const RegionHook& hook) const;
+
+  std::vector<SizeClassStats> Stats() const;
+  uint32_t FreeRegions() const;
+
+  uint8_t* base() const { return base_; }
+  uint64_t capacity_bytes() const { return capacity_bytes_; }
+  uint64_t region_bytes() const { return region_bytes_; }
+  uint32_t region_count() const { return region_count_; }
+  const std::vector<uint64_t>& slot_sizes() const { return slot_sizes_; }
+  HugePageBacking backing() const { return backing_; }
+  // True when Create attached an existing shm object rather than creating it.
+  bool reattached() const { return reattached_; }
+  // Normalized shm object name ("/..."), empty for anonymous pools.
+  const std::string& shm_name() const { return shm_name_; }
+
+ private:
+  // std::mutex with thread-safety annotations. Not absl::Mutex: Debian's Abseil is built without
+  // NDEBUG, so every absl::Mutex::Lock runs deadlock detection, ~75 ns per uncontended
+  // lock/unlock pair on the reference machine against ~8 ns for std::mutex, which alone would
+  // blow the allocator's budget (an allocate+free pair locks twice).
+  class ABSL_LOCKABLE Mutex {
+   public:
+    void Lock() ABSL_EXCLUSIVE_LOCK_FUNCTION() { mu_.lock(); }
+    void Unlock() ABSL_UNLOCK_FUNCTION() { mu_.unlock(); }
+
+   private:
+    std::mutex mu_;
+  };
+  class ABSL_SCOPED_LOCKABLE MutexLock {
+   public:
+    explicit MutexLock(Mutex* mu) ABSL_EXCLUSIVE_LOCK_FUNCTION(mu) : mu_(mu) { mu_->Lock(); }
+    ~MutexLock() ABSL_UNLOCK_FUNCTION() { mu_->Unlock(); }
+    MutexLock(const MutexLock&) = delete;
+    MutexLock& operator=(const MutexLock&) = delete;
+
+   private:
+    Mutex* const mu_;
+  };
+
+  static constexpr uint32_t kNil = 0xffffffffu;  // End of a region list.
+  static constexpr uint16_t kNoClass = 0xffffu;  // Region owner while on the free list.
+
+  // Per-region allocator state. `owner` is atomic so that Free and Owns, holding the mutex of the
+  // class named in a ref, can check that the region belongs to that class; it only changes under
+  // the owning class's mutex, so once it reads equal to the held class it stays so. All other
+  // fields are guarded by the mutex of the owning class (by free_mu_ while the region is free);
+  // the annotations cannot name a mutex chosen at run time, so this is stated, not checked.
+  // Invariants: used == popcount(allocated); slot i is allocated iff its bit is set; the free
+  // slots are free_stack[0, free_top) plus [bump, slots_per_region); a free region's bitmap is
+  // all zero.
+  struct Region {
+    std::atomic<uint16_t> owner{kNoClass};
+    uint32_t used = 0;
+    uint32_t bump = 0;      // Slots [bump, slots_per_region) not handed out since assignment.
+    uint32_t free_top = 0;  // Freed slots waiting for reuse: free_stack[0, free_top).
+    uint32_t capacity = 0;  // Slots the two arrays below can describe.
+    uint32_t prev = kNil;   // Links in the owning class's list of regions with a free slot.
+    uint32_t next = kNil;
+    std::unique_ptr<uint32_t[]> free_stack;
+    std::unique_ptr<uint64_t[]> allocated;  // Bitmap, one bit per slot.
+  };
+
+  struct alignas(64) SizeClass {  // Own cache line(s): classes are locked independently.
+    uint64_t slot_bytes = 0;
+    uint32_t slots_per_region = 0;
+    mutable Mutex mu;
+    uint32_t partial_head ABSL_GUARDED_BY(mu) = kNil;  // Regions with at least one free slot.
+    uint32_t regions ABSL_GUARDED_BY(mu) = 0;
+    uint64_t slots_used ABSL_GUARDED_BY(mu) = 0;
+  };
+
+  HostPool() = default;
+
+  // Takes a free region for class `c` and puts it on c's partial list. kNil when none is left.
+  uint32_t TakeFreeRegion(SizeClass& sc, uint16_t c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(sc.mu);
+  // Gives an empty region of class `sc` back to the free list.
+  void ReturnRegion(SizeClass& sc, uint32_t r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(sc.mu);
+  void PushPartial(SizeClass& sc, uint32_t r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(sc.mu);
+  void UnlinkPartial(SizeClass& sc, uint32_t r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(sc.mu);
+  // Whether `ref` is inside the pool's geometry (needs no lock).
+  bool InRange(SlotRef ref) const;
+  // Whether an in-range `ref` is currently allocated.
+  bool IsAllocated(const SizeClass& sc, SlotRef ref) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(sc.mu);
+  // Free's errors, built off the fast path.
+  absl::Status RangeError(SlotRef ref) const;
+  absl::Status NotAllocatedError(SlotRef ref) const;
+
+  // Immutable after Create.
+  uint8_t* base_ = nullptr;
+  uint64_t capacity_bytes_ = 0;
+  uint64_t region_bytes_ = 0;
+  uint32_t region_count_ = 0;
+  std::vector<uint64_t> slot_sizes_;
+  HugePageBacking backing_ = HugePageBacking::kNone;
+  bool reattached_ = false;
+  std::string shm_name_;
+  int shm_fd_ = -1;  // Held open (with flock) for the pool's life: one live pool per object.
+  bool unlink_on_destroy_ = false;
+
+  std::unique_ptr<SizeClass[]> classes_;
+  std::unique_ptr<Region[]> regions_;
+
+  // Taken after a class mutex, never before one.
+  mutable Mutex free_mu_;
+  // Free regions, used as a stack (a region just returned is warm). Reserved to region_count_ at
+  // Create, so pushes never allocate.
+  std::vector<uint32_t> free_regions_ ABSL_GUARDED_BY(free_mu_);
+};
+
+}  // namespace kvcellar::core
+
+#endif  // KVCELLAR_CORE_HOST_POOL_H_

@@ -1,0 +1,143 @@
+// Page-key hashing throughput, in bytes of token ids hashed per second.
+//
+// BM_ComputePageKeys is the production path (core/page_key.cc, low-level SHA256_Init/Update/
+// Final). Beside it: SHA-256 of one contiguous buffer of the same token bytes (the ceiling: what
+// the CPU's SHA-256 does with no per-page overhead), and the two other OpenSSL interfaces the key
+// chain could use, so that the choice in page_key.cc can be re-measured on new hardware.
+//
+// Every chained page hashes 32 + 4P bytes plus SHA-256 padding, which rounds up to whole 64-byte
+// blocks: at P = 16 that is 128 bytes compressed per 64 token bytes, so the chain can reach at
+// most half the contiguous rate there. Larger pages approach it.
+//
+// This file holds the BENCHMARK_MAIN of kvcellar_bench_core; other files in this folder must not.
+#include <openssl/evp.h>
+#include <openssl/sha.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "benchmark/benchmark.h"
+#include "core/namespace_spec.h"
+#include "core/page_key.h"
+
+namespace kvcellar::core {
+namespace {
+
+constexpr size_t kPages = 2048;
+
+std::vector<uint32_t> Tokens(size_t n) {
+  std::vector<uint32_t> t(n);
+  uint32_t x = 12345;
+  for (auto& v : t) {
+    x = x * 1664525u + 1013904223u;
+    v = x % 128256;  // A Llama-3 sized vocabulary.
+  }
+  return t;
+}
+
+PageKey Root() {
+  NamespaceSpec ns{.tenant = "bench",
+                   .model_id = "meta-llama/Llama-3.1-8B-Instruct",
+                   .model_revision = "0e9e39f249a16976918f6564b8830bc894c89659",
+                   .kv_dtype = "bf16",
+                   .page_size = 16,
+                   .layout = LayoutKind::kMha,
+                   .tp_size = 1,
+                   .opaque_keys = false};
+  return ns.Digest();
+}
+
+void BM_ComputePageKeys(benchmark::State& state) {
+  const uint32_t page_size = static_cast<uint32_t>(state.range(0));
+  const std::vector<uint32_t> tokens = Tokens(kPages * page_size);
+  std::vector<PageKey> out(kPages);
+  const PageKey root = Root();
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(ComputePageKeys(root, tokens, page_size, absl::MakeSpan(out)));
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(int64_t(state.iterations()) * tokens.size() * sizeof(uint32_t));
+  state.counters["pages/s"] =
+      benchmark::Counter(double(state.iterations()) * kPages, benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_ComputePageKeys)->Arg(16)->Arg(64)->Arg(256);
+
+// Ceiling: one SHA-256 over all the token bytes, no chaining, no per-page padding.
+void BM_Sha256Contiguous(benchmark::State& state) {
+  const uint32_t page_size = static_cast<uint32_t>(state.range(0));
+  const std::vector<uint32_t> tokens = Tokens(kPages * page_size);
+  uint8_t digest[SHA256_DIGEST_LENGTH];
+  for (auto _ : state) {
+    SHA256(reinterpret_cast<const unsigned char*>(tokens.data()), tokens.size() * sizeof(uint32_t),
+           digest);
+    benchmark::DoNotOptimize(digest);
+  }
+  state.SetBytesProcessed(int64_t(state.iterations()) * tokens.size() * sizeof(uint32_t));
+}
+BENCHMARK(BM_Sha256Contiguous)->Arg(16)->Arg(64)->Arg(256);
+
+// The chain through EVP with one context reused for every page.
+void BM_ChainEvpReusedContext(benchmark::State& state) {
+  const uint32_t page_size = static_cast<uint32_t>(state.range(0));
+  const std::vector<uint32_t> tokens = Tokens(kPages * page_size);
+  std::vector<PageKey> out(kPages);
+  const PageKey root = Root();
+  EVP_MD* md = EVP_MD_fetch(nullptr, "SHA256", nullptr);
+  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
+  for (auto _ : state) {
+    const PageKey* prev = &root;
+    for (size_t i = 0; i < kPages; ++i) {
+      unsigned int len = 0;
+      EVP_DigestInit_ex(ctx, md, nullptr);
+      EVP_DigestUpdate(ctx, prev->bytes.data(), kPageKeyBytes);
+      EVP_DigestUpdate(ctx, &tokens[i * page_size], page_size * sizeof(uint32_t));
+      EVP_DigestFinal_ex(ctx, out[i].bytes.data(), &len);
+      prev = &out[i];
+    }
+    benchmark::ClobberMemory();
+  }
+  EVP_MD_CTX_free(ctx);
+  EVP_MD_free(md);
+  state.SetBytesProcessed(int64_t(state.iterations()) * tokens.size() * sizeof(uint32_t));
+}
+BENCHMARK(BM_ChainEvpReusedContext)->Arg(16)->Arg(64)->Arg(256);
+
+// The chain through the one-shot SHA256(), which needs the page copied behind its parent.
+void BM_ChainOneShot(benchmark::State& state) {
+  const uint32_t page_size = static_cast<uint32_t>(state.range(0));
+  const std::vector<uint32_t> tokens = Tokens(kPages * page_size);
+  std::vector<PageKey> out(kPages);
+  std::vector<uint8_t> buf(kPageKeyBytes + page_size * sizeof(uint32_t));
+  const PageKey root = Root();
+  for (auto _ : state) {
+    const PageKey* prev = &root;
+    for (size_t i = 0; i < kPages; ++i) {
+      std::memcpy(buf.data(), prev->bytes.data(), kPageKeyBytes);
+      std::memcpy(buf.data() + kPageKeyBytes, &tokens[i * page_size], page_size * sizeof(uint32_t));
+      SHA256(buf.data(), buf.size(), out[i].bytes.data());
+      prev = &out[i];
+    }
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(int64_t(state.iterations()) * tokens.size() * sizeof(uint32_t));
+}
+BENCHMARK(BM_ChainOneShot)->Arg(16)->Arg(64)->Arg(256);
+
+void BM_NamespaceDigest(benchmark::State& state) {
+  NamespaceSpec ns{.tenant = "bench",
+                   .model_id = "meta-llama/Llama-3.1-8B-Instruct",
+                   .model_revision = "0e9e39f249a16976918f6564b8830bc894c89659",
+                   .kv_dtype = "bf16",
+                   .page_size = 16,
+                   .layout = LayoutKind::kMha,
+                   .tp_size = 1,
+                   .opaque_keys = false};
+  for (auto _ : state) benchmark::DoNotOptimize(ns.Digest());
+}
+BENCHMARK(BM_NamespaceDigest);
+
+}  // namespace
+}  // namespace kvcellar::core
+
+BENCHMARK_MAIN();

@@ -1,0 +1,609 @@
+// Tests for core/host_pool.h: option validation, class selection, exhaustion and region reuse,
+// exact accounting under randomized and multi-threaded use, misuse detection, chunked
+// registration, shared-memory re-attach and huge-page policy.
+#include "core/host_pool.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace kvcellar::core {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Small geometry so that exhaustion and region turnover happen within a few hundred operations.
+constexpr uint64_t kRegion = 1 * kMiB;
+
+HostPoolOptions SmallOptions(uint64_t regions, std::vector<uint64_t> slot_sizes) {
+  HostPoolOptions o;
+  o.capacity_bytes = regions * kRegion;
+  o.region_bytes = kRegion;
+  o.slot_sizes = std::move(slot_sizes);
+  o.huge_pages = HugePages::kOff;
+  return o;
+}
+
+std::unique_ptr<HostPool> MustCreate(const HostPoolOptions& o) {
+  absl::StatusOr<std::unique_ptr<HostPool>> pool = HostPool::Create(o);
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  return pool.ok() ? *std::move(pool) : nullptr;
+}
+
+// A name unique to this process and test, so parallel ctest runs never share an object.
+std::string ShmName(absl::string_view tag) {
+  return absl::StrCat("kvcellar-test-", getpid(), "-", tag);
+}
+
+bool ShmExists(const std::string& name) {
+  const int fd = shm_open(absl::StrCat("/", name).c_str(), O_RDONLY, 0);
+  if (fd < 0) return false;
+  close(fd);
+  return true;
+}
+
+uint64_t SumUsed(const HostPool& pool) {
+  uint64_t n = 0;
+  for (const SizeClassStats& s : pool.Stats()) n += s.slots_used;
+  return n;
+}
+
+// ---- Options and classes ------------------------------------------------------------------------
+
+TEST(HostPoolTest, DefaultSlotSizes) {
+  const std::vector<uint64_t> sizes = HostPool::DefaultSlotSizes(kDefaultRegionBytes);
+  ASSERT_FALSE(sizes.empty());
+  EXPECT_EQ(sizes.front(), 64 * kKiB);
+  EXPECT_EQ(sizes.back(), 64 * kMiB);
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    EXPECT_EQ(sizes[i] % kSlotAlignment, 0u) << sizes[i];
+    // The tail a region cannot use is under 1% for every class.
+    EXPECT_LT(kDefaultRegionBytes % sizes[i], kDefaultRegionBytes / 100) << sizes[i];
+    if (i > 0) {
+      EXPECT_GT(sizes[i], sizes[i - 1]);
+      // Neighbouring classes are at most 1.25x apart (plus alignment) up to 4 slots per region.
+      if (sizes[i] <= 16 * kMiB) {
+        EXPECT_LE(sizes[i] * 4, sizes[i - 1] * 5 + 4 * kSlotAlignment) << sizes[i];
+      }
+    }
+  }
+  for (uint64_t p = 64 * kKiB; p <= 64 * kMiB; p *= 2) {
+    EXPECT_TRUE(std::binary_search(sizes.begin(), sizes.end(), p)) << "power of two " << p;
+  }
+  // Small regions cap the classes at the region size.
+  const std::vector<uint64_t> small = HostPool::DefaultSlotSizes(kRegion);
+  EXPECT_EQ(small.back(), kRegion);
+}
+
+TEST(HostPoolTest, RejectsBadOptions) {
+  struct Case {
+    HostPoolOptions options;
+    absl::string_view message;
+  };
+  std::vector<Case> cases;
+  cases.push_back({SmallOptions(0, {64 * kKiB}), "less than one region"});
+  HostPoolOptions o = SmallOptions(4, {64 * kKiB});
+  o.region_bytes = 1000;
+  cases.push_back({o, "region_bytes 1000"});
+  cases.push_back({SmallOptions(4, {64 * kKiB + 1}), "slot_sizes[0] = 65537"});
+  cases.push_back({SmallOptions(4, {0}), "slot_sizes[0] = 0"});
+  cases.push_back({SmallOptions(4, {2 * kMiB}), "no larger than region_bytes"});
+  cases.push_back({SmallOptions(4, {128 * kKiB, 64 * kKiB}), "strictly increasing"});
+  cases.push_back({SmallOptions(4, {64 * kKiB, 64 * kKiB}), "strictly increasing"});
+  o = SmallOptions(1, {64 * kKiB});
+  o.region_bytes = 4 * kKiB;
+  o.capacity_bytes = (uint64_t{1} << 16) * 4 * kKiB + 4 * kKiB;  // 65537 regions.
+  o.slot_sizes = {4 * kKiB};
+  cases.push_back({o, "65537 regions"});
+  o = SmallOptions(4, {64 * kKiB});
+  o.shm_name = "a/b";
+  cases.push_back({o, "shm_name \"a/b\""});
+  for (const Case& c : cases) {
+    absl::StatusOr<std::unique_ptr<HostPool>> pool = HostPool::Create(c.options);
+    ASSERT_FALSE(pool.ok()) << c.message;
+    EXPECT_EQ(pool.status().code(), absl::StatusCode::kInvalidArgument) << pool.status();
+    EXPECT_THAT(pool.status().message(), HasSubstr(std::string(c.message)));
+  }
+}
+
+TEST(HostPoolTest, CapacityRoundsDownToWholeRegions) {
+  HostPoolOptions o = SmallOptions(3, {64 * kKiB});
+  o.capacity_bytes += kRegion / 2;
+  std::unique_ptr<HostPool> pool = MustCreate(o);
+  ASSERT_NE(pool, nullptr);
+  EXPECT_EQ(pool->capacity_bytes(), 3 * kRegion);
+  EXPECT_EQ(pool->region_count(), 3u);
+  EXPECT_EQ(pool->FreeRegions(), 3u);
+  EXPECT_EQ(pool->backing(), HugePageBacking::kNone);
+  EXPECT_FALSE(pool->reattached());
+}
+
+TEST(HostPoolTest, ClassForPicksTheSmallestClassThatFits) {
+  std::unique_ptr<HostPool> pool = MustCreate(SmallOptions(2, {64 * kKiB, 256 * kKiB, kRegion}));
+  ASSERT_NE(pool, nullptr);
+  EXPECT_EQ(*pool->ClassFor(1), 0);
+  EXPECT_EQ(*pool->ClassFor(64 * kKiB), 0);
+  EXPECT_EQ(*pool->ClassFor(64 * kKiB + 1), 1);
+  EXPECT_EQ(*pool->ClassFor(256 * kKiB), 1);
+  EXPECT_EQ(*pool->ClassFor(256 * kKiB + 1), 2);
+  EXPECT_EQ(*pool->ClassFor(kRegion), 2);
+
+  absl::StatusOr<uint16_t> big = pool->ClassFor(kRegion + 1);
+  ASSERT_FALSE(big.ok());
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(big.status().message(), HasSubstr("1048577"));
+  EXPECT_THAT(big.status().message(), HasSubstr("largest slot size 1048576"));
+  EXPECT_FALSE(pool->ClassFor(0).ok());
+  EXPECT_FALSE(pool->AllocateInClass(3).ok());
+}
+
+// ---- Allocation ---------------------------------------------------------------------------------
+
+TEST(HostPoolTest, AllocateUntilExhaustedThenFreeReturnsRegions) {
+  std::unique_ptr<HostPool> pool = MustCreate(SmallOptions(4, {256 * kKiB}));
+  ASSERT_NE(pool, nullptr);
+  std::vector<SlotRef> refs;
+  for (int i = 0; i < 16; ++i) {
+    absl::StatusOr<SlotRef> r = pool->Allocate(200 * kKiB);
+    ASSERT_TRUE(r.ok()) << i << ": " << r.status();
+    EXPECT_EQ(pool->SlotBytes(*r), 256 * kKiB);
+    refs.push_back(*r);
+  }
+  absl::StatusOr<SlotRef> full = pool->Allocate(1);
+  ASSERT_FALSE(full.ok());
+  EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(full.status().message(), HasSubstr("262144 bytes"));
+  EXPECT_EQ(pool->FreeRegions(), 0u);
+  SizeClassStats s = pool->Stats()[0];
+  EXPECT_EQ(s.regions, 4u);
+  EXPECT_EQ(s.slots_per_region, 4u);
+  EXPECT_EQ(s.slots_total, 16u);
+  EXPECT_EQ(s.slots_used, 16u);
+  EXPECT_EQ(s.bytes_used, 16 * 256 * kKiB);
+
+  // Freeing one slot makes exactly that slot allocatable again.
+  ASSERT_TRUE(pool->Free(refs[5]).ok());
+  absl::StatusOr<SlotRef> again = pool->Allocate(1);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, refs[5]);
+
+  // A region goes back to the free list when its last slot is freed, not before.
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(pool->Free(refs[i]).ok());
+  EXPECT_EQ(pool->FreeRegions(), 0u);
+  ASSERT_TRUE(pool->Free(refs[3]).ok());
+  EXPECT_EQ(pool->FreeRegions(), 1u);
+  for (int i = 4; i < 16; ++i) ASSERT_TRUE(pool->Free(refs[i]).ok());
+  EXPECT_EQ(pool->FreeRegions(), 4u);
+  s = pool->Stats()[0];
+  EXPECT_EQ(s.regions, 0u);
+  EXPECT_EQ(s.slots_used, 0u);
+  EXPECT_EQ(s.bytes_used, 0u);
+}
+
+TEST(HostPoolTest, OneSlotPerRegionClass) {
+  std::unique_ptr<HostPool> pool = MustCreate(SmallOptions(2, {kRegion}));
+  ASSERT_NE(pool, nullptr);
+  SlotRef a = *pool->Allocate(kRegion);
+  SlotRef b = *pool->Allocate(kRegion);
+  EXPECT_FALSE(pool->Allocate(kRegion).ok());
+  EXPECT_NE(a.region, b.region);
+  ASSERT_TRUE(pool->Free(a).ok());
+  EXPECT_EQ(pool->FreeRegions(), 1u);
+  ASSERT_TRUE(pool->Free(b).ok());
+  EXPECT_EQ(pool->FreeRegions(), 2u);
+}
+
+TEST(HostPoolTest, MixedClassesShareThePool) {
+  std::unique_ptr<HostPool> pool = MustCreate(SmallOptions(4, {64 * kKiB, kRegion}));
+  ASSERT_NE(pool, nullptr);
+  std::vector<SlotRef> small;
+  small.push_back(*pool->Allocate(64 * kKiB));  // Takes one region for the small class.
+  std::vector<SlotRef> large;
+  for (int i = 0; i < 3; ++i) large.push_back(*pool->Allocate(kRegion));
+  EXPECT_EQ(pool->Allocate(kRegion).status().code(), absl::StatusCode::kResourceExhausted);
+  // The small class still has 15 free slots in its region, then it is full too.
+  for (int i = 0; i < 15; ++i) small.push_back(*pool->Allocate(64 * kKiB));
+  EXPECT_EQ(pool->Allocate(64 * kKiB).status().code(), absl::StatusCode::kResourceExhausted);
+  // Emptying the small class's region hands it to the large class.
+  for (const SlotRef& r : small) ASSERT_TRUE(pool->Free(r).ok());
+  absl::StatusOr<SlotRef> moved = pool->Allocate(kRegion);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(moved->region, small[0].region);
+  const std::vector<SizeClassStats> stats = pool->Stats();
+  EXPECT_EQ(stats[0].regions, 0u);
+  EXPECT_EQ(stats[1].regions, 4u);
+}
+
+TEST(HostPoolTest, AddressesAreDistinctAlignedAndInsideTheMapping) {
+  std::unique_ptr<HostPool> pool =
+      MustCreate(SmallOptions(8, {4 * kKiB, 12 * kKiB, 100 * kKiB, 300 * kKiB, kRegion}));
+  ASSERT_NE(pool, nullptr);
+  std::mt19937 rng(42);
+  std::vector<std::pair<uint8_t*, uint64_t>> ranges;
+  while (true) {
+    const uint16_t c = static_cast<uint16_t>(rng() % pool->slot_sizes().size());
+    absl::StatusOr<SlotRef> r = pool->AllocateInClass(c);
+    if (!r.ok()) {
+      ASSERT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+      if (pool->FreeRegions() == 0 && ranges.size() > 100) break;
+      continue;
+    }
+    uint8_t* p = pool->Address(*r);
+    const uint64_t n = pool->SlotBytes(*r);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % kSlotAlignment, 0u);
+    ASSERT_GE(p, pool->base());
+    ASSERT_LE(p + n, pool->base() + pool->capacity_bytes());
+    // A slot never crosses a region boundary.
+    EXPECT_EQ((p - pool->base()) / kRegion, (p + n - 1 - pool->base()) / kRegion);
+    p[0] = 1;
+    p[n - 1] = 1;
+    ranges.emplace_back(p, n);
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size(); ++i) {
+    ASSERT_LE(ranges[i - 1].first + ranges[i - 1].second, ranges[i].first) << "overlap at " << i;
+  }
+}
+
+// ---- Misuse -------------------------------------------------------------------------------------
+
+TEST(HostPoolTest, DoubleFreeIsDetectedAndChangesNothing) {
+  std::unique_ptr<HostPool> pool = MustCreate(SmallOptions(2, {256 * kKiB}));
+  ASSERT_NE(pool, nullptr);
+  SlotRef a = *pool->Allocate(1);
+  SlotRef b = *pool->Allocate(1);
+  ASSERT_TRUE(pool->Free(a).ok());
+  EXPECT_FALSE(pool->Owns(a));
+  EXPECT_TRUE(pool->Owns(b));
+  const absl::Status again = pool->Free(a);
+  EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(again.message(), HasSubstr("not allocated"));
+  EXPECT_EQ(pool->Stats()[0].slots_used, 1u);
+  // The slot is handed out once, not twice, after the double free.
+  SlotRef c = *pool->Allocate(1);
+  SlotRef d = *pool->Allocate(1);
+  EXPECT_NE(c, d);
+  EXPECT_NE(c, b);
+  EXPECT_NE(d, b);
+  EXPECT_EQ(pool->Stats()[0].slots_used, 3u);
+
+  // A slot that was never handed out.
+  SlotRef never = b;
+  never.index = 3;
+  EXPECT_EQ(pool->Free(never).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(pool->Stats()[0].slots_used, 3u);
+}
+
+TEST(HostPoolTest, InvalidRefsAreRejected) {
+  std::unique_ptr<HostPool> pool = MustCreate(SmallOptions(2, {256 * kKiB}));
+  ASSERT_NE(pool, nullptr);
+  const SlotRef live = *pool->Allocate(1);
+  for (SlotRef bad : {SlotRef{}, SlotRef{1, 0, 0}, SlotRef{0, 2, 0}, SlotRef{0, 0, 4}}) {
+    const absl::Status s = pool->Free(bad);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad.Packed() << ": " << s;
+    EXPECT_THAT(s.message(), HasSubstr("names no slot"));
+    EXPECT_FALSE(pool->Owns(bad));
+  }
+  EXPECT_TRUE(pool->Owns(live));
+  EXPECT_EQ(pool->Stats()[0].slots_used, 1u);
+}
+
+TEST(HostPoolTest, StaleRefIntoAReassignedRegionIsRejected) {
+  std::unique_ptr<HostPool> pool = MustCreate(SmallOptions(1, {256 * kKiB, kRegion}));
+  ASSERT_NE(pool, nullptr);
+  const SlotRef small = *pool->Allocate(1);
+  ASSERT_TRUE(pool->Free(small).ok());
+  const SlotRef big = *pool->Allocate(kRegion);  // Same region, now the large class's.
+  ASSERT_EQ(big.region, small.region);
+  const absl::Status s = pool->Free(small);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("in class 1"));
+  EXPECT_TRUE(pool->Owns(big));
+  EXPECT_EQ(pool->Stats()[1].slots_used, 1u);
+  EXPECT_EQ(pool->Stats()[0].slots_used, 0u);
+}
+
+// ---- Accounting ---------------------------------------------------------------------------------
+
+// Checks the pool's stats against a model: the set of live refs.
+void ExpectAccountingMatches(const HostPool& pool, const absl::flat_hash_set<SlotRef>& live) {
+  std::vector<uint64_t> used(pool.slot_sizes().size(), 0);
+  std::vector<std::set<uint16_t>> regions(pool.slot_sizes().size());
+  for (const SlotRef& r : live) {
+    ++used[r.size_class];
+    regions[r.size_class].insert(r.region);
+  }
+  uint32_t assigned = 0;
+  for (const SizeClassStats& s : pool.Stats()) {
+    ASSERT_EQ(s.slots_used, used[s.size_class]) << "class " << s.size_class;
+    ASSERT_EQ(s.bytes_used, used[s.size_class] * s.slot_bytes);
+    // Regions return to the free list as soon as they empty, so a class holds exactly the
+    // regions its live slots are in.
+    ASSERT_EQ(s.regions, regions[s.size_class].size()) << "class " << s.size_class;
+    ASSERT_EQ(s.slots_total, uint64_t{s.regions} * s.slots_per_region);
+    assigned += s.regions;
+  }
+  ASSERT_EQ(pool.FreeRegions() + assigned, pool.region_count());
+}
+
+TEST(HostPoolTest, RandomizedAccountingIsExact) {
+  for (uint32_t seed : {1u, 2u, 3u, 4u, 5u}) {
+    SCOPED_TRACE(seed);
+    std::unique_ptr<HostPool> pool =
+        MustCreate(SmallOptions(6, {4 * kKiB, 64 * kKiB, 200 * kKiB, 512 * kKiB, kRegion}));
+    ASSERT_NE(pool, nullptr);
+    std::mt19937 rng(seed);
+    absl::flat_hash_set<SlotRef> live;
+    std::vector<SlotRef> order;  // Same set, indexable for random picks.
+    for (int op = 0; op < 20000; ++op) {
+      // Phases bias toward allocation then freeing, so the pool fills and drains repeatedly.
+      const bool fill_phase = (op / 2000) % 2 == 0;
+      if (order.empty() || rng() % 100 < (fill_phase ? 70u : 30u)) {
+        const uint64_t bytes = 1 + rng() % kRegion;
+        absl::StatusOr<SlotRef> r = pool->Allocate(bytes);
+        if (!r.ok()) {
+          ASSERT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+        } else {
+          ASSERT_GE(pool->SlotBytes(*r), bytes);
+          ASSERT_TRUE(live.insert(*r).second) << "slot handed out twice";
+          order.push_back(*r);
+        }
+      } else {
+        const size_t i = rng() % order.size();
+        const SlotRef r = order[i];
+        order[i] = order.back();
+        order.pop_back();
+        live.erase(r);
+        ASSERT_TRUE(pool->Free(r).ok());
+        if (rng() % 10 == 0) {
+          ASSERT_FALSE(pool->Free(r).ok());  // Double free: rejected, changes nothing.
+        }
+      }
+      if (op % 97 == 0) ExpectAccountingMatches(*pool, live);
+    }
+    ExpectAccountingMatches(*pool, live);
+    for (const SlotRef& r : order) ASSERT_TRUE(pool->Free(r).ok());
+    ExpectAccountingMatches(*pool, {});
+    EXPECT_EQ(pool->FreeRegions(), pool->region_count());
+  }
+}
+
+TEST(HostPoolTest, FourThreadsAllocateAndFreeWithExactAccounting) {
+  std::unique_ptr<HostPool> pool =
+      MustCreate(SmallOptions(16, {4 * kKiB, 64 * kKiB, 256 * kKiB, kRegion}));
+  ASSERT_NE(pool, nullptr);
+  constexpr int kThreads = 4;
+  constexpr int kOps = 50000;
+  std::vector<std::vector<SlotRef>> kept(kThreads);
+  std::vector<int> errors(kThreads, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(100 + t);
+      std::vector<SlotRef>& mine = kept[t];
+      for (int op = 0; op < kOps; ++op) {
+        if (mine.empty() || rng() % 2 == 0) {
+          // Mostly small classes, shared by all threads, plus some whole-region slots.
+          const uint64_t bytes = rng() % 16 == 0 ? kRegion : 1 + rng() % (256 * kKiB);
+          absl::StatusOr<SlotRef> r = pool->Allocate(bytes);
+          if (!r.ok()) {
+            if (r.status().code() != absl::StatusCode::kResourceExhausted) ++errors[t];
+            continue;
+          }
+          // Tag the slot; a slot handed to two threads at once shows up as a foreign tag.
+          const uint64_t tag = (uint64_t{static_cast<uint32_t>(t)} << 32) | r->index;
+          std::memcpy(pool->Address(*r), &tag, sizeof(tag));
+          mine.push_back(*r);
+        } else {
+          const size_t i = rng() % mine.size();
+          const SlotRef r = mine[i];
+          mine[i] = mine.back();
+          mine.pop_back();
+          uint64_t tag;
+          std::memcpy(&tag, pool->Address(r), sizeof(tag));
+          if (tag != ((uint64_t{static_cast<uint32_t>(t)} << 32) | r.index)) ++errors[t];
+          if (!pool->Free(r).ok()) ++errors[t];
+        }
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) EXPECT_EQ(errors[t], 0) << "thread " << t;
+
+  absl::flat_hash_set<SlotRef> live;
+  for (const auto& v : kept) {
+    for (const SlotRef& r : v) ASSERT_TRUE(live.insert(r).second);
+  }
+  ExpectAccountingMatches(*pool, live);
+  for (const auto& v : kept) {
+    for (const SlotRef& r : v) ASSERT_TRUE(pool->Free(r).ok());
+  }
+  EXPECT_EQ(SumUsed(*pool), 0u);
+  EXPECT_EQ(pool->FreeRegions(), pool->region_count());
+}
+
+// ---- Registration chunks ------------------------------------------------------------------------
+
+TEST(HostPoolTest, ForEachChunkCoversTheMappingOnRegionBoundaries) {
+  std::unique_ptr<HostPool> pool = MustCreate(SmallOptions(8, {64 * kKiB}));
+  ASSERT_NE(pool, nullptr);
+  auto chunks_of = [&](uint64_t chunk_bytes) {
+    std::vector<std::pair<uint64_t, uint64_t>> seen;  // (offset, bytes)
+    const absl::Status s = pool->ForEachChunk(chunk_bytes, [&](void* base, uint64_t bytes) {
+      seen.emplace_back(static_cast<uint8_t*>(base) - pool->base(), bytes);
+      return absl::OkStatus();
+    });
+    EXPECT_TRUE(s.ok()) << s;
+    return seen;
+  };
+  using Chunks = std::vector<std::pair<uint64_t, uint64_t>>;
+  // 3.5 regions rounds down to 3: chunks of 3, 3 and the remaining 2.
+  EXPECT_EQ(chunks_of(3 * kRegion + kRegion / 2),
+            (Chunks{{0, 3 * kRegion}, {3 * kRegion, 3 * kRegion}, {6 * kRegion, 2 * kRegion}}));
+  EXPECT_EQ(chunks_of(0), (Chunks{{0, 8 * kRegion}}));
+  EXPECT_EQ(chunks_of(100 * kRegion), (Chunks{{0, 8 * kRegion}}));
+  // Smaller than a region: one region per chunk, never less.
+  const Chunks singles = chunks_of(4 * kKiB);
+  ASSERT_EQ(singles.size(), 8u);
+  for (size_t i = 0; i < singles.size(); ++i)
+    EXPECT_EQ(singles[i], std::make_pair(i * kRegion, kRegion));
+}
+
+TEST(HostPoolTest, ForEachChunkStopsAtTheFirstError) {
+  std::unique_ptr<HostPool> pool = MustCreate(SmallOptions(4, {64 * kKiB}));
+  ASSERT_NE(pool, nullptr);
+  int calls = 0;
+  const absl::Status s = pool->ForEachChunk(kRegion, [&](void*, uint64_t) {
+    return ++calls == 2 ? absl::UnavailableError("cudaHostRegister: out of memory")
+                        : absl::OkStatus();
+  });
+  EXPECT_EQ(calls, 2);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(s.message(), HasSubstr("offset 1048576"));
+  EXPECT_THAT(s.message(), HasSubstr("cudaHostRegister: out of memory"));
+}
+
+// ---- Shared memory and huge pages ---------------------------------------------------------------
+
+TEST(HostPoolTest, ShmPoolReattachesTheSameBytes) {
+  const std::string name = ShmName("reattach");
+  HostPoolOptions o = SmallOptions(4, {64 * kKiB, 256 * kKiB});
+  o.shm_name = name;
+  o.huge_pages = HugePages::kAuto;
+  std::vector<std::pair<SlotRef, uint8_t>> written;
+  {
+    std::unique_ptr<HostPool> a = MustCreate(o);
+    ASSERT_NE(a, nullptr);
+    EXPECT_FALSE(a->reattached());
+    EXPECT_EQ(a->shm_name(), "/" + name);
+    for (int i = 0; i < 10; ++i) {
+      const SlotRef r = *a->Allocate(i % 2 == 0 ? 64 * kKiB : 256 * kKiB);
+      const uint8_t v = static_cast<uint8_t>(0x40 + i);
+      std::memset(a->Address(r), v, a->SlotBytes(r));
+      written.emplace_back(r, v);
+    }
+  }  // Destroyed without unlinking.
+  ASSERT_TRUE(ShmExists(name));
+
+  o.unlink_on_destroy = true;
+  {
+    std::unique_ptr<HostPool> b = MustCreate(o);
+    ASSERT_NE(b, nullptr);
+    EXPECT_TRUE(b->reattached());
+    for (const auto& [r, v] : written) {
+      const uint8_t* p = b->Address(r);
+      const uint64_t n = b->SlotBytes(r);
+      EXPECT_TRUE(std::all_of(p, p + n, [v = v](uint8_t x) { return x == v; }))
+          << "slot " << r.Packed();
+    }
+    // The allocator state does not survive: the pool starts empty.
+    EXPECT_EQ(SumUsed(*b), 0u);
+    EXPECT_EQ(b->FreeRegions(), b->region_count());
+  }
+  EXPECT_FALSE(ShmExists(name));
+}
+
+TEST(HostPoolTest, ShmObjectHasOneLivePool) {
+  const std::string name = ShmName("inuse");
+  HostPoolOptions o = SmallOptions(2, {64 * kKiB});
+  o.shm_name = "/" + name;  // The leading slash is optional.
+  o.unlink_on_destroy = true;
+  std::unique_ptr<HostPool> a = MustCreate(o);
+  ASSERT_NE(a, nullptr);
+  absl::StatusOr<std::unique_ptr<HostPool>> b = HostPool::Create(o);
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(b.status().message(), HasSubstr("in use by another live host pool"));
+  a.reset();
+  EXPECT_FALSE(ShmExists(name));
+}
+
+TEST(HostPoolTest, ShmGeometryChangeIsRefused) {
+  const std::string name = ShmName("geometry");
+  HostPoolOptions o = SmallOptions(2, {64 * kKiB});
+  o.shm_name = name;
+  ASSERT_NE(MustCreate(o), nullptr);
+  o.capacity_bytes = 4 * kRegion;
+  absl::StatusOr<std::unique_ptr<HostPool>> b = HostPool::Create(o);
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(b.status().message(), HasSubstr("2097152 bytes but the pool wants 4194304"));
+  EXPECT_TRUE(ShmExists(name)) << "a refused attach must not remove the object";
+  EXPECT_TRUE(HostPool::UnlinkShm(name).ok());
+  EXPECT_EQ(HostPool::UnlinkShm(name).code(), absl::StatusCode::kNotFound);
+}
+
+uint64_t ConfiguredHugePages() {
+  std::ifstream in("/proc/sys/vm/nr_hugepages");
+  uint64_t n = 0;
+  in >> n;
+  return n;
+}
+
+TEST(HostPoolTest, HugePagesOnFailsClearlyWithoutHugetlbPages) {
+  if (ConfiguredHugePages() != 0) GTEST_SKIP() << "hugetlb pages are configured on this host";
+  HostPoolOptions o = SmallOptions(4, {64 * kKiB});
+  o.region_bytes = 2 * kMiB;
+  o.capacity_bytes = 8 * kMiB;
+  o.huge_pages = HugePages::kOn;
+  absl::StatusOr<std::unique_ptr<HostPool>> pool = HostPool::Create(o);
+  ASSERT_FALSE(pool.ok());
+  EXPECT_EQ(pool.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(pool.status().message(), HasSubstr("huge_pages=on"));
+  EXPECT_THAT(pool.status().message(), HasSubstr("MAP_HUGETLB"));
+  EXPECT_THAT(pool.status().message(), HasSubstr("vm.nr_hugepages"));
+
+  // auto falls back and still works.
+  o.huge_pages = HugePages::kAuto;
+  std::unique_ptr<HostPool> fallback = MustCreate(o);
+  ASSERT_NE(fallback, nullptr);
+  EXPECT_NE(fallback->backing(), HugePageBacking::kHugetlb);
+}
+
+TEST(HostPoolTest, HugePagesOnRejectsShmAndUnalignedRegions) {
+  HostPoolOptions o = SmallOptions(4, {64 * kKiB});
+  o.huge_pages = HugePages::kOn;
+  o.region_bytes = 2 * kMiB;
+  o.capacity_bytes = 8 * kMiB;
+  o.shm_name = ShmName("huge");
+  absl::StatusOr<std::unique_ptr<HostPool>> pool = HostPool::Create(o);
+  ASSERT_FALSE(pool.ok());
+  EXPECT_EQ(pool.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(pool.status().message(), HasSubstr("tmpfs"));
+  EXPECT_FALSE(ShmExists(o.shm_name));
+
+  o.shm_name.clear();
+  o.region_bytes = kRegion;  // Half a 2 MiB huge page.
+  pool = HostPool::Create(o);
+  ASSERT_FALSE(pool.ok());
+  EXPECT_THAT(pool.status().message(), HasSubstr("multiple of the huge page size"));
+}
+
+TEST(HostPoolTest, HugePageNames) {
+  EXPECT_EQ(*ParseHugePages("auto"), HugePages::kAuto);
+  EXPECT_EQ(*ParseHugePages("on"), HugePages::kOn);
+  EXPECT_EQ(*ParseHugePages("off"), HugePages::kOff);
+  EXPECT_FALSE(ParseHugePages("yes").ok());
+  EXPECT_EQ(HugePagesName(HugePages::kAuto), "auto");
+  EXPECT_EQ(HugePageBackingName(HugePageBacking::kTransparent), "transparent");
+}
+
+}  // namespace
+}  // namespace kvcellar::core
