@@ -1,1 +1,235 @@
-int main() { return 0; }
+// kvcellarctl: the operator's command line for a running kvcellard.
+//
+//   kvcellarctl [--addr ADDR] [--timeout-ms N] [--json] [TLS flags] COMMAND
+//
+// ADDR is a socket path (default: where a daemon on embedded defaults listens) or HOST:PORT.
+// Exit codes: 0 success; 1 the daemon answered with an error or could not be reached; 2 usage.
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/time.h"
+#include "client/channel.h"
+#include "core/runtime_paths.h"
+#include "google/protobuf/util/json_util.h"
+#include "grpcpp/client_context.h"
+#include "kvcellar/v1/admin_service.grpc.pb.h"
+
+namespace {
+
+namespace v1 = ::kvcellar::v1;
+
+constexpr char kUsage[] =
+    "usage: kvcellarctl [--addr ADDR] [--timeout-ms N] [--json]\n"
+    "                   [--ca FILE [--cert FILE --key FILE] [--server-name NAME]] COMMAND\n"
+    "\n"
+    "commands:\n"
+    "  status     version, uptime, listeners, readiness and config digest\n"
+    "  config     the effective configuration (YAML, secrets redacted)\n"
+    "\n"
+    "  --addr ADDR      socket path or HOST:PORT (default: the daemon's default socket)\n"
+    "  --timeout-ms N   give up after N ms (default 3000)\n"
+    "  --json           print the reply as JSON\n"
+    "  --ca FILE        TLS: trust this CA for a HOST:PORT address\n"
+    "  --cert, --key    mutual TLS: client certificate and key\n";
+
+struct Options {
+  std::string addr;
+  int64_t timeout_ms = 3000;
+  bool json = false;
+  kvcellar::client::ChannelOptions channel;
+  std::string command;
+};
+
+int Usage(const std::string& error) {
+  std::fprintf(stderr, "kvcellarctl: %s\n%s", error.c_str(), kUsage);
+  return 2;
+}
+
+std::string ListenerKindName(v1::ListenerKind kind) {
+  switch (kind) {
+    case v1::LISTENER_KIND_UNIX: return "engine (unix)";
+    case v1::LISTENER_KIND_ADMIN: return "admin (unix)";
+    case v1::LISTENER_KIND_TCP: return "engine (tcp)";
+    case v1::LISTENER_KIND_HTTP: return "http";
+    default: return "unknown";
+  }
+}
+
+std::string SecurityName(v1::ListenerSecurity security) {
+  switch (security) {
+    case v1::LISTENER_SECURITY_UNIX_PERMISSIONS: return "file permissions";
+    case v1::LISTENER_SECURITY_PLAINTEXT: return "plaintext";
+    case v1::LISTENER_SECURITY_TLS: return "tls";
+    case v1::LISTENER_SECURITY_MTLS: return "mutual tls";
+    default: return "unknown";
+  }
+}
+
+std::string HumanDuration(uint64_t ms) {
+  absl::Duration d = absl::Milliseconds(static_cast<int64_t>(ms));
+  int64_t s = absl::ToInt64Seconds(d);
+  if (s < 60) return absl::StrFormat("%.1fs", absl::ToDoubleSeconds(d));
+  if (s < 3600) return absl::StrFormat("%dm%02ds", s / 60, s % 60);
+  if (s < 86400) return absl::StrFormat("%dh%02dm", s / 3600, (s / 60) % 60);
+  return absl::StrFormat("%dd%02dh", s / 86400, (s / 3600) % 24);
+}
+
+std::string HumanBytes(uint64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  return u == 0 ? absl::StrCat(bytes, " B") : absl::StrFormat("%.1f %s", v, units[u]);
+}
+
+int PrintJson(const google::protobuf::Message& message) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = true;
+  options.preserve_proto_field_names = true;
+  auto status = google::protobuf::util::MessageToJsonString(message, &out, options);
+  if (!status.ok()) {
+    std::fprintf(stderr, "kvcellarctl: cannot format JSON: %s\n", status.ToString().c_str());
+    return 1;
+  }
+  std::fputs(out.c_str(), stdout);
+  return 0;
+}
+
+// Reports a failed RPC in words an operator can act on.
+int RpcFailed(const Options& options, const grpc::Status& status) {
+  if (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+      status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+    std::fprintf(stderr, "kvcellarctl: cannot reach kvcellard at %s: %s\n", options.addr.c_str(),
+                 status.error_message().c_str());
+  } else {
+    std::fprintf(stderr, "kvcellarctl: %s: %s\n", options.addr.c_str(),
+                 status.error_message().c_str());
+  }
+  return 1;
+}
+
+void SetDeadline(const Options& options, grpc::ClientContext* context) {
+  context->set_deadline(std::chrono::system_clock::now() +
+                        std::chrono::milliseconds(options.timeout_ms));
+}
+
+int Status(const Options& options, v1::AdminService::Stub& stub) {
+  grpc::ClientContext context;
+  SetDeadline(options, &context);
+  v1::GetStatusResponse reply;
+  grpc::Status status = stub.GetStatus(&context, v1::GetStatusRequest(), &reply);
+  if (!status.ok()) return RpcFailed(options, status);
+  if (options.json) return PrintJson(reply);
+  std::printf("kvcellard %s (commit %s, %s, cuda %s) on %s\n", reply.version().c_str(),
+              reply.git_commit().c_str(), reply.build_type().c_str(),
+              reply.cuda_built() ? "built" : "not built", reply.hostname().c_str());
+  std::printf("state:          %s\n",
+              reply.ready() ? "ready"
+                            : absl::StrCat("not ready (", reply.not_ready_reason(), ")").c_str());
+  std::printf("uptime:         %s (started %s)\n", HumanDuration(reply.uptime_ms()).c_str(),
+              absl::FormatTime("%Y-%m-%d %H:%M:%S UTC",
+                               absl::FromUnixMillis(reply.start_time_unix_ms()),
+                               absl::UTCTimeZone())
+                  .c_str());
+  std::printf("config digest:  %s\n", reply.config_digest().c_str());
+  std::printf("host pool:      %s used of %s\n", HumanBytes(reply.pool().used_bytes()).c_str(),
+              HumanBytes(reply.pool().capacity_bytes()).c_str());
+  std::printf("sessions:       %u\n", reply.sessions());
+  std::printf("listeners:\n");
+  for (const v1::Listener& l : reply.listeners()) {
+    std::printf("  %-14s %-40s %s\n", ListenerKindName(l.kind()).c_str(), l.address().c_str(),
+                SecurityName(l.security()).c_str());
+  }
+  return 0;
+}
+
+int Config(const Options& options, v1::AdminService::Stub& stub) {
+  grpc::ClientContext context;
+  SetDeadline(options, &context);
+  v1::GetConfigResponse reply;
+  grpc::Status status = stub.GetConfig(&context, v1::GetConfigRequest(), &reply);
+  if (!status.ok()) return RpcFailed(options, status);
+  if (options.json) return PrintJson(reply);
+  std::printf("# digest %s%s\n%s", reply.config_digest().c_str(),
+              reply.config_file().empty() ? ""
+                                          : absl::StrCat(", file ", reply.config_file()).c_str(),
+              reply.yaml().c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options options;
+  options.addr = kvcellar::core::DefaultSocketPath();
+  std::map<std::string, std::string*> string_flags = {
+      {"--addr", &options.addr},
+      {"--ca", &options.channel.ca_file},
+      {"--cert", &options.channel.cert_file},
+      {"--key", &options.channel.key_file},
+      {"--server-name", &options.channel.server_name_override}};
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    std::string name = arg.substr(0, arg.find('='));
+    if (arg == "--help" || arg == "-h") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    if (arg == "--json") {
+      options.json = true;
+      continue;
+    }
+    auto take_value = [&](std::string* out) -> bool {
+      if (arg.size() > name.size()) {
+        *out = arg.substr(name.size() + 1);
+        return true;
+      }
+      if (i + 1 >= argc) return false;
+      *out = argv[++i];
+      return true;
+    };
+    if (auto it = string_flags.find(name); it != string_flags.end()) {
+      if (!take_value(it->second)) return Usage(absl::StrCat(name, " needs a value"));
+      continue;
+    }
+    if (name == "--timeout-ms") {
+      std::string v;
+      if (!take_value(&v)) return Usage("--timeout-ms needs a value");
+      char* end = nullptr;
+      options.timeout_ms = std::strtoll(v.c_str(), &end, 10);
+      if (*end != '\0' || options.timeout_ms <= 0) {
+        return Usage(absl::StrCat("--timeout-ms must be a positive integer, got '", v, "'"));
+      }
+      continue;
+    }
+    if (absl::StartsWith(arg, "-")) return Usage(absl::StrCat("unknown flag '", arg, "'"));
+    if (!options.command.empty()) return Usage(absl::StrCat("unexpected argument '", arg, "'"));
+    options.command = arg;
+  }
+  if (options.command.empty()) return Usage("no command given");
+
+  using Command = std::function<int(const Options&, v1::AdminService::Stub&)>;
+  const std::map<std::string, Command> commands = {{"status", Status}, {"config", Config}};
+  auto command = commands.find(options.command);
+  if (command == commands.end()) {
+    return Usage(absl::StrCat("unknown command '", options.command, "'"));
+  }
+  auto channel = kvcellar::client::MakeChannel(options.addr, options.channel);
+  if (!channel.ok()) {
+    std::fprintf(stderr, "kvcellarctl: %s\n", std::string(channel.status().message()).c_str());
+    return 2;
+  }
+  v1::AdminService::Stub stub(*channel);
+  return command->second(options, stub);
+}

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The two commands of the README quick start, on a fresh Debian 12 machine:
+#   deploy/dev.sh start [kvcellard args...]   install deps, build, run kvcellard on embedded defaults
+#   deploy/dev.sh test  [ctest args...]       install deps, build, run every test
+# Environment: BUILD_DIR (default build), JOBS (default: number of cores), KVCELLAR_CUDA
+# (AUTO|ON|OFF, default AUTO: the CUDA sources compile whenever nvcc is present).
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build=${BUILD_DIR:-$root/build}
+jobs=${JOBS:-$(nproc)}
+cmd=${1:-}
+[[ $# -gt 0 ]] && shift
+
+configure_and_build() {
+  "$root/deploy/install-deps.sh"
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DKVCELLAR_CUDA="${KVCELLAR_CUDA:-AUTO}" >/dev/null
+  ninja -C "$build" -j "$jobs" "$@"
+}
+
+case "$cmd" in
+  start)
+    configure_and_build kvcellard kvcellarctl
+    exec "$build/bin/kvcellard" "$@"
+    ;;
+  test)
+    configure_and_build
+    cd "$build"
+    exec ctest --output-on-failure -j "$jobs" "$@"
+    ;;
+  *)
+    echo "usage: deploy/dev.sh start [kvcellard args...] | test [ctest args...]" >&2
+    exit 2
+    ;;
+esac

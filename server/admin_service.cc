@@ -1,0 +1,133 @@
+#include "server/admin_service.h"
+
+#include <unistd.h>
+
+#include "absl/time/clock.h"
+#include "server/build_info.h"
+
+namespace kvcellar::server {
+namespace {
+
+namespace v1 = ::kvcellar::v1;
+
+// Revision of kvcellar.v1 this daemon implements; bumped when RPCs or fields gain behaviour
+// (docs/api.md, compatibility).
+constexpr uint32_t kApiRevision = 1;
+
+grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, grpc::Status status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(std::move(status));
+  return reactor;
+}
+
+v1::ListenerKind ToProto(ListenerInfo::Kind kind) {
+  switch (kind) {
+    case ListenerInfo::Kind::kUnix: return v1::LISTENER_KIND_UNIX;
+    case ListenerInfo::Kind::kAdmin: return v1::LISTENER_KIND_ADMIN;
+    case ListenerInfo::Kind::kTcp: return v1::LISTENER_KIND_TCP;
+    case ListenerInfo::Kind::kHttp: return v1::LISTENER_KIND_HTTP;
+  }
+  return v1::LISTENER_KIND_UNSPECIFIED;
+}
+
+v1::ListenerSecurity ToProto(ListenerInfo::Security security) {
+  switch (security) {
+    case ListenerInfo::Security::kUnixPermissions: return v1::LISTENER_SECURITY_UNIX_PERMISSIONS;
+    case ListenerInfo::Security::kPlaintext: return v1::LISTENER_SECURITY_PLAINTEXT;
+    case ListenerInfo::Security::kTls: return v1::LISTENER_SECURITY_TLS;
+    case ListenerInfo::Security::kMtls: return v1::LISTENER_SECURITY_MTLS;
+  }
+  return v1::LISTENER_SECURITY_UNSPECIFIED;
+}
+
+// The peer proved its identity with a client certificate chained to tls.client_ca_file (mutual
+// TLS; gRPC verified it during the handshake). Unix-socket and plain-TLS peers are not
+// authenticated this way.
+bool HasVerifiedClientCertificate(const grpc::CallbackServerContext* context) {
+  std::shared_ptr<const grpc::AuthContext> auth = context->auth_context();
+  return auth != nullptr && auth->IsPeerAuthenticated();
+}
+
+std::string Hostname() {
+  char buf[256] = {};
+  if (::gethostname(buf, sizeof(buf) - 1) != 0) return "";
+  return buf;
+}
+
+}  // namespace
+
+AdminServiceImpl::AdminServiceImpl(std::function<DaemonInfo()> info, const Config& config,
+                                   bool allow_mutations)
+    : info_(std::move(info)), config_(config), allow_mutations_(allow_mutations) {}
+
+bool AdminServiceImpl::MayMutate(const grpc::CallbackServerContext* context) const {
+  return allow_mutations_ || HasVerifiedClientCertificate(context);
+}
+
+grpc::ServerUnaryReactor* AdminServiceImpl::GetStatus(grpc::CallbackServerContext* context,
+                                                      const v1::GetStatusRequest* request,
+                                                      v1::GetStatusResponse* response) {
+  DaemonInfo info = info_();
+  absl::Time now = absl::Now();
+  response->set_version(kVersion);
+  response->set_git_commit(kGitCommit);
+  response->set_build_type(kBuildType);
+  response->set_cuda_built(kCudaEnabled);
+  response->set_api_revision(kApiRevision);
+  response->set_start_time_unix_ms(absl::ToUnixMillis(info.start_time));
+  response->set_uptime_ms(static_cast<uint64_t>(absl::ToInt64Milliseconds(now - info.start_time)));
+  response->set_daemon_epoch(info.epoch);
+  for (const ListenerInfo& l : info.listeners) {
+    v1::Listener* out = response->add_listeners();
+    out->set_kind(ToProto(l.kind));
+    out->set_address(l.address);
+    out->set_security(ToProto(l.security));
+  }
+  response->set_config_digest(info.config_digest);
+  v1::HostPoolStatus* pool = response->mutable_pool();
+  pool->set_capacity_bytes(config_.pool.capacity);
+  pool->set_shm_name(config_.pool.shm_name);
+  response->set_ready(info.ready);
+  response->set_draining(info.draining);
+  if (!info.ready) response->set_not_ready_reason(info.draining ? "draining" : "starting");
+  v1::ServerLimits* limits = response->mutable_limits();
+  limits->set_max_batch_pages(static_cast<uint32_t>(config_.server.max_batch_pages));
+  limits->set_max_message_bytes(config_.server.max_message_bytes);
+  response->set_hostname(Hostname());
+  return Finish(context, grpc::Status::OK);
+}
+
+grpc::ServerUnaryReactor* AdminServiceImpl::GetConfig(grpc::CallbackServerContext* context,
+                                                      const v1::GetConfigRequest* request,
+                                                      v1::GetConfigResponse* response) {
+  DaemonInfo info = info_();
+  response->set_yaml(ConfigToYaml(config_, /*redact_secrets=*/true));
+  response->set_config_digest(info.config_digest);
+  response->set_config_file(info.config_file);
+  response->set_loaded_unix_ms(absl::ToUnixMillis(info.start_time));
+  return Finish(context, grpc::Status::OK);
+}
+
+grpc::ServerUnaryReactor* AdminServiceImpl::Evict(grpc::CallbackServerContext* context,
+                                                  const v1::EvictRequest* request,
+                                                  v1::EvictResponse* response) {
+  if (!MayMutate(context)) {
+    return Finish(context, grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                                        "Evict changes the cache: call it on the admin socket "
+                                        "(listen.admin_socket) or over mutual TLS"));
+  }
+  return Finish(context, grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "Evict is not implemented yet"));
+}
+
+grpc::ServerUnaryReactor* AdminServiceImpl::Clear(grpc::CallbackServerContext* context,
+                                                  const v1::ClearRequest* request,
+                                                  v1::ClearResponse* response) {
+  if (!MayMutate(context)) {
+    return Finish(context, grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                                        "Clear changes the cache: call it on the admin socket "
+                                        "(listen.admin_socket) or over mutual TLS"));
+  }
+  return Finish(context, grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "Clear is not implemented yet"));
+}
+
+}  // namespace kvcellar::server

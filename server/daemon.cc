@@ -1,0 +1,232 @@
+#include "server/daemon.h"
+
+#include <sys/stat.h>
+
+#include "absl/random/random.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "core/log.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
+#include "server/admin_service.h"
+#include "server/build_info.h"
+#include "server/cache_service.h"
+#include "server/http_server.h"
+#include "server/metrics.h"
+#include "server/process_metrics.h"
+#include "server/rpc_metrics.h"
+#include "server/tls.h"
+#include "server/unix_socket.h"
+
+namespace kvcellar::server {
+namespace {
+
+// Sockets are created by gRPC with 0777 & ~umask. Bind them owner-only, then widen to the
+// configured mode: no window in which a socket is more open than configured.
+constexpr mode_t kOwnerOnlyUmask = 0177;
+
+ListenerInfo::Security TcpSecurity(TlsMode mode) {
+  switch (mode) {
+    case TlsMode::kPlaintext: return ListenerInfo::Security::kPlaintext;
+    case TlsMode::kTls: return ListenerInfo::Security::kTls;
+    case TlsMode::kMtls: return ListenerInfo::Security::kMtls;
+  }
+  return ListenerInfo::Security::kPlaintext;
+}
+
+// "host:port" with the port gRPC actually bound (the config may say port 0).
+std::string WithPort(const std::string& address, int port) {
+  size_t colon = address.rfind(':');
+  return absl::StrCat(address.substr(0, colon), ":", port);
+}
+
+}  // namespace
+
+Daemon::Daemon(const Config& config, std::string config_file) : config_(config) {
+  info_.start_time = absl::Now();
+  info_.epoch = absl::Uniform<uint64_t>(absl::BitGen());
+  info_.config_digest = ConfigDigest(config);
+  info_.config_file = std::move(config_file);
+}
+
+Daemon::~Daemon() {
+  Shutdown();
+}
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const Config& config,
+                                                      std::string config_file) {
+  std::unique_ptr<Daemon> daemon(new Daemon(config, std::move(config_file)));
+  absl::Status status = daemon->StartListeners();
+  if (!status.ok()) {
+    daemon->Shutdown();
+    return status;
+  }
+  return daemon;
+}
+
+absl::Status Daemon::StartListeners() {
+  MetricsRegistry& registry = DefaultRegistry();
+  if (absl::Status s = RegisterBuildInfo(registry, kVersion, kGitCommit, kBuildType, kCudaEnabled);
+      !s.ok()) {
+    return s;
+  }
+  RegisterProcessCollector(registry);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+
+  cache_service_ = std::make_unique<CacheServiceImpl>();
+  auto info = [this] { return Info(); };
+  engine_admin_service_ = std::make_unique<AdminServiceImpl>(info, config_, /*allow_mutations=*/false);
+  admin_service_ = std::make_unique<AdminServiceImpl>(info, config_, /*allow_mutations=*/true);
+
+  unix_socket_ = ResolveUnixSocketPath(config_);
+  admin_socket_ = ResolveAdminSocketPath(config_);
+  if (absl::Status s = PrepareUnixSocketPath(unix_socket_); !s.ok()) return s;
+  if (admin_socket_) {
+    if (absl::Status s = PrepareUnixSocketPath(*admin_socket_); !s.ok()) return s;
+  }
+
+  auto add_common = [this](grpc::ServerBuilder& builder) {
+    builder.SetMaxReceiveMessageSize(static_cast<int>(config_.server.max_message_bytes));
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> factories;
+    factories.push_back(std::make_unique<RpcMetricsInterceptorFactory>(&DefaultRegistry()));
+    builder.experimental().SetInterceptorCreators(std::move(factories));
+  };
+
+  // Engine server: the Unix socket, and TCP when configured.
+  grpc::ServerBuilder engine;
+  add_common(engine);
+  engine.AddListeningPort(absl::StrCat("unix:", unix_socket_), grpc::InsecureServerCredentials());
+  int tcp_port = 0;
+  if (!config_.listen.tcp_address.empty()) {
+    absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds =
+        MakeServerCredentials(config_.tls);
+    if (!creds.ok()) return creds.status();
+    engine.AddListeningPort(config_.listen.tcp_address, *creds, &tcp_port);
+  }
+  engine.RegisterService(cache_service_.get());
+  engine.RegisterService(engine_admin_service_.get());
+
+  mode_t old_umask = ::umask(kOwnerOnlyUmask);
+  engine_server_ = engine.BuildAndStart();
+  ::umask(old_umask);
+  if (engine_server_ == nullptr) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on unix:", unix_socket_,
+        config_.listen.tcp_address.empty() ? "" : absl::StrCat(" and ", config_.listen.tcp_address),
+        " (address in use, or a bad address)"));
+  }
+  if (!config_.listen.tcp_address.empty() && tcp_port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on '", config_.listen.tcp_address, "' (listen.tcp_address)"));
+  }
+  if (absl::Status s = SecureUnixSocket(unix_socket_, config_.listen.unix_socket_mode,
+                                        config_.listen.unix_socket_group);
+      !s.ok()) {
+    return s;
+  }
+  std::string tcp_address = "none";
+  AddListener({ListenerInfo::Kind::kUnix, unix_socket_, ListenerInfo::Security::kUnixPermissions});
+  if (tcp_port != 0) {
+    tcp_address = WithPort(config_.listen.tcp_address, tcp_port);
+    AddListener({ListenerInfo::Kind::kTcp, tcp_address, TcpSecurity(config_.tls.mode)});
+  }
+
+  // Admin server: its own socket, owner-only by default.
+  if (admin_socket_) {
+    grpc::ServerBuilder admin;
+    add_common(admin);
+    admin.AddListeningPort(absl::StrCat("unix:", *admin_socket_),
+                           grpc::InsecureServerCredentials());
+    admin.RegisterService(admin_service_.get());
+    old_umask = ::umask(kOwnerOnlyUmask);
+    admin_server_ = admin.BuildAndStart();
+    ::umask(old_umask);
+    if (admin_server_ == nullptr) {
+      return absl::UnavailableError(absl::StrCat("cannot listen on unix:", *admin_socket_));
+    }
+    if (absl::Status s = SecureUnixSocket(*admin_socket_, config_.listen.admin_socket_mode, "");
+        !s.ok()) {
+      return s;
+    }
+    AddListener(
+        {ListenerInfo::Kind::kAdmin, *admin_socket_, ListenerInfo::Security::kUnixPermissions});
+  }
+
+  std::string http_address = "none";
+  if (!config_.http.address.empty()) {
+    absl::StatusOr<std::unique_ptr<HttpServer>> http = HttpServer::Start(
+        config_.http.address, &registry, [this] { return ready(); }, [] { return true; });
+    if (!http.ok()) return http.status();
+    http_server_ = std::move(*http);
+    http_address = WithPort(config_.http.address, http_server_->port());
+    AddListener({ListenerInfo::Kind::kHttp, http_address, ListenerInfo::Security::kPlaintext});
+  }
+
+  for (grpc::Server* server : {engine_server_.get(), admin_server_.get()}) {
+    if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(true);
+  }
+  std::string digest;
+  {
+    absl::MutexLock lock(&mu_);
+    started_ = true;
+    digest = info_.config_digest;
+  }
+  KVLOG(Info, "ready",
+        {{"version", kVersion},
+         {"socket", unix_socket_},
+         {"admin_socket", admin_socket_.value_or("none")},
+         {"tcp", tcp_address},
+         {"http", http_address},
+         {"config_digest", digest}});
+  return absl::OkStatus();
+}
+
+void Daemon::AddListener(ListenerInfo listener) {
+  absl::MutexLock lock(&mu_);
+  info_.listeners.push_back(std::move(listener));
+}
+
+DaemonInfo Daemon::Info() const {
+  absl::MutexLock lock(&mu_);
+  DaemonInfo info = info_;
+  info.ready = started_ && !shutting_down_;
+  info.draining = shutting_down_;
+  return info;
+}
+
+bool Daemon::ready() const {
+  absl::MutexLock lock(&mu_);
+  return started_ && !shutting_down_;
+}
+
+void Daemon::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (shutting_down_) return;
+    shutting_down_ = true;
+  }
+  absl::Time start = absl::Now();
+  std::chrono::system_clock::time_point deadline =
+      std::chrono::system_clock::now() +
+      std::chrono::milliseconds(config_.server.drain_timeout_ms);
+  for (grpc::Server* server : {engine_server_.get(), admin_server_.get()}) {
+    if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(false);
+  }
+  // Shutdown(deadline) stops accepting at once, waits for in-flight RPCs until the deadline and
+  // cancels whatever is still running then. Both servers share one deadline.
+  if (engine_server_) engine_server_->Shutdown(deadline);
+  if (admin_server_) admin_server_->Shutdown(deadline);
+  if (http_server_) http_server_->Stop();
+  if (engine_server_) RemoveUnixSocket(unix_socket_);
+  if (admin_server_ && admin_socket_) RemoveUnixSocket(*admin_socket_);
+  KVLOG(Info, "drained", {{"drain_ms", absl::ToInt64Milliseconds(absl::Now() - start)}});
+  stopped_.Notify();
+}
+
+void Daemon::Wait() { stopped_.WaitForNotification(); }
+
+}  // namespace kvcellar::server

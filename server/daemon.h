@@ -1,0 +1,79 @@
+// Daemon: kvcellard's process-level shell. Owns the listeners and the services behind them.
+//
+// Two gRPC servers: the engine server (Unix socket, optional TCP with TLS) serves CacheService,
+// the read-only AdminService RPCs, health and reflection; the admin server (a separate Unix socket
+// with tighter permissions) serves all of AdminService, including the RPCs that change state. An
+// HTTP listener serves /metrics, /healthz and /readyz.
+//
+// Threads: Start() and Wait() from the main thread; Shutdown() from any thread (the signal
+// thread), once or more.
+#ifndef KVCELLAR_SERVER_DAEMON_H_
+#define KVCELLAR_SERVER_DAEMON_H_
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "grpcpp/server.h"
+#include "server/config.h"
+#include "server/daemon_info.h"
+
+namespace kvcellar::server {
+
+class AdminServiceImpl;
+class CacheServiceImpl;
+class HttpServer;
+class MetricsRegistry;
+
+class Daemon {
+ public:
+  // `config_file` is reported by GetConfig ("" when running on defaults and overrides).
+  static absl::StatusOr<std::unique_ptr<Daemon>> Start(const Config& config,
+                                                       std::string config_file);
+  ~Daemon();
+
+  Daemon(const Daemon&) = delete;
+  Daemon& operator=(const Daemon&) = delete;
+
+  // Stops accepting RPCs, lets in-flight ones finish until server.drain_timeout_ms, then cancels
+  // the rest and stops the HTTP listener. Idempotent.
+  void Shutdown();
+  // Blocks until Shutdown() has completed.
+  void Wait();
+
+  // A consistent copy of the daemon's state; thread-safe.
+  DaemonInfo Info() const;
+  bool ready() const;
+
+ private:
+  Daemon(const Config& config, std::string config_file);
+  absl::Status StartListeners();
+  void AddListener(ListenerInfo listener);
+
+  const Config config_;
+  std::unique_ptr<CacheServiceImpl> cache_service_;
+  std::unique_ptr<AdminServiceImpl> engine_admin_service_;  // Read-only RPCs.
+  std::unique_ptr<AdminServiceImpl> admin_service_;         // All RPCs.
+  std::unique_ptr<grpc::Server> engine_server_;
+  std::unique_ptr<grpc::Server> admin_server_;
+  std::unique_ptr<HttpServer> http_server_;
+  std::string unix_socket_;
+  std::optional<std::string> admin_socket_;
+
+  mutable absl::Mutex mu_;
+  // Listeners are added while the first ones already serve GetStatus: guarded.
+  DaemonInfo info_ ABSL_GUARDED_BY(mu_);
+  bool started_ ABSL_GUARDED_BY(mu_) = false;
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Notification stopped_;
+};
+
+}  // namespace kvcellar::server
+
+#endif  // KVCELLAR_SERVER_DAEMON_H_

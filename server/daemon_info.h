@@ -1,0 +1,33 @@
+// DaemonInfo: what kvcellard reports about itself (AdminService.GetStatus, kvcellarctl status).
+#ifndef KVCELLAR_SERVER_DAEMON_INFO_H_
+#define KVCELLAR_SERVER_DAEMON_INFO_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+
+namespace kvcellar::server {
+
+struct ListenerInfo {
+  enum class Kind { kUnix, kAdmin, kTcp, kHttp };
+  enum class Security { kUnixPermissions, kPlaintext, kTls, kMtls };
+  Kind kind;
+  std::string address;  // A socket path, or host:port as bound (port 0 resolved).
+  Security security;
+};
+
+struct DaemonInfo {
+  absl::Time start_time;
+  uint64_t epoch = 0;  // Random per start: clients tell a restarted daemon apart.
+  std::vector<ListenerInfo> listeners;
+  std::string config_digest;
+  std::string config_file;  // "" when running on defaults and overrides.
+  bool ready = false;
+  bool draining = false;
+};
+
+}  // namespace kvcellar::server
+
+#endif  // KVCELLAR_SERVER_DAEMON_INFO_H_
