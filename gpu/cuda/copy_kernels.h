@@ -1,0 +1,44 @@
+// Device code of the CUDA backend: the copy kernel for many small runs and the one-thread kernels
+// that store completion tickets into the engine's (host-mapped) CompletionRegion.
+//
+// Callable from host code compiled by the C++ compiler; the kernels live in copy_kernels.cu.
+#ifndef KVCELLAR_GPU_CUDA_COPY_KERNELS_H_
+#define KVCELLAR_GPU_CUDA_COPY_KERNELS_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace kvcellar::gpu::cuda {
+
+// One contiguous copy. Either side may be device memory or registered, mapped host memory (given
+// by its device-side address).
+struct CopyRun {
+  const void* src;
+  void* dst;
+  uint64_t bytes;
+};
+
+// Runs per launch. Descriptors travel as kernel parameters (no staging buffer whose lifetime
+// would have to outlast the launch): 8 + 24 * 1024 bytes, inside the 32764-byte parameter limit
+// that CUDA 12.1+ gives Volta and newer.
+inline constexpr uint32_t kMaxRunsPerLaunch = 1024;
+
+// Copies runs[0..n) (n <= kMaxRunsPerLaunch) on `stream`: one thread block per run, at most
+// `max_blocks` blocks, 16-byte accesses when both sides are 16-byte aligned.
+cudaError_t LaunchCopyRuns(const CopyRun* runs, uint32_t n, uint32_t max_blocks,
+                           cudaStream_t stream);
+
+// Stores `value` into the 8-byte word at `word` (device-side address of host-mapped memory)
+// after everything before it on `stream`, visible system-wide.
+cudaError_t LaunchStoreTicket(uint64_t* word, uint64_t value, cudaStream_t stream);
+
+// The CompletionRegion failure sequence for one slot (device-side addresses of its words):
+// failed_ticket, then every layer word, then done_ticket, each fenced system-wide.
+cudaError_t LaunchStoreFailure(uint64_t* failed_word, uint64_t* first_layer_word,
+                               uint32_t num_layers, uint64_t* done_word, uint64_t ticket,
+                               cudaStream_t stream);
+
+}  // namespace kvcellar::gpu::cuda
+
+#endif  // KVCELLAR_GPU_CUDA_COPY_KERNELS_H_

@@ -1,0 +1,102 @@
+// KvLayout: where an engine's KV-cache blocks live in device memory, described in bytes only.
+//
+// An engine registers its layout once (RegisterEngine). The daemon never interprets dtypes, heads
+// or token counts: a block of a layer is `bytes_per_block` bytes at `offset + block *
+// block_stride` inside one memory region. MHA/GQA layers have a K and a V buffer; MLA layers have
+// one buffer (the latent), given as `k`.
+//
+// The same layout also fixes the host page format (DESIGN.md "Host pages are page-first"): one
+// contiguous object per (page, shard) holding, for layer 0, 1, ..., that layer's K bytes then its V
+// bytes, packed with no padding. PageSegments() lists those pieces in object order; every copy in
+// the gpu/ backends is driven by that list, so device and host formats cannot drift apart.
+#ifndef KVCELLAR_GPU_KV_LAYOUT_H_
+#define KVCELLAR_GPU_KV_LAYOUT_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace kvcellar::gpu {
+
+// A model has at most a few hundred layers; 1024 bounds per-engine memory and validation time.
+inline constexpr uint32_t kMaxLayers = 1024;
+// Each layer's K and V may each be a separate allocation.
+inline constexpr uint32_t kMaxRegions = 2 * kMaxLayers;
+// Longest backend handle accepted: a CUDA IPC handle is 64 bytes, a POSIX shm name at most
+// NAME_MAX (255) bytes.
+inline constexpr size_t kMaxRegionHandleBytes = 255;
+
+// One engine allocation (or a window of one) that KV buffers point into.
+struct MemoryRegion {
+  // Backend-specific, opaque bytes. CUDA: the 64-byte cudaIpcMemHandle_t of the allocation. sim:
+  // the POSIX shared-memory object name, e.g. "/kvc-engine-7-rank0".
+  std::string handle;
+  // Where the region starts inside that allocation. CUDA: from the base pointer that
+  // cudaIpcOpenMemHandle returns (the allocation base, which a PyTorch tensor need not start at).
+  // sim: from the start of the shm object.
+  uint64_t offset = 0;
+  uint64_t size = 0;
+};
+
+// One buffer of one layer: block b is bytes [offset + b * block_stride, + bytes_per_block) of the
+// region. Blocks never overlap each other (bytes_per_block <= block_stride).
+struct BufferLayout {
+  uint32_t region = 0;
+  uint64_t offset = 0;
+  uint64_t block_stride = 0;
+  uint64_t bytes_per_block = 0;
+};
+
+struct LayerLayout {
+  BufferLayout k;                 // MLA: the latent buffer.
+  std::optional<BufferLayout> v;  // Absent for MLA.
+};
+
+struct KvLayout {
+  std::vector<MemoryRegion> regions;
+  uint32_t num_blocks = 0;
+  std::vector<LayerLayout> layers;
+
+  // INVALID_ARGUMENT naming the offending field ("layers[3].v.block_stride ...") when: a count is
+  // out of range; a buffer names a missing region, has zero size, overlaps its own next block, or
+  // runs past its region; layers mix MHA and MLA; or two buffers share a byte. A layout that
+  // passes can be copied to and from without any further bounds checks except block indices.
+  absl::Status Validate() const;
+
+  // True when every layer has a single (latent) buffer. Meaningful after Validate().
+  bool is_mla() const { return !layers.empty() && !layers.front().v.has_value(); }
+
+  // Bytes of one page object: the sum of every buffer's bytes_per_block.
+  uint64_t PageObjectBytes() const;
+};
+
+// One contiguous piece of a page object and the device buffer it mirrors.
+struct PageSegment {
+  uint32_t layer = 0;
+  uint32_t buffer = 0;  // 0: K (or the MLA latent); 1: V.
+  uint32_t region = 0;
+  uint64_t device_offset = 0;  // Of block 0, from the region start.
+  uint64_t block_stride = 0;
+  uint64_t bytes = 0;          // bytes_per_block.
+  uint64_t object_offset = 0;  // Where this piece starts inside the page object.
+};
+
+// The page object format: segments in object order (layer 0 K, layer 0 V, layer 1 K, ...), each
+// starting where the previous ended. The layout must be valid.
+std::vector<PageSegment> PageSegments(const KvLayout& layout);
+
+// Per-layer view of the same format, for readers of page objects (L3 tools, engines).
+struct LayerObjectOffsets {
+  uint64_t k_offset = 0;
+  uint64_t k_bytes = 0;
+  uint64_t v_offset = 0;  // Equal to k_offset + k_bytes, with v_bytes 0, for MLA.
+  uint64_t v_bytes = 0;
+};
+std::vector<LayerObjectOffsets> PageObjectOffsets(const KvLayout& layout);
+
+}  // namespace kvcellar::gpu
+
+#endif  // KVCELLAR_GPU_KV_LAYOUT_H_

@@ -1,0 +1,96 @@
+// Engine side of the sim device: "device memory" an engine process creates in POSIX shared memory.
+//
+// On a GPU an engine allocates its KV cache with cudaMalloc and registers IPC handles; on the sim
+// device it creates shm objects (SimEngineMemory) and registers their names. The client library,
+// fake engines in integration tests, the tests here and the benchmarks use this file; the daemon
+// never does (it maps by name, sim_device.h).
+//
+// SimEngineKvCache builds a whole engine rank in one call: KV memory in one of the arrangements
+// real engines use, the matching KvLayout, and optionally a CompletionRegion.
+#ifndef KVCELLAR_GPU_SIM_ENGINE_MEMORY_H_
+#define KVCELLAR_GPU_SIM_ENGINE_MEMORY_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "gpu/completion.h"
+#include "gpu/device_backend.h"
+#include "gpu/kv_layout.h"
+#include "gpu/shm_mapping.h"
+
+namespace kvcellar::gpu {
+
+// One sim allocation. Owns its shm name: destruction unmaps and unlinks it (a daemon that mapped
+// it keeps its mapping until it closes the engine).
+class SimEngineMemory {
+ public:
+  static absl::StatusOr<SimEngineMemory> Create(absl::string_view name, uint64_t bytes);
+
+  uint8_t* data() const { return shm_.data(); }
+  uint64_t size() const { return shm_.size(); }
+  const std::string& name() const { return shm_.name(); }
+  // The KvLayout region for bytes [offset, offset + size) of this allocation.
+  MemoryRegion Region(uint64_t offset, uint64_t size) const { return {name(), offset, size}; }
+
+ private:
+  explicit SimEngineMemory(ShmMapping shm) : shm_(std::move(shm)) {}
+  ShmMapping shm_;
+};
+
+// A shm name no other live process or test uses: "/kvc-<tag>-<pid>-<counter>-<random>".
+std::string UniqueShmName(absl::string_view tag);
+
+struct SimKvShape {
+  enum class Arrangement {
+    // One region per layer, in one allocation: the layer's K blocks, then its V blocks (vLLM's
+    // per-layer [2, num_blocks, ...] tensors).
+    kLayerFirst,
+    // One region: block after block, each holding every layer's K and V side by side
+    // (TensorRT-LLM's block-major pool). Copies of a block merge into one run.
+    kBlockFirst,
+  };
+  uint32_t num_layers = 1;
+  uint32_t num_blocks = 1;
+  uint64_t bytes_per_block = 0;  // Per buffer (K, V, or the MLA latent).
+  bool mla = false;
+  Arrangement arrangement = Arrangement::kLayerFirst;
+  // kLayerFirst only: distance between blocks; 0 means bytes_per_block (packed).
+  uint64_t block_stride = 0;
+};
+
+class SimEngineKvCache {
+ public:
+  // Creates "<prefix>-kv" (and "<prefix>-done" when completion_slots > 0).
+  static absl::StatusOr<SimEngineKvCache> Create(absl::string_view name_prefix,
+                                                 const SimKvShape& shape,
+                                                 uint32_t completion_slots);
+  // The layout Create(name_prefix, shape, ...) registers, and the bytes of its "<prefix>-kv"
+  // object; lets another process describe the cache without opening it.
+  static absl::StatusOr<KvLayout> Layout(absl::string_view name_prefix, const SimKvShape& shape,
+                                         uint64_t* total_bytes = nullptr);
+  static std::string CompletionName(absl::string_view name_prefix);
+
+  const KvLayout& layout() const { return layout_; }
+  EngineSpec Spec(std::string device_uuid = "") const;
+  // Engine memory of block `block` of `layer`'s buffer (0: K or latent, 1: V).
+  uint8_t* Block(uint32_t layer, uint32_t buffer, uint32_t block) const;
+  SimEngineMemory& memory() { return memory_; }
+  CompletionRegion& completion() { return completion_; }
+
+ private:
+  SimEngineKvCache(SimEngineMemory memory, KvLayout layout, CompletionRegion completion)
+      : memory_(std::move(memory)),
+        layout_(std::move(layout)),
+        completion_(std::move(completion)) {}
+
+  SimEngineMemory memory_;
+  KvLayout layout_;
+  CompletionRegion completion_;
+};
+
+}  // namespace kvcellar::gpu
+
+#endif  // KVCELLAR_GPU_SIM_ENGINE_MEMORY_H_
