@@ -85,8 +85,11 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetStatus(grpc::CallbackServerContex
   }
   response->set_config_digest(info.config_digest);
   v1::HostPoolStatus* pool = response->mutable_pool();
-  pool->set_capacity_bytes(config_.pool.capacity);
+  pool->set_capacity_bytes(info.pool_capacity_bytes);
+  pool->set_used_bytes(info.pool_used_bytes);
+  pool->set_huge_pages(info.pool_huge_pages);
   pool->set_shm_name(config_.pool.shm_name);
+  pool->set_warm_restarted(info.pool_reattached);
   response->set_ready(info.ready);
   response->set_draining(info.draining);
   if (!info.ready) response->set_not_ready_reason(info.draining ? "draining" : "starting");

@@ -5,6 +5,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "core/host_pool.h"
 #include "core/log.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -73,6 +74,8 @@ absl::Status Daemon::StartListeners() {
     return s;
   }
   RegisterProcessCollector(registry);
+
+  if (absl::Status s = CreateHostPool(); !s.ok()) return s;
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -193,9 +196,61 @@ void Daemon::AddListener(ListenerInfo listener) {
 DaemonInfo Daemon::Info() const {
   absl::MutexLock lock(&mu_);
   DaemonInfo info = info_;
+  if (pool_ != nullptr) {
+    info.pool_capacity_bytes = pool_->capacity_bytes();
+    for (const core::SizeClassStats& c : pool_->Stats()) info.pool_used_bytes += c.bytes_used;
+    info.pool_huge_pages = pool_->backing() != core::HugePageBacking::kNone;
+    info.pool_reattached = pool_->reattached();
+  }
   info.ready = started_ && !shutting_down_;
   info.draining = shutting_down_;
   return info;
+}
+
+absl::Status Daemon::CreateHostPool() {
+  core::HostPoolOptions options;
+  options.capacity_bytes = config_.pool.capacity;
+  options.region_bytes = config_.pool.region_size;
+  options.shm_name = config_.pool.shm_name;
+  switch (config_.pool.huge_pages) {
+    case HugePages::kAuto: options.huge_pages = core::HugePages::kAuto; break;
+    case HugePages::kOn: options.huge_pages = core::HugePages::kOn; break;
+    case HugePages::kOff: options.huge_pages = core::HugePages::kOff; break;
+  }
+  absl::StatusOr<std::unique_ptr<core::HostPool>> pool = core::HostPool::Create(options);
+  if (!pool.ok()) {
+    return absl::Status(pool.status().code(),
+                        absl::StrCat("host pool (pool.*): ", pool.status().message()));
+  }
+  pool_ = std::move(*pool);
+  KVLOG(Info, "host pool mapped",
+        {{"capacity_bytes", pool_->capacity_bytes()},
+         {"region_bytes", pool_->region_bytes()},
+         {"backing", core::HugePageBackingName(pool_->backing())},
+         {"shm_name", config_.pool.shm_name.empty() ? "none" : config_.pool.shm_name},
+         {"reattached", pool_->reattached() ? "true" : "false"}});
+
+  // Pool occupancy, read from the pool at scrape time. One series per size class in use: at
+  // most the pool's class count (tens), a bounded label set.
+  DefaultRegistry().AddCollector([pool = pool_.get()](MetricWriter& out) {
+    out.AddGauge("kvcellar_pool_capacity_bytes", "Bytes of host memory in the L2 pool.",
+                 static_cast<double>(pool->capacity_bytes()));
+    out.AddGauge("kvcellar_pool_free_regions",
+                 "Regions of the L2 pool not assigned to any size class.",
+                 static_cast<double>(pool->FreeRegions()));
+    for (const core::SizeClassStats& c : pool->Stats()) {
+      if (c.regions == 0) continue;
+      std::string slot = absl::StrCat(c.slot_bytes);
+      const MetricWriter::Label labels[] = {{"slot_bytes", slot}};
+      out.AddGauge("kvcellar_pool_used_bytes", "Bytes of L2 pool slots holding pages, by slot size.",
+                   static_cast<double>(c.bytes_used), labels);
+      out.AddGauge("kvcellar_pool_slots", "L2 pool slots carved for a size class.",
+                   static_cast<double>(c.slots_total), labels);
+      out.AddGauge("kvcellar_pool_slots_used", "L2 pool slots in use, by slot size.",
+                   static_cast<double>(c.slots_used), labels);
+    }
+  });
+  return absl::OkStatus();
 }
 
 bool Daemon::ready() const {

@@ -21,6 +21,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "grpcpp/server.h"
+#include "core/host_pool.h"
 #include "server/config.h"
 #include "server/daemon_info.h"
 
@@ -56,7 +57,10 @@ class Daemon {
   absl::Status StartListeners();
   void AddListener(ListenerInfo listener);
 
+  absl::Status CreateHostPool();
+
   const Config config_;
+  std::unique_ptr<core::HostPool> pool_;
   std::unique_ptr<CacheServiceImpl> cache_service_;
   std::unique_ptr<AdminServiceImpl> engine_admin_service_;  // Read-only RPCs.
   std::unique_ptr<AdminServiceImpl> admin_service_;         // All RPCs.

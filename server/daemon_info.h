@@ -24,6 +24,10 @@ struct DaemonInfo {
   std::vector<ListenerInfo> listeners;
   std::string config_digest;
   std::string config_file;  // "" when running on defaults and overrides.
+  uint64_t pool_capacity_bytes = 0;
+  uint64_t pool_used_bytes = 0;
+  bool pool_huge_pages = false;
+  bool pool_reattached = false;
   bool ready = false;
   bool draining = false;
 };
