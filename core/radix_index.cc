@@ -1,0 +1,1011 @@
+#include "core/radix_index.h"
+
+#include <algorithm>
+#include <bit>
+#include <cstddef>
+#include <cstring>
+#include <new>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "core/lru_policy.h"
+#include "core/s3fifo_policy.h"
+
+// Under AddressSanitizer, slab memory not handed out is poisoned, so a stale node pointer is
+// reported like a use after free of malloc'ed memory would be.
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define KVCELLAR_POISON(p, n) ASAN_POISON_MEMORY_REGION((p), (n))
+#define KVCELLAR_UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION((p), (n))
+#else
+#define KVCELLAR_POISON(p, n) ((void)(p), (void)(n))
+#define KVCELLAR_UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
+
+namespace kvcellar::core {
+namespace {
+
+// A chain continues through its parent's child links, scanning this many children before a
+// hash probe is cheaper (a shared prefix with many continuations). Most pages have 0 or 1 child.
+constexpr int kChildScan = 4;
+
+// Match follows child links while children mostly lie near their parents in memory (a Backup
+// batch allocates a prompt's run of pages together, so the hardware prefetcher streams them):
+// no hash probe at all. Links far apart serialize one cache miss per page, though, where hash
+// probes issued ahead overlap. Once at least kFarLinks links, and more than 1 in kFarRatio, led
+// farther than kNearBytes, Match switches to pipelined probes for the rest of the call. A prompt
+// backed up in runs of 64 pages (chunked prefill) stays on links. Measured with bench_index.cc on
+// a 1M-page index: sequential, runs of 64, and page-by-page random layouts.
+constexpr size_t kNearBytes = 4096;
+constexpr int kFarLinks = 4;
+constexpr size_t kFarRatio = 8;
+// Probing is a two-stage pipeline: the hash probe of keys[i + 2 * kResolveAhead] is prefetched
+// and keys[i + kResolveAhead] is looked up (its node load starts then), while keys[i] is used.
+constexpr size_t kResolveAhead = 8;
+// While following links, Match also prefetches the node this many slab slots past the current
+// one: a run's pages were allocated one after the other, and the hardware prefetcher neither
+// crosses 4 KiB pages nor ramps up within a short run. A wrong guess costs two cache lines.
+// Runs of 64: 79 us -> 45-50 us per 2048-page Match (4: 55, 8: 53, 32: 52); sequential and
+// random layouts unchanged (bench_index.cc).
+constexpr size_t kSlabPrefetchNodes = 16;
+
+// Nodes come from chunks of this many: large enough that chunk allocation is rare, small enough
+// (about 70 KiB for MLA nodes) that a small namespace does not reserve much.
+constexpr size_t kNodesPerChunk = 512;
+
+// Keys are digests: their first 8 bytes identify a page well enough for a ghost entry.
+uint64_t KeyFingerprint(const PageKey& key) {
+  uint64_t v;
+  std::memcpy(&v, key.bytes.data(), sizeof(v));
+  return v;
+}
+
+std::string ShortKey(const PageKey& key) { return key.Hex().substr(0, 16); }
+
+int LowBit(uint64_t mask) { return std::countr_zero(mask); }
+
+}  // namespace
+
+// Per-shard state: 12 bytes, so a TP-8 page spends 96 bytes on its shards.
+struct RadixIndex::ShardState {
+  SlotRef slot;          // Valid iff the shard is committed or being written to L2.
+  uint8_t l3_tiers = 0;  // Bit t: tier t holds a checked copy.
+  WriteKind write_kind = WriteKind::kBackup;  // Of the write in flight, if any.
+};
+
+// A page. Trivially destructible; lives in the slab, followed by shards_per_page ShardStates.
+struct RadixIndex::Node {
+  EvictionHook hook;  // First member: the policy's EvictionHook* converts back to the Node*.
+  PageKey key;
+  Node* parent = nullptr;  // nullptr: the first page of its sequences.
+  Node* first_child = nullptr;
+  Node* prev_sibling = nullptr;
+  Node* next_sibling = nullptr;
+  ShardMask resident = 0;    // Shards committed in L2 (visible).
+  ShardMask writing = 0;     // Shards being written to L2 (slot held, invisible).
+  uint32_t l2_children = 0;  // Children with HoldsL2().
+  uint32_t pins = 0;         // Sum of the counts in pinned_[pin_slot].
+  uint32_t pin_slot = 0;     // Index of this page's record in pinned_; meaningful iff pins > 0.
+  uint16_t l3_copies = 0;    // (shard, tier) copies.
+
+  ShardState* shards() {
+    return reinterpret_cast<ShardState*>(reinterpret_cast<char*>(this) + sizeof(Node));
+  }
+  const ShardState* shards() const {
+    return reinterpret_cast<const ShardState*>(reinterpret_cast<const char*>(this) + sizeof(Node));
+  }
+  bool HoldsL2() const { return (resident | writing) != 0; }
+  bool Empty() const { return !HoldsL2() && l3_copies == 0; }
+  bool Busy() const { return pins != 0 || writing != 0; }
+  bool Evictable() const { return resident != 0 && writing == 0 && pins == 0 && l2_children == 0; }
+  static Node* FromHook(EvictionHook* h) { return reinterpret_cast<Node*>(h); }
+  static const Node* FromHook(const EvictionHook* h) { return reinterpret_cast<const Node*>(h); }
+};
+
+// Fixed-size node allocator: chunks carved in order, freed nodes reused LIFO. Memory returns to
+// the system only when the index is destroyed (a namespace's high-water mark of pages).
+class RadixIndex::NodeSlab {
+ public:
+  explicit NodeSlab(size_t node_bytes)
+      : node_bytes_((node_bytes + alignof(Node) - 1) / alignof(Node) * alignof(Node)) {}
+  ~NodeSlab() {
+    for (auto& chunk : chunks_) KVCELLAR_UNPOISON(chunk.get(), node_bytes_ * kNodesPerChunk);
+  }
+
+  void* Allocate() {
+    void* p;
+    if (free_ != nullptr) {
+      p = free_;
+      free_ = *static_cast<void**>(p);
+    } else {
+      if (bump_ == end_) {
+        chunks_.emplace_back(new std::byte[node_bytes_ * kNodesPerChunk]);
+        bump_ = chunks_.back().get();
+        end_ = bump_ + node_bytes_ * kNodesPerChunk;
+        KVCELLAR_POISON(bump_, node_bytes_ * kNodesPerChunk);
+      }
+      p = bump_;
+      bump_ += node_bytes_;
+    }
+    KVCELLAR_UNPOISON(p, node_bytes_);
+    return p;
+  }
+  // The first word of a free node links the free list; the rest is poisoned.
+  void Free(void* p) {
+    *static_cast<void**>(p) = free_;
+    free_ = p;
+    KVCELLAR_POISON(static_cast<std::byte*>(p) + sizeof(void*), node_bytes_ - sizeof(void*));
+  }
+  size_t node_bytes() const { return node_bytes_; }
+  size_t MemoryBytes() const {
+    return chunks_.size() * node_bytes_ * kNodesPerChunk +
+           chunks_.capacity() * sizeof(std::unique_ptr<std::byte[]>);
+  }
+
+ private:
+  const size_t node_bytes_;
+  std::vector<std::unique_ptr<std::byte[]>> chunks_;
+  std::byte* bump_ = nullptr;
+  std::byte* end_ = nullptr;
+  void* free_ = nullptr;
+};
+
+class RadixIndex::Candidates final : public EvictionCandidates {
+ public:
+  bool Evictable(const EvictionHook& hook) const override {
+    return Node::FromHook(&hook)->Evictable();
+  }
+  uint64_t Fingerprint(const EvictionHook& hook) const override {
+    return KeyFingerprint(Node::FromHook(&hook)->key);
+  }
+};
+
+inline size_t RadixIndex::NodeHash::operator()(const PageKey& key) const {
+  return absl::Hash<PageKey>{}(key);
+}
+inline size_t RadixIndex::NodeHash::operator()(const Node* node) const {
+  return (*this)(node->key);
+}
+// Word-wise and inline: std::array's operator== calls memcmp, which showed up at ~20% of Match.
+inline bool RadixIndex::NodeEq::operator()(const Node* a, const PageKey& b) const {
+  uint64_t x[4], y[4];
+  std::memcpy(x, a->key.bytes.data(), sizeof(x));
+  std::memcpy(y, b.bytes.data(), sizeof(y));
+  return ((x[0] ^ y[0]) | (x[1] ^ y[1]) | (x[2] ^ y[2]) | (x[3] ^ y[3])) == 0;
+}
+
+// --- Construction ------------------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<RadixIndex>> RadixIndex::Create(const RadixIndexOptions& options) {
+  std::unique_ptr<EvictionPolicy> policy;
+  if (options.policy == EvictionPolicyKind::kLru) {
+    policy = std::make_unique<LruPolicy>();
+  } else {
+    policy = std::make_unique<S3FifoPolicy>();
+  }
+  return Create(options, std::move(policy));
+}
+
+absl::StatusOr<std::unique_ptr<RadixIndex>> RadixIndex::Create(
+    const RadixIndexOptions& options, std::unique_ptr<EvictionPolicy> policy) {
+  static_assert(sizeof(ShardState) == 12);
+  static_assert(sizeof(Node) % alignof(ShardState) == 0);
+  if (options.shards_per_page < 1 || options.shards_per_page > kMaxShardsPerPage) {
+    return absl::InvalidArgumentError(absl::StrCat("radix index: shards_per_page ",
+                                                   options.shards_per_page, " not in [1, ",
+                                                   kMaxShardsPerPage, "]"));
+  }
+  if (options.l3_tiers < 0 || options.l3_tiers > kMaxL3Tiers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("radix index: l3_tiers ", options.l3_tiers, " not in [0, ", kMaxL3Tiers, "]"));
+  }
+  if (options.object_bytes == 0) {
+    return absl::InvalidArgumentError("radix index: object_bytes must be > 0");
+  }
+  if (!(options.low_watermark > 0 && options.low_watermark <= options.high_watermark &&
+        options.high_watermark <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("radix index: watermarks need 0 < low_watermark (", options.low_watermark,
+                     ") <= high_watermark (", options.high_watermark, ") <= 1"));
+  }
+  if (policy == nullptr) return absl::InvalidArgumentError("radix index: policy is null");
+  return std::unique_ptr<RadixIndex>(new RadixIndex(options, std::move(policy)));
+}
+
+RadixIndex::RadixIndex(const RadixIndexOptions& options, std::unique_ptr<EvictionPolicy> policy)
+    : shards_per_page_(options.shards_per_page),
+      l3_tiers_(options.l3_tiers),
+      object_bytes_(options.object_bytes),
+      high_watermark_(options.high_watermark),
+      low_watermark_(options.low_watermark),
+      policy_name_(policy->Name()),
+      capacity_bytes_(options.capacity_bytes),
+      slab_(
+          std::make_unique<NodeSlab>(sizeof(Node) + sizeof(ShardState) * options.shards_per_page)),
+      policy_(std::move(policy)) {}
+
+RadixIndex::~RadixIndex() = default;
+
+absl::Status RadixIndex::CheckShardSet(ShardMask shards) const {
+  if (shards == 0) return absl::InvalidArgumentError("match: shard set is empty");
+  if ((shards & ~AllShards(shards_per_page_)) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("match: shard set names shard ",
+                                                   63 - std::countl_zero(shards),
+                                                   " >= shards_per_page ", shards_per_page_));
+  }
+  return absl::OkStatus();
+}
+
+// --- Tree maintenance --------------------------------------------------------------------------
+
+RadixIndex::Node* RadixIndex::Find(const PageKey& key) const {
+  auto it = nodes_.find(key);
+  return it == nodes_.end() ? nullptr : *it;
+}
+
+RadixIndex::Node* RadixIndex::FindChild(Node* parent, const PageKey& key) const {
+  int scanned = 0;
+  for (Node* c = parent->first_child; c != nullptr; c = c->next_sibling) {
+    if (NodeEq{}(c, key)) return c;
+    if (++scanned == kChildScan) {
+      Node* n = Find(key);
+      return n != nullptr && n->parent == parent ? n : nullptr;
+    }
+  }
+  return nullptr;
+}
+
+RadixIndex::Node* RadixIndex::Seek(Cursor& cursor, const PageKey& key) const {
+  if (Node* last = cursor.last; last != nullptr) {
+    if (NodeEq{}(last, key)) return last;
+    if (Node* c = FindChild(last, key); c != nullptr) return cursor.last = c;
+  }
+  Node* n = Find(key);
+  if (n != nullptr) cursor.last = n;
+  return n;
+}
+
+absl::StatusOr<RadixIndex::Node*> RadixIndex::FindOrCreate(const PageKey& key,
+                                                           const std::optional<PageKey>& parent,
+                                                           Cursor& cursor) {
+  if (parent.has_value() && *parent == key) {
+    return absl::InvalidArgumentError(absl::StrCat("page ", ShortKey(key), " is its own parent"));
+  }
+  Node* p = parent.has_value() ? Seek(cursor, *parent) : nullptr;
+  if (parent.has_value() && p == nullptr) {
+    // Either way the request names a parent the page cannot have.
+    return absl::FailedPreconditionError(
+        Find(key) != nullptr
+            ? absl::StrCat("page ", ShortKey(key), " is indexed under another parent")
+            : absl::StrCat("page ", ShortKey(key), ": parent ", ShortKey(*parent),
+                           " is not indexed"));
+  }
+  // One probe for both the lookup and the insertion of a new page.
+  Node* created = nullptr;
+  NodeSlab* const slab = slab_.get();
+  auto it = nodes_.lazy_emplace(key, [&](const auto& construct) {
+    created = new (slab->Allocate()) Node;
+    created->key = key;
+    construct(created);
+  });
+  Node* n = *it;
+  if (created == nullptr) {
+    if (n->parent != p) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("page ", ShortKey(key), " is indexed under another parent"));
+    }
+    return n;
+  }
+  n->parent = p;
+  // Double the set at 5/8 load rather than absl's 7/8. At a steady page count, erased pages
+  // leave tombstones that absl clears with a whole-table rehash whenever its growth budget runs
+  // out: near 7/8 load that came every ~15% of the capacity in inserts (19% of insert+evict time
+  // in bench_index.cc); below 5/8, at most every ~25%. Costs up to ~6 bytes per page.
+  if (nodes_.size() * 8 > nodes_.capacity() * 5) nodes_.reserve(nodes_.capacity());
+  ShardState* shards = n->shards();
+  for (int s = 0; s < shards_per_page_; ++s) new (&shards[s]) ShardState;
+  if (p != nullptr) {
+    n->next_sibling = p->first_child;
+    if (p->first_child != nullptr) p->first_child->prev_sibling = n;
+    p->first_child = n;
+  }
+  ++counters_.pages;
+  return n;
+}
+
+void RadixIndex::FreeNode(Node* n) {
+  if (Node* p = n->parent; p != nullptr) {
+    (n->prev_sibling != nullptr ? n->prev_sibling->next_sibling : p->first_child) = n->next_sibling;
+    if (n->next_sibling != nullptr) n->next_sibling->prev_sibling = n->prev_sibling;
+  }
+  nodes_.erase(n);
+  n->~Node();
+  slab_->Free(n);
+  --counters_.pages;
+}
+
+void RadixIndex::CollectUpwards(Node* n) {
+  // An empty leaf holds nothing and keeps up no descendant (a pinned page always holds L2).
+  while (n != nullptr && n->Empty() && n->first_child == nullptr) {
+    Node* p = n->parent;
+    FreeNode(n);
+    n = p;
+  }
+}
+
+void RadixIndex::NotifyIfEvictable(Node* n) {
+  if (n->Evictable()) policy_->OnEligible(&n->hook);
+}
+
+void RadixIndex::AfterL2Change(Node* n, bool held_l2_before) {
+  const bool holds = n->HoldsL2();
+  if (holds == held_l2_before || n->parent == nullptr) return;
+  Node* p = n->parent;
+  if (holds) {
+    ++p->l2_children;
+  } else if (--p->l2_children == 0) {
+    NotifyIfEvictable(p);
+  }
+}
+
+// --- Match -------------------------------------------------------------------------------------
+
+absl::StatusOr<MatchResult> RadixIndex::Match(absl::Span<const PageKey> keys,
+                                              const MatchOptions& options) {
+  if (absl::Status s = CheckShardSet(options.shards); !s.ok()) return s;
+  const ShardMask need = options.shards;
+  MatchResult result;
+  absl::MutexLock lock(&mu_);
+  scratch_.clear();
+
+  // keys[i+1] must be a child of keys[i]: a sequence that is not a chain stops the match.
+  const size_t slab_ahead = kSlabPrefetchNodes * slab_->node_bytes() + offsetof(Node, key);
+  int far_links = 0;
+  bool probing = false;             // Switched to pipelined hash probes.
+  Node* ahead[kResolveAhead] = {};  // ahead[j % kResolveAhead]: Find(keys[j]), j in (i, i + 8].
+  auto next = [&](Node* prev, size_t i) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> Node* {
+    if (probing) {
+      Node* n = ahead[i % kResolveAhead];
+      if (i + 2 * kResolveAhead < keys.size()) nodes_.prefetch(keys[i + 2 * kResolveAhead]);
+      if (i + kResolveAhead < keys.size()) {
+        ahead[i % kResolveAhead] = Find(keys[i + kResolveAhead]);
+      }
+      return n != nullptr && n->parent == prev ? n : nullptr;
+    }
+    Node* n = FindChild(prev, keys[i]);
+    if (n == nullptr) return n;
+    // The key, and the links and shard masks read next (within the following line). Integer
+    // arithmetic: the guess may lie past the end of n's chunk, where a prefetch is harmless.
+    const uintptr_t guess = reinterpret_cast<uintptr_t>(n) + slab_ahead;
+    __builtin_prefetch(reinterpret_cast<const void*>(guess));
+    __builtin_prefetch(reinterpret_cast<const void*>(guess + 64));
+    const auto distance = reinterpret_cast<uintptr_t>(n) - reinterpret_cast<uintptr_t>(prev);
+    if (distance + kNearBytes > 2 * kNearBytes && ++far_links >= kFarLinks &&
+        static_cast<size_t>(far_links) * kFarRatio > i) {
+      probing = true;
+      ++counters_.matches_probed;
+      const size_t end = std::min(keys.size(), i + 1 + 2 * kResolveAhead);
+      for (size_t j = i + 1; j < end; ++j) nodes_.prefetch(keys[j]);
+      for (size_t j = i + 1; j < std::min(end, i + 1 + kResolveAhead); ++j) {
+        ahead[j % kResolveAhead] = Find(keys[j]);
+      }
+    }
+    return n;
+  };
+
+  // L2: every needed shard committed.
+  size_t i = 0;
+  Node* n = keys.empty() ? nullptr : Find(keys[0]);
+  while (n != nullptr && (n->resident & need) == need) {
+    scratch_.push_back(n);
+    if (++i == keys.size()) {
+      n = nullptr;  // Whole query in L2: nothing left for L3.
+      break;
+    }
+    n = next(n, i);
+  }
+  result.l2_pages = static_cast<uint32_t>(i);
+
+  // L3, from the first page that missed L2: each tier's run of pages it holds every shard of.
+  uint32_t active = (1u << l3_tiers_) - 1;
+  while (n != nullptr && active != 0) {
+    uint32_t have = active;
+    for (ShardMask m = need; m != 0; m &= m - 1) have &= n->shards()[LowBit(m)].l3_tiers;
+    active = have;
+    for (uint32_t a = active; a != 0; a &= a - 1) ++result.l3_pages[LowBit(a)];
+    if (++i == keys.size()) break;
+    n = next(n, i);
+  }
+  for (int t = 0; t < l3_tiers_; ++t) {
+    if (result.l3_pages[t] > result.best_l3_pages) {
+      result.best_l3_pages = result.l3_pages[t];
+      result.best_l3_tier = t;
+    }
+  }
+
+  // Deepest page first, so that under LRU a parent ends up more recent than its children.
+  for (size_t j = scratch_.size(); j-- > 0;) policy_->OnAccess(&scratch_[j]->hook);
+  if (options.pin.has_value()) {
+    for (Node* hit : scratch_) AddPin(hit, options.pin->owner, options.pin->deadline);
+    result.pinned_pages = result.l2_pages;
+  }
+  return result;
+}
+
+// --- Writes ------------------------------------------------------------------------------------
+
+absl::Status RadixIndex::BeginWriteLocked(const WriteRequest& request, Cursor& cursor) {
+  if (request.shard >= shards_per_page_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("write: shard ", request.shard, " >= shards_per_page ", shards_per_page_));
+  }
+  if (!request.slot.valid()) return absl::InvalidArgumentError("write: slot is invalid");
+  absl::StatusOr<Node*> found = FindOrCreate(request.key, request.parent, cursor);
+  if (!found.ok()) return found.status();
+  Node* n = *found;
+  const ShardMask bit = ShardMask{1} << request.shard;
+  if (((n->resident | n->writing) & bit) != 0) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("write: page ", ShortKey(request.key), " shard ", request.shard,
+                     (n->resident & bit) ? " is in L2" : " is being written"));
+  }
+  const bool held = n->HoldsL2();
+  n->writing |= bit;
+  ShardState& s = n->shards()[request.shard];
+  s.slot = request.slot;
+  s.write_kind = request.kind;
+  ++counters_.l2_inflight_objects;
+  AfterL2Change(n, held);
+  return absl::OkStatus();
+}
+
+size_t RadixIndex::BeginWrite(absl::Span<const WriteRequest> requests,
+                              absl::Span<absl::Status> statuses) {
+  size_t accepted = 0;
+  absl::MutexLock lock(&mu_);
+  Cursor cursor;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    statuses[i] = BeginWriteLocked(requests[i], cursor);
+    accepted += statuses[i].ok();
+  }
+  return accepted;
+}
+
+absl::Status RadixIndex::BeginWrite(const WriteRequest& request) {
+  absl::MutexLock lock(&mu_);
+  Cursor cursor;
+  return BeginWriteLocked(request, cursor);
+}
+
+absl::Status RadixIndex::CommitLocked(const ObjectId& object, Cursor& cursor) {
+  Node* n = object.shard < shards_per_page_ ? Seek(cursor, object.key) : nullptr;
+  const ShardMask bit = n != nullptr ? ShardMask{1} << object.shard : 0;
+  if (n == nullptr || (n->writing & bit) == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "commit: page ", ShortKey(object.key), " shard ", object.shard, " is not in flight"));
+  }
+  n->writing &= ~bit;
+  const bool first = n->resident == 0;
+  n->resident |= bit;
+  --counters_.l2_inflight_objects;
+  ++counters_.l2_objects;
+  if (first) {
+    ++counters_.l2_pages;
+    policy_->OnInsert(&n->hook, KeyFingerprint(n->key));
+  } else {
+    NotifyIfEvictable(n);  // It may have been parked for this shard's write.
+  }
+  return absl::OkStatus();
+}
+
+size_t RadixIndex::Commit(absl::Span<const ObjectId> objects, absl::Span<absl::Status> statuses) {
+  size_t committed = 0;
+  absl::MutexLock lock(&mu_);
+  Cursor cursor;
+  for (size_t i = 0; i < objects.size(); ++i) {
+    statuses[i] = CommitLocked(objects[i], cursor);
+    committed += statuses[i].ok();
+  }
+  return committed;
+}
+
+absl::Status RadixIndex::Commit(const ObjectId& object) {
+  absl::MutexLock lock(&mu_);
+  Cursor cursor;
+  return CommitLocked(object, cursor);
+}
+
+size_t RadixIndex::Abort(absl::Span<const ObjectId> objects,
+                         std::vector<ReleasedObject>* released) {
+  size_t aborted = 0;
+  absl::MutexLock lock(&mu_);
+  for (const ObjectId& object : objects) {
+    if (object.shard >= shards_per_page_) continue;
+    Node* n = Find(object.key);
+    const ShardMask bit = ShardMask{1} << object.shard;
+    if (n == nullptr || (n->writing & bit) == 0) continue;
+    const bool held = n->HoldsL2();
+    n->writing &= ~bit;
+    ShardState& s = n->shards()[object.shard];
+    released->push_back({n->key, object.shard, s.slot, s.l3_tiers});
+    s.slot = SlotRef{};
+    --counters_.l2_inflight_objects;
+    ++aborted;
+    AfterL2Change(n, held);
+    NotifyIfEvictable(n);
+    CollectUpwards(n);
+  }
+  return aborted;
+}
+
+// --- Pins --------------------------------------------------------------------------------------
+
+void RadixIndex::AddPin(Node* n, OwnerId owner, absl::Time deadline) {
+  if (n->pins == 0) {
+    n->pin_slot = static_cast<uint32_t>(pinned_.size());
+    pinned_.push_back({n, {}});
+    ++counters_.pinned_pages;
+  }
+  PinList& list = pinned_[n->pin_slot].entries;
+  auto it = std::find_if(list.begin(), list.end(),
+                         [owner](const PinEntry& e) { return e.owner == owner; });
+  if (it != list.end()) {
+    ++it->count;
+    it->deadline = std::max(it->deadline, deadline);
+  } else {
+    list.push_back({owner, deadline, 1});
+  }
+  ++n->pins;
+  ++counters_.pins;
+}
+
+void RadixIndex::DropPins(Node* n, uint32_t count) {
+  n->pins -= count;
+  counters_.pins -= count;
+  if (n->pins != 0) return;
+  // Swap-remove the record: pinned_ stays dense, so sweeps cost O(pinned pages).
+  const uint32_t slot = n->pin_slot;
+  if (slot + 1 != pinned_.size()) {
+    pinned_[slot] = std::move(pinned_.back());
+    pinned_[slot].node->pin_slot = slot;
+  }
+  pinned_.pop_back();
+  --counters_.pinned_pages;
+  NotifyIfEvictable(n);
+}
+
+size_t RadixIndex::Pin(OwnerId owner, absl::Span<const PageKey> keys, absl::Time deadline) {
+  size_t pinned = 0;
+  absl::MutexLock lock(&mu_);
+  Cursor cursor;
+  for (const PageKey& key : keys) {
+    Node* n = Seek(cursor, key);
+    if (n == nullptr || n->resident == 0) continue;
+    AddPin(n, owner, deadline);
+    ++pinned;
+  }
+  return pinned;
+}
+
+size_t RadixIndex::Unpin(OwnerId owner, absl::Span<const PageKey> keys) {
+  size_t dropped = 0;
+  absl::MutexLock lock(&mu_);
+  Cursor cursor;
+  for (const PageKey& key : keys) {
+    Node* n = Seek(cursor, key);
+    if (n == nullptr || n->pins == 0) continue;
+    PinList& list = pinned_[n->pin_slot].entries;
+    auto e = std::find_if(list.begin(), list.end(),
+                          [owner](const PinEntry& p) { return p.owner == owner; });
+    if (e == list.end()) continue;
+    if (--e->count == 0) list.erase(e);
+    DropPins(n, 1);  // Removes the record when that was the page's last pin.
+    ++dropped;
+  }
+  return dropped;
+}
+
+template <typename Pred>
+size_t RadixIndex::DropPinsWhere(Pred pred) {
+  size_t dropped = 0;
+  // Backwards: DropPins swap-removes record i with the last one, which was already visited.
+  for (size_t i = pinned_.size(); i-- > 0;) {
+    PinList& list = pinned_[i].entries;
+    uint32_t gone = 0;
+    for (size_t k = 0; k < list.size();) {
+      if (pred(list[k])) {
+        gone += list[k].count;
+        ++dropped;
+        list.erase(list.begin() + k);
+      } else {
+        ++k;
+      }
+    }
+    if (gone != 0) DropPins(pinned_[i].node, gone);
+  }
+  return dropped;
+}
+
+size_t RadixIndex::ExpireLeases(absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  const size_t dropped = DropPinsWhere([now](const PinEntry& e) { return e.deadline <= now; });
+  counters_.expired_pins += dropped;
+  return dropped;
+}
+
+size_t RadixIndex::ReleaseOwner(OwnerId owner) {
+  absl::MutexLock lock(&mu_);
+  return DropPinsWhere([owner](const PinEntry& e) { return e.owner == owner; });
+}
+
+// --- L3 ----------------------------------------------------------------------------------------
+
+absl::Status RadixIndex::UpdateL3Locked(const L3Update& update) {
+  if (update.shard >= shards_per_page_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("l3 update: shard ", update.shard, " >= shards_per_page ", shards_per_page_));
+  }
+  if (update.tier >= l3_tiers_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("l3 update: tier ", update.tier, " >= l3_tiers ", l3_tiers_));
+  }
+  const uint8_t bit = uint8_t{1} << update.tier;
+  Node* n = Find(update.key);
+  if (update.present) {
+    if (n == nullptr) {
+      Cursor cursor;
+      absl::StatusOr<Node*> created = FindOrCreate(update.key, update.parent, cursor);
+      if (!created.ok()) return created.status();
+      n = *created;
+    }
+    ShardState& s = n->shards()[update.shard];
+    if ((s.l3_tiers & bit) == 0) {
+      s.l3_tiers |= bit;
+      ++n->l3_copies;
+      ++counters_.l3_objects[update.tier];
+    }
+    return absl::OkStatus();
+  }
+  if (n == nullptr) return absl::OkStatus();
+  ShardState& s = n->shards()[update.shard];
+  if ((s.l3_tiers & bit) != 0) {
+    s.l3_tiers &= ~bit;
+    --n->l3_copies;
+    --counters_.l3_objects[update.tier];
+    CollectUpwards(n);
+  }
+  return absl::OkStatus();
+}
+
+size_t RadixIndex::UpdateL3(absl::Span<const L3Update> updates, absl::Span<absl::Status> statuses) {
+  size_t applied = 0;
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < updates.size(); ++i) {
+    statuses[i] = UpdateL3Locked(updates[i]);
+    applied += statuses[i].ok();
+  }
+  return applied;
+}
+
+// --- Eviction ----------------------------------------------------------------------------------
+
+size_t RadixIndex::EvictOne(std::vector<ReleasedObject>* evicted) {
+  const Candidates candidates;
+  EvictionHook* h = policy_->PickVictim(candidates);
+  if (h == nullptr) return 0;
+  Node* n = Node::FromHook(h);
+  size_t objects = 0;
+  ShardState* shards = n->shards();
+  for (ShardMask m = n->resident; m != 0; m &= m - 1) {
+    const int s = LowBit(m);
+    evicted->push_back({n->key, static_cast<uint16_t>(s), shards[s].slot, shards[s].l3_tiers});
+    shards[s].slot = SlotRef{};
+    ++objects;
+  }
+  n->resident = 0;
+  counters_.l2_objects -= objects;
+  --counters_.l2_pages;
+  ++counters_.evicted_pages;
+  counters_.evicted_objects += objects;
+  AfterL2Change(n, /*held_l2_before=*/true);
+  CollectUpwards(n);  // Stays as a tombstone while an L3 tier holds it or it has children.
+  return objects;
+}
+
+size_t RadixIndex::EvictPages(size_t max_pages, std::vector<ReleasedObject>* evicted) {
+  absl::MutexLock lock(&mu_);
+  size_t pages = 0;
+  while (pages < max_pages && EvictOne(evicted) != 0) ++pages;
+  return pages;
+}
+
+uint64_t RadixIndex::EvictBytesLocked(uint64_t bytes, std::vector<ReleasedObject>* evicted) {
+  uint64_t freed = 0;
+  while (freed < bytes) {
+    const size_t objects = EvictOne(evicted);
+    if (objects == 0) break;
+    freed += objects * object_bytes_;
+  }
+  return freed;
+}
+
+uint64_t RadixIndex::EvictBytes(uint64_t bytes, std::vector<ReleasedObject>* evicted) {
+  absl::MutexLock lock(&mu_);
+  return EvictBytesLocked(bytes, evicted);
+}
+
+uint64_t RadixIndex::L2BytesLocked() const {
+  return (counters_.l2_objects + counters_.l2_inflight_objects) * object_bytes_;
+}
+
+void RadixIndex::SetCapacity(uint64_t capacity_bytes) {
+  absl::MutexLock lock(&mu_);
+  capacity_bytes_ = capacity_bytes;
+}
+
+bool RadixIndex::NeedsEviction() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return capacity_bytes_ != 0 && static_cast<double>(L2BytesLocked()) >
+                                     high_watermark_ * static_cast<double>(capacity_bytes_);
+}
+
+uint64_t RadixIndex::EvictToLowWatermark(std::vector<ReleasedObject>* evicted) {
+  absl::MutexLock lock(&mu_);
+  if (capacity_bytes_ == 0) return 0;
+  const auto target = static_cast<uint64_t>(low_watermark_ * static_cast<double>(capacity_bytes_));
+  const uint64_t used = L2BytesLocked();
+  return used > target ? EvictBytesLocked(used - target, evicted) : 0;
+}
+
+// --- Removal -----------------------------------------------------------------------------------
+
+void RadixIndex::DropCopies(Node* n, std::vector<ReleasedObject>* released) {
+  const bool held = n->HoldsL2();
+  ShardState* shards = n->shards();
+  for (int s = 0; s < shards_per_page_; ++s) {
+    const bool resident = (n->resident >> s) & 1;
+    if (!resident && shards[s].l3_tiers == 0) continue;
+    released->push_back({n->key, static_cast<uint16_t>(s), shards[s].slot, shards[s].l3_tiers});
+    if (resident) --counters_.l2_objects;
+    for (uint32_t t = shards[s].l3_tiers; t != 0; t &= t - 1) --counters_.l3_objects[LowBit(t)];
+    shards[s] = ShardState{};
+  }
+  n->l3_copies = 0;
+  if (n->resident != 0) {
+    n->resident = 0;
+    --counters_.l2_pages;
+    policy_->OnRemove(&n->hook);
+  }
+  AfterL2Change(n, held);
+}
+
+RemoveCounts RadixIndex::RemovePages(absl::Span<const PageKey> keys,
+                                     std::vector<ReleasedObject>* released) {
+  RemoveCounts counts;
+  absl::MutexLock lock(&mu_);
+  for (const PageKey& key : keys) {
+    Node* n = Find(key);
+    if (n == nullptr) {
+      ++counts.missing_keys;
+    } else if (n->Busy()) {
+      ++counts.busy_pages;
+    } else {
+      DropCopies(n, released);
+      ++counts.removed_pages;
+      CollectUpwards(n);
+    }
+  }
+  return counts;
+}
+
+void RadixIndex::RemoveSubtreeLocked(Node* root, std::vector<ReleasedObject>* released,
+                                     RemoveCounts* counts) {
+  // Pre-order (each node before its descendants), then processed in reverse, so every node is
+  // handled after all of its descendants. Iterative: chains can be 100k pages deep.
+  std::vector<Node*> order;
+  std::vector<Node*> stack = {root};
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    order.push_back(n);
+    for (Node* c = n->first_child; c != nullptr; c = c->next_sibling) stack.push_back(c);
+  }
+  Node* above = root->parent;
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    Node* n = *it;
+    if (n->Busy()) {
+      ++counts->busy_pages;
+      continue;
+    }
+    DropCopies(n, released);
+    ++counts->removed_pages;
+    // Not busy, so now empty: it goes unless a busy descendant keeps it. Its parent is
+    // processed later, or is `above`, collected below.
+    if (n->first_child == nullptr) FreeNode(n);
+  }
+  CollectUpwards(above);
+}
+
+RemoveCounts RadixIndex::RemoveSubtree(const PageKey& key, std::vector<ReleasedObject>* released) {
+  RemoveCounts counts;
+  absl::MutexLock lock(&mu_);
+  Node* root = Find(key);
+  if (root == nullptr) {
+    counts.missing_keys = 1;
+  } else {
+    RemoveSubtreeLocked(root, released, &counts);
+  }
+  return counts;
+}
+
+RemoveCounts RadixIndex::Clear(std::vector<ReleasedObject>* released) {
+  RemoveCounts counts;
+  absl::MutexLock lock(&mu_);
+  std::vector<Node*> roots;
+  for (Node* n : nodes_) {
+    if (n->parent == nullptr) roots.push_back(n);
+  }
+  for (Node* root : roots) RemoveSubtreeLocked(root, released, &counts);
+  return counts;
+}
+
+// --- Queries -----------------------------------------------------------------------------------
+
+size_t RadixIndex::GetL2Slots(absl::Span<const PageKey> keys, uint16_t shard,
+                              absl::Span<SlotRef> slots) const {
+  size_t found = 0;
+  absl::ReaderMutexLock lock(&mu_);
+  Cursor cursor;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const Node* n = shard < shards_per_page_ ? Seek(cursor, keys[i]) : nullptr;
+    if (n != nullptr && ((n->resident >> shard) & 1)) {
+      slots[i] = n->shards()[shard].slot;
+      ++found;
+    } else {
+      slots[i] = SlotRef{};
+    }
+  }
+  return found;
+}
+
+std::optional<PageInfo> RadixIndex::Inspect(const PageKey& key) const {
+  absl::ReaderMutexLock lock(&mu_);
+  const Node* n = Find(key);
+  if (n == nullptr) return std::nullopt;
+  PageInfo info;
+  info.key = n->key;
+  if (n->parent != nullptr) info.parent = n->parent->key;
+  for (const Node* c = n->first_child; c != nullptr; c = c->next_sibling) ++info.children;
+  info.l2_children = n->l2_children;
+  info.pins = n->pins;
+  info.evictable = n->Evictable();
+  info.shards.resize(shards_per_page_);
+  for (int s = 0; s < shards_per_page_; ++s) {
+    ShardInfo& si = info.shards[s];
+    const ShardState& st = n->shards()[s];
+    si.l2 = ((n->resident >> s) & 1)  ? L2State::kResident
+            : ((n->writing >> s) & 1) ? L2State::kWriting
+                                      : L2State::kAbsent;
+    si.write_kind = st.write_kind;
+    si.slot = st.slot;
+    si.l3_tiers = st.l3_tiers;
+  }
+  return info;
+}
+
+uint64_t RadixIndex::MemoryBytesLocked() const {
+  return sizeof(*this) + slab_->MemoryBytes() + nodes_.capacity() * (sizeof(Node*) + 1) +
+         pinned_.capacity() * sizeof(PinRecord) + scratch_.capacity() * sizeof(Node*) +
+         policy_->MemoryBytes();
+}
+
+RadixIndexStats RadixIndex::Stats() const {
+  absl::ReaderMutexLock lock(&mu_);
+  RadixIndexStats stats = counters_;
+  stats.l2_bytes = L2BytesLocked();
+  stats.memory_bytes = MemoryBytesLocked();
+  return stats;
+}
+
+absl::Status RadixIndex::CheckInvariants() const {
+  absl::ReaderMutexLock lock(&mu_);
+  auto fail = [](const Node* n, absl::string_view what) {
+    return absl::InternalError(absl::StrCat("radix index: page ", ShortKey(n->key), ": ", what));
+  };
+  RadixIndexStats c;
+  absl::flat_hash_set<uint64_t> slots;
+  size_t linked_children = 0;
+  const ShardMask all = AllShards(shards_per_page_);
+  for (const Node* n : nodes_) {
+    if (Find(n->key) != n) return fail(n, "hash set lookup does not find the node");
+    if (n->parent != nullptr && !nodes_.contains(n->parent)) return fail(n, "parent not indexed");
+    if (n->parent == nullptr && (n->prev_sibling != nullptr || n->next_sibling != nullptr)) {
+      return fail(n, "root with siblings");
+    }
+    uint32_t l2_children = 0;
+    const Node* prev = nullptr;
+    for (const Node* ch = n->first_child; ch != nullptr; prev = ch, ch = ch->next_sibling) {
+      if (ch->parent != n) return fail(n, "child whose parent is another node");
+      if (ch->prev_sibling != prev) return fail(n, "broken sibling link");
+      if (++linked_children > nodes_.size()) return fail(n, "child list cycle");
+      l2_children += ch->HoldsL2();
+    }
+    if (l2_children != n->l2_children) return fail(n, "l2_children count is wrong");
+    if ((n->resident & n->writing) != 0) return fail(n, "shard both committed and in flight");
+    if (((n->resident | n->writing) & ~all) != 0) return fail(n, "shard beyond shards_per_page");
+    uint32_t l3_copies = 0;
+    for (int s = 0; s < shards_per_page_; ++s) {
+      const ShardState& st = n->shards()[s];
+      const bool holds = ((n->resident | n->writing) >> s) & 1;
+      if (st.slot.valid() != holds) return fail(n, "slot validity disagrees with L2 state");
+      if (holds && !slots.insert(st.slot.Packed()).second) return fail(n, "slot held twice");
+      if ((st.l3_tiers >> l3_tiers_) != 0) return fail(n, "copy in a tier beyond l3_tiers");
+      l3_copies += std::popcount(st.l3_tiers);
+      for (uint32_t t = st.l3_tiers; t != 0; t &= t - 1) ++c.l3_objects[LowBit(t)];
+    }
+    if (l3_copies != n->l3_copies) return fail(n, "l3_copies count is wrong");
+    if (n->Empty() && n->first_child == nullptr) return fail(n, "empty leaf left in the tree");
+    if (n->pins != 0 && n->resident == 0) return fail(n, "pinned page without L2 data");
+    if (n->pins != 0) {
+      if (n->pin_slot >= pinned_.size() || pinned_[n->pin_slot].node != n) {
+        return fail(n, "pinned page without its pin record");
+      }
+      uint32_t pins = 0;
+      for (const PinEntry& e : pinned_[n->pin_slot].entries) pins += e.count;
+      if (pins != n->pins) return fail(n, "pin count disagrees with the pin record");
+    }
+    if ((n->hook.queue != 0) != (n->resident != 0)) {
+      return fail(n, "policy tracks the page iff it has committed L2 data: violated");
+    }
+    if (policy_->Parked(n->hook) && n->Evictable()) return fail(n, "parked while evictable");
+    ++c.pages;
+    c.l2_pages += n->resident != 0;
+    c.l2_objects += std::popcount(n->resident);
+    c.l2_inflight_objects += std::popcount(n->writing);
+    c.pinned_pages += n->pins != 0;
+    c.pins += n->pins;
+  }
+  size_t with_parent = 0;
+  for (const Node* n : nodes_) with_parent += n->parent != nullptr;
+  if (with_parent != linked_children) {
+    return absl::InternalError("radix index: a node is missing from its parent's child list");
+  }
+  for (size_t r = 0; r < pinned_.size(); ++r) {
+    const Node* n = pinned_[r].node;
+    const PinList& list = pinned_[r].entries;
+    if (!nodes_.contains(const_cast<Node*>(n))) {
+      return absl::InternalError("radix index: pin record of a freed page");
+    }
+    if (n->pins == 0 || n->pin_slot != r) {
+      return absl::InternalError("radix index: pin record its page does not point to");
+    }
+    if (list.empty()) return absl::InternalError("radix index: empty pin record kept");
+    for (size_t i = 0; i < list.size(); ++i) {
+      if (list[i].count == 0) return absl::InternalError("radix index: pin entry with count 0");
+      for (size_t j = 0; j < i; ++j) {
+        if (list[j].owner == list[i].owner) {
+          return absl::InternalError("radix index: two pin entries for one owner");
+        }
+      }
+    }
+  }
+  if (policy_->Tracked() != c.l2_pages) {
+    return absl::InternalError(absl::StrCat("radix index: policy tracks ", policy_->Tracked(),
+                                            " pages, L2 holds ", c.l2_pages));
+  }
+  if (absl::Status s = policy_->CheckConsistency(); !s.ok()) return s;
+  const RadixIndexStats& k = counters_;
+  if (c.pages != k.pages || c.l2_pages != k.l2_pages || c.l2_objects != k.l2_objects ||
+      c.l2_inflight_objects != k.l2_inflight_objects || c.l3_objects != k.l3_objects ||
+      c.pinned_pages != k.pinned_pages || c.pins != k.pins) {
+    return absl::InternalError(absl::StrCat(
+        "radix index: counters disagree with the tree: pages ", k.pages, "/", c.pages, " l2_pages ",
+        k.l2_pages, "/", c.l2_pages, " l2_objects ", k.l2_objects, "/", c.l2_objects, " inflight ",
+        k.l2_inflight_objects, "/", c.l2_inflight_objects, " pinned ", k.pinned_pages, "/",
+        c.pinned_pages, " pins ", k.pins, "/", c.pins));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvcellar::core

@@ -1,0 +1,99 @@
+// S3FifoPolicy: S3-FIFO eviction (Yang et al., "FIFO queues are all you need for cache eviction",
+// SOSP 2023), adapted to an index that evicts on demand.
+//
+// Three FIFO queues: a small queue S that new pages enter, a main queue M, and a ghost queue G of
+// fingerprints of pages recently evicted from S. A hit only bumps a 2-bit counter (capped at 3),
+// so hits never touch the queues. Eviction takes from S while S holds at least 10% of the queued
+// pages, else from M. At the tail of S, a page hit at least kPromoteFreq times moves to M,
+// otherwise it is evicted and remembered in G. At the tail of M, a page with freq > 0 is
+// reinserted at the head with freq - 1, otherwise evicted. A page inserted while its fingerprint
+// is in G goes straight to M. One-hit pages (a long scan) thus pass through S without displacing
+// the pages in M, which is what makes S3-FIFO scan-resistant where LRU is not.
+//
+// The index has no fixed cache size (it evicts when asked), so "10% of the cache" is 10% of the
+// pages queued now, and G holds 90% of the most pages ever tracked at once (the cache size as the
+// workload has shown it), as libCacheSim's defaults do for a fixed size.
+//
+// Threads: called only under the owning RadixIndex's mutex (see eviction_policy.h).
+#ifndef KVCELLAR_CORE_S3FIFO_POLICY_H_
+#define KVCELLAR_CORE_S3FIFO_POLICY_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "core/eviction_policy.h"
+
+namespace kvcellar::core {
+
+class S3FifoPolicy final : public EvictionPolicy {
+ public:
+  // The paper's small-queue share: S holds 10% of the pages.
+  static constexpr size_t kSmallPercent = 10;
+  // The paper's ghost size: as many entries as M, i.e. 90% of the pages.
+  static constexpr size_t kGhostPercent = 90;
+  // Frequency cap: a 2-bit counter in the paper.
+  static constexpr uint8_t kMaxFreq = 3;
+  // Hits needed at the tail of S to move to M ("freq > 1" in the paper's Algorithm 1,
+  // move-to-main-threshold=2 in libCacheSim).
+  static constexpr uint8_t kPromoteFreq = 2;
+
+  S3FifoPolicy() = default;
+  S3FifoPolicy(const S3FifoPolicy&) = delete;
+  S3FifoPolicy& operator=(const S3FifoPolicy&) = delete;
+
+  absl::string_view Name() const override { return "s3fifo"; }
+  void OnInsert(EvictionHook* hook, uint64_t fingerprint) override;
+  void OnAccess(EvictionHook* hook) override;
+  void OnEligible(EvictionHook* hook) override;
+  void OnRemove(EvictionHook* hook) override;
+  EvictionHook* PickVictim(const EvictionCandidates& candidates) override;
+
+  size_t Tracked() const override { return small_.size() + main_.size() + parked_; }
+  bool Parked(const EvictionHook& hook) const override {
+    return hook.queue == kParkedSmall || hook.queue == kParkedMain;
+  }
+  size_t MemoryBytes() const override;
+  absl::Status CheckConsistency() const override;
+
+  // For tests: queue sizes and ghost size.
+  size_t small_size() const { return small_.size(); }
+  size_t main_size() const { return main_.size(); }
+  // Entries still young enough to count (O(table); for tests).
+  size_t ghost_size() const;
+
+ private:
+  // EvictionHook::queue values.
+  static constexpr uint8_t kSmall = 1;
+  static constexpr uint8_t kMain = 2;
+  static constexpr uint8_t kParkedSmall = 3;
+  static constexpr uint8_t kParkedMain = 4;
+
+  void Park(EvictionHook* h, HookList& from, uint8_t parked_queue);
+  void GhostAdd(uint64_t fingerprint);
+  // Removes the fingerprint from the ghost; true when it was there.
+  bool GhostTake(uint64_t fingerprint);
+  void GhostResize(size_t capacity);
+  uint64_t* GhostBucket(uint64_t mixed);
+
+  HookList small_;
+  HookList main_;
+  size_t parked_ = 0;
+  size_t peak_tracked_ = 0;
+
+  // The ghost FIFO, as the paper suggests implementing it: a bucketed hash table of
+  // (32-bit fingerprint, 32-bit eviction sequence number) entries. An entry is in the FIFO while
+  // fewer than ghost_capacity_ evictions followed it, so aging needs no queue; a full bucket
+  // drops its oldest entry (a ghost is a hint: losing one early costs a little hit rate, never
+  // correctness). One cache line per operation. Sequence numbers are 32-bit: an entry would have
+  // to sit in an untouched bucket through 2^32 evictions to look young again.
+  static constexpr size_t kGhostBucket = 8;  // Entries per bucket: one 64-byte line.
+  std::vector<uint64_t> ghost_;              // 0: empty; else fingerprint << 32 | sequence.
+  size_t ghost_capacity_ = 0;                // Entries the FIFO holds (90% of peak tracked).
+  uint32_t ghost_seq_ = 1;
+  size_t ghost_live_ = 0;  // Entries added and neither taken nor replaced.
+};
+
+}  // namespace kvcellar::core
+
+#endif  // KVCELLAR_CORE_S3FIFO_POLICY_H_
