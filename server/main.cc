@@ -20,6 +20,7 @@
 #include "server/build_info.h"
 #include "server/config.h"
 #include "server/daemon.h"
+#include "server/sd_notify.h"
 
 namespace {
 
@@ -130,10 +131,16 @@ int main(int argc, char** argv) {
     KVLOG(Error, "startup failed", {{"error", std::string(daemon.status().message())}});
     return 1;
   }
+  if (absl::Status s = kvcellar::server::SdNotify(
+          absl::StrCat("READY=1\nSTATUS=serving\nMAINPID=", ::getpid()));
+      !s.ok()) {
+    KVLOG(Warn, "sd_notify failed", {{"error", std::string(s.message())}});
+  }
   std::thread signal_thread([&stop_signals, d = daemon->get()] {
     int sig = 0;
     sigwait(&stop_signals, &sig);
     KVLOG(Info, "signal received, draining", {{"signal", strsignal(sig)}});
+    (void)kvcellar::server::SdNotify("STOPPING=1\nSTATUS=draining");
     d->Shutdown();
   });
   (*daemon)->Wait();
