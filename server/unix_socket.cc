@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 namespace kvcellar::server {
@@ -100,15 +101,24 @@ absl::Status PrepareUnixSocketPath(const std::string& path) {
 
 absl::Status SecureUnixSocket(const std::string& path, mode_t mode, const std::string& group) {
   if (!group.empty()) {
-    std::vector<char> buf(16384);
-    struct group grp {};
-    struct group* result = nullptr;
-    int rc = ::getgrnam_r(group.c_str(), &grp, buf.data(), buf.size(), &result);
-    if (rc != 0 || result == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("'listen.unix_socket_group': no such group '", group, "'"));
+    // A name from the group database, or a numeric gid: a Kubernetes fsGroup has no /etc/group
+    // entry inside the container.
+    gid_t gid = 0;
+    uint32_t numeric = 0;
+    if (absl::SimpleAtoi(group, &numeric)) {
+      gid = static_cast<gid_t>(numeric);
+    } else {
+      std::vector<char> buf(16384);
+      struct group grp {};
+      struct group* result = nullptr;
+      int rc = ::getgrnam_r(group.c_str(), &grp, buf.data(), buf.size(), &result);
+      if (rc != 0 || result == nullptr) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("'listen.unix_socket_group': no such group '", group, "'"));
+      }
+      gid = result->gr_gid;
     }
-    if (::chown(path.c_str(), static_cast<uid_t>(-1), result->gr_gid) != 0) {
+    if (::chown(path.c_str(), static_cast<uid_t>(-1), gid) != 0) {
       return absl::PermissionDeniedError(absl::StrCat("chown '", path, "' to group '", group,
                                                       "': ", ErrnoText(errno)));
     }

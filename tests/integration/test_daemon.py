@@ -113,6 +113,14 @@ def test_sockets_have_configured_modes(daemon):
     assert stat.S_IMODE(os.stat(daemon.admin_socket).st_mode) == 0o600
 
 
+def test_numeric_socket_group(daemon_factory):
+    gid = os.getgid()
+    d = daemon_factory(name="grp", args=["--set", f"listen.unix_socket_group={gid + 4242}"])
+    # Root may give the socket to any gid, including one with no /etc/group entry (fsGroup).
+    if os.geteuid() == 0:
+        assert os.stat(d.socket).st_gid == gid + 4242
+
+
 def test_status_reports_listeners_and_digest(daemon):
     stub = admin_service_pb2_grpc.AdminServiceStub(channel(daemon.admin_socket))
     status = stub.GetStatus(admin_service_pb2.GetStatusRequest(), timeout=5)
