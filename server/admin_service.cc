@@ -90,6 +90,12 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetStatus(grpc::CallbackServerContex
   pool->set_huge_pages(info.pool_huge_pages);
   pool->set_shm_name(config_.pool.shm_name);
   pool->set_warm_restarted(info.pool_reattached);
+  response->set_device_kind(info.device_kind == "sim"    ? v1::DEVICE_KIND_SIM
+                            : info.device_kind == "cuda" ? v1::DEVICE_KIND_CUDA
+                                                         : v1::DEVICE_KIND_UNSPECIFIED);
+  response->set_sessions(static_cast<uint32_t>(info.sessions));
+  response->set_instances(static_cast<uint32_t>(info.instances));
+  response->set_namespaces(static_cast<uint32_t>(info.namespaces));
   response->set_ready(info.ready);
   response->set_draining(info.draining);
   if (!info.ready) response->set_not_ready_reason(info.draining ? "draining" : "starting");

@@ -1,18 +1,176 @@
-// CacheService: the engine data path (kvcellar.v1.CacheService): registration, Match, Load,
-// Backup and the ops around them. See DESIGN.md, "Engine data path".
+// CacheService: the engine data path (kvcellar.v1.CacheService): registration and leases, Match,
+// Load, Backup, WaitOps and Release. See DESIGN.md, "Engine data path", and docs/api.md.
 //
-// Not implemented yet: every RPC answers UNIMPLEMENTED (the generated base class), so engines
-// built against the full API get a clear answer and treat it as a miss.
+// This class is the composition root and the RPC handlers: each handler finds the session,
+// validates the request (request_validation.h: all or nothing, errors name the field), calls the
+// component that does the work, and turns the result into a reply or a gRPC status with the
+// kvcellar-error-reason / kvcellar-error-field trailing metadata (status_util.h). The components:
 //
-// Threads: RPCs arrive on gRPC's callback threads, concurrently.
+//   NamespaceRegistry  namespaces, their page geometry and radix index       namespace_registry.h
+//   SessionRegistry    sessions, instances, leases, busy blocks and slots   session_registry.h
+//   PinTable           Match pins with per-rank holds and leases            pin_table.h
+//   OpTable            async ops, the completion thread, WaitOps waiters    op_table.h
+//   DeviceMover        Load and Backup as batched device ops                device_mover.h
+//   Matcher            group-consistent lookups and the step memo           matcher.h
+//   L2Space            pool slots, eviction on a full pool, watermarks      l2_space.h
+//   SimSignalPump      SIM engines' layer and ready counters                 sim_signal_pump.h
+//
+// Threads: RPCs on gRPC's callback threads, concurrently; no handler blocks except
+// UnregisterEngine (for its drain, at most ServerLimits.max_wait_ms). Owned threads: the op
+// completion thread (OpTable), the SIM signal pump, and the housekeeper, which every
+// housekeeping_interval reaps sessions whose lease lapsed (their ops cancelled, pins dropped,
+// mappings closed), expires pin leases, forgets old op results and memoized Match answers, and
+// evicts L2 down to the low watermark when the pool is above the high one.
+//
+// Not implemented: Prefetch answers UNIMPLEMENTED, since there is no L3 tier to prefetch from yet;
+// Match reports no L3 hits and starts no prefetch whatever the policy. Write policies are
+// accepted and validated, and every page stays in L2 only.
 #ifndef KVCELLAR_SERVER_CACHE_SERVICE_H_
 #define KVCELLAR_SERVER_CACHE_SERVICE_H_
 
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "core/host_pool.h"
+#include "gpu/device_backend.h"
 #include "kvcellar/v1/cache_service.grpc.pb.h"
+#include "server/cache_limits.h"
+#include "server/cache_metrics.h"
+#include "server/config.h"
+#include "server/device_mover.h"
+#include "server/l2_space.h"
+#include "server/matcher.h"
+#include "server/metrics.h"
+#include "server/namespace_registry.h"
+#include "server/op_table.h"
+#include "server/pin_table.h"
+#include "server/session_registry.h"
+#include "server/sim_signal_pump.h"
 
 namespace kvcellar::server {
 
-class CacheServiceImpl final : public kvcellar::v1::CacheService::CallbackService {};
+struct CacheServiceOptions {
+  Config config;
+  core::HostPool* pool = nullptr;  // Required; outlives the service.
+  // The device engines' memory is on; nullptr: none (WORKER registrations are refused with
+  // DEVICE_UNAVAILABLE). Outlives the service.
+  gpu::DeviceBackend* device = nullptr;
+  uint64_t daemon_epoch = 0;
+  // nullptr: DefaultRegistry(). Outlives the service.
+  MetricsRegistry* metrics = nullptr;
+  // How often the housekeeper runs. Pin and session leases lapse at most this late.
+  absl::Duration housekeeping_interval = absl::Milliseconds(20);
+};
+
+class CacheServiceImpl final : public kvcellar::v1::CacheService::CallbackService {
+ public:
+  explicit CacheServiceImpl(CacheServiceOptions options);
+  // Ends every session (ops cancelled, mappings closed) and stops the threads. The gRPC server
+  // must have been shut down first.
+  ~CacheServiceImpl() override;
+  CacheServiceImpl(const CacheServiceImpl&) = delete;
+  CacheServiceImpl& operator=(const CacheServiceImpl&) = delete;
+
+  grpc::ServerUnaryReactor* RegisterEngine(grpc::CallbackServerContext* context,
+                                           const v1::RegisterEngineRequest* request,
+                                           v1::RegisterEngineResponse* response) override;
+  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* context,
+                                      const v1::HeartbeatRequest* request,
+                                      v1::HeartbeatResponse* response) override;
+  grpc::ServerUnaryReactor* UnregisterEngine(grpc::CallbackServerContext* context,
+                                             const v1::UnregisterEngineRequest* request,
+                                             v1::UnregisterEngineResponse* response) override;
+  grpc::ServerUnaryReactor* Match(grpc::CallbackServerContext* context,
+                                  const v1::MatchRequest* request,
+                                  v1::MatchResponse* response) override;
+  grpc::ServerUnaryReactor* Load(grpc::CallbackServerContext* context,
+                                 const v1::LoadRequest* request,
+                                 v1::LoadResponse* response) override;
+  grpc::ServerUnaryReactor* Backup(grpc::CallbackServerContext* context,
+                                   const v1::BackupRequest* request,
+                                   v1::BackupResponse* response) override;
+  grpc::ServerUnaryReactor* WaitOps(grpc::CallbackServerContext* context,
+                                    const v1::WaitOpsRequest* request,
+                                    v1::WaitOpsResponse* response) override;
+  grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* context,
+                                    const v1::ReleaseRequest* request,
+                                    v1::ReleaseResponse* response) override;
+
+  // The daemon is shutting down: new registrations and data ops get UNAVAILABLE (NOT_READY),
+  // Heartbeat says draining, and pending WaitOps return at once.
+  void SetDraining();
+
+  struct Counts {
+    size_t sessions = 0;
+    size_t instances = 0;
+    size_t namespaces = 0;
+  };
+  Counts GetCounts() const;
+  v1::DeviceKind device_kind() const { return device_kind_; }
+  const CacheLimits& limits() const { return limits_; }
+  // For tests and admin tools: the namespaces and their indexes.
+  NamespaceRegistry& namespaces() { return namespaces_; }
+
+  // Runs one housekeeping pass now (tests; the housekeeper thread runs it periodically).
+  void Housekeep();
+
+ private:
+  struct EndCounts {
+    uint32_t ops_completed = 0;
+    uint32_t ops_cancelled = 0;
+    uint32_t pins_released = 0;
+  };
+
+  absl::Status DoRegister(grpc::CallbackServerContext* context,
+                          const v1::RegisterEngineRequest& request,
+                          v1::RegisterEngineResponse* response);
+  absl::Status DoUnregister(const v1::UnregisterEngineRequest& request,
+                            v1::UnregisterEngineResponse* response);
+  absl::Status DoMatch(const v1::MatchRequest& request, v1::MatchResponse* response);
+  absl::Status DoLoad(const v1::LoadRequest& request, v1::LoadResponse* response);
+  absl::Status DoBackup(const v1::BackupRequest& request, v1::BackupResponse* response);
+  absl::Status DoRelease(const v1::ReleaseRequest& request, v1::ReleaseResponse* response);
+
+  // The live session, or SESSION_UNKNOWN.
+  absl::StatusOr<std::shared_ptr<Session>> FindSession(uint64_t session_id) const;
+  absl::Status CheckNotDraining() const;
+  // Ends a session already removed from the registry: waits up to `drain` for its ops, cancels
+  // the rest, closes its mapping (after which no copy touches engine memory) and drops its pins.
+  EndCounts EndSession(const std::shared_ptr<Session>& session, bool last_of_instance,
+                       absl::Duration drain, absl::string_view reason);
+  void HousekeeperLoop();
+  void AddCollectors();
+
+  const Config config_;
+  const CacheLimits limits_;
+  const uint64_t daemon_epoch_;
+  gpu::DeviceBackend* const device_;
+  const v1::DeviceKind device_kind_;
+  const absl::Duration housekeeping_interval_;
+  std::atomic<bool> draining_{false};
+
+  // Declaration order is construction order; destruction runs backwards, so every component is
+  // destroyed before what it points to.
+  CacheMetrics metrics_;
+  NamespaceRegistry namespaces_;
+  L2Space l2_;
+  SessionRegistry sessions_;
+  PinTable pins_;
+  OpTable ops_;
+  SimSignalPump pump_;
+  DeviceMover mover_;
+  Matcher matcher_;
+
+  absl::Mutex housekeeper_mu_;
+  bool stop_ ABSL_GUARDED_BY(housekeeper_mu_) = false;
+  std::thread housekeeper_;
+};
 
 }  // namespace kvcellar::server
 

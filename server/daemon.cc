@@ -7,6 +7,7 @@
 #include "absl/time/clock.h"
 #include "core/host_pool.h"
 #include "core/log.h"
+#include "gpu/device_factory.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
@@ -54,6 +55,19 @@ Daemon::Daemon(const Config& config, std::string config_file) : config_(config) 
 
 Daemon::~Daemon() {
   Shutdown();
+  // The services must outlive the servers, the device its mappings (held by the cache service),
+  // and the pool everything that copies into it.
+  engine_server_.reset();
+  admin_server_.reset();
+  cache_service_.reset();
+  if (device_ != nullptr) {
+    for (void* chunk : registered_chunks_) {
+      if (absl::Status s = device_->UnregisterHostMemory(chunk); !s.ok()) {
+        KVLOG(Warn, "host pool unregister failed", {{"error", s.ToString()}});
+      }
+    }
+  }
+  device_.reset();
 }
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const Config& config,
@@ -76,11 +90,21 @@ absl::Status Daemon::StartListeners() {
   RegisterProcessCollector(registry);
 
   if (absl::Status s = CreateHostPool(); !s.ok()) return s;
+  if (absl::Status s = CreateDeviceBackend(); !s.ok()) return s;
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
 
-  cache_service_ = std::make_unique<CacheServiceImpl>();
+  CacheServiceOptions cache_options;
+  cache_options.config = config_;
+  cache_options.pool = pool_.get();
+  cache_options.device = device_.get();
+  cache_options.metrics = &registry;
+  {
+    absl::MutexLock lock(&mu_);
+    cache_options.daemon_epoch = info_.epoch;
+  }
+  cache_service_ = std::make_unique<CacheServiceImpl>(std::move(cache_options));
   auto info = [this] { return Info(); };
   engine_admin_service_ = std::make_unique<AdminServiceImpl>(info, config_, /*allow_mutations=*/false);
   admin_service_ = std::make_unique<AdminServiceImpl>(info, config_, /*allow_mutations=*/true);
@@ -202,6 +226,13 @@ DaemonInfo Daemon::Info() const {
     info.pool_huge_pages = pool_->backing() != core::HugePageBacking::kNone;
     info.pool_reattached = pool_->reattached();
   }
+  if (cache_service_ != nullptr) {
+    const CacheServiceImpl::Counts counts = cache_service_->GetCounts();
+    info.sessions = counts.sessions;
+    info.instances = counts.instances;
+    info.namespaces = counts.namespaces;
+  }
+  if (device_ != nullptr) info.device_kind = std::string(device_->name());
   info.ready = started_ && !shutting_down_;
   info.draining = shutting_down_;
   return info;
@@ -253,6 +284,38 @@ absl::Status Daemon::CreateHostPool() {
   return absl::OkStatus();
 }
 
+absl::Status Daemon::CreateDeviceBackend() {
+  // Each cudaHostRegister call pins and maps its range; 1 GiB chunks keep one call short and the
+  // number of calls small for pools of hundreds of GiB (the sim device ignores registration).
+  constexpr uint64_t kRegisterChunkBytes = core::kGiB;
+  gpu::DeviceBackendOptions options;
+  switch (config_.device.kind) {
+    case DeviceKind::kAuto: options.kind = gpu::DeviceKind::kAuto; break;
+    case DeviceKind::kCuda: options.kind = gpu::DeviceKind::kCuda; break;
+    case DeviceKind::kSim: options.kind = gpu::DeviceKind::kSim; break;
+  }
+  absl::StatusOr<std::unique_ptr<gpu::DeviceBackend>> device = gpu::CreateDeviceBackend(options);
+  if (!device.ok()) {
+    return absl::Status(device.status().code(),
+                        absl::StrCat("device backend (device.kind): ", device.status().message()));
+  }
+  device_ = *std::move(device);
+  absl::Status registered =
+      pool_->ForEachChunk(kRegisterChunkBytes, [this](void* base, uint64_t bytes) {
+        absl::Status s = device_->RegisterHostMemory(base, bytes);
+        if (s.ok()) registered_chunks_.push_back(base);
+        return s;
+      });
+  if (!registered.ok()) {
+    return absl::Status(registered.code(), absl::StrCat("registering the host pool with the ",
+                                                        device_->name(), " device: ",
+                                                        registered.message()));
+  }
+  KVLOG(Info, "device backend ready",
+        {{"device", device_->name()}, {"pool_chunks", registered_chunks_.size()}});
+  return absl::OkStatus();
+}
+
 bool Daemon::ready() const {
   absl::MutexLock lock(&mu_);
   return started_ && !shutting_down_;
@@ -264,6 +327,8 @@ void Daemon::Shutdown() {
     if (shutting_down_) return;
     shutting_down_ = true;
   }
+  // Engines learn it from Heartbeat; new data ops are refused; waiting WaitOps return now.
+  if (cache_service_ != nullptr) cache_service_->SetDraining();
   absl::Time start = absl::Now();
   std::chrono::system_clock::time_point deadline =
       std::chrono::system_clock::now() +

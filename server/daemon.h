@@ -22,6 +22,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/server.h"
 #include "core/host_pool.h"
+#include "gpu/device_backend.h"
 #include "server/config.h"
 #include "server/daemon_info.h"
 
@@ -58,9 +59,13 @@ class Daemon {
   void AddListener(ListenerInfo listener);
 
   absl::Status CreateHostPool();
+  // The device backend of config device.kind, with the host pool registered with it.
+  absl::Status CreateDeviceBackend();
 
   const Config config_;
   std::unique_ptr<core::HostPool> pool_;
+  std::unique_ptr<gpu::DeviceBackend> device_;  // Destroyed after the service, before the pool.
+  std::vector<void*> registered_chunks_;        // Pool chunks registered with device_.
   std::unique_ptr<CacheServiceImpl> cache_service_;
   std::unique_ptr<AdminServiceImpl> engine_admin_service_;  // Read-only RPCs.
   std::unique_ptr<AdminServiceImpl> admin_service_;         // All RPCs.

@@ -28,6 +28,12 @@ struct DaemonInfo {
   uint64_t pool_used_bytes = 0;
   bool pool_huge_pages = false;
   bool pool_reattached = false;
+  // CacheService: live sessions, distinct instances among them, namespaces known; the device
+  // backend ("sim", "cuda", or "" when none).
+  uint64_t sessions = 0;
+  uint64_t instances = 0;
+  uint64_t namespaces = 0;
+  std::string device_kind;
   bool ready = false;
   bool draining = false;
 };

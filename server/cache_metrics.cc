@@ -1,0 +1,156 @@
+#include "server/cache_metrics.h"
+
+#include <string>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/strip.h"
+#include "core/log.h"
+
+namespace kvcellar::server {
+namespace {
+
+// Where a series goes when its family could not be registered (a name clash is a programming
+// error, logged once at startup): counting into it keeps hot paths free of null checks.
+Counter& Discard() {
+  static Counter* discard = new Counter();
+  return *discard;
+}
+
+CounterFamily* Family(MetricsRegistry* registry, absl::string_view name, absl::string_view help,
+                      std::initializer_list<absl::string_view> labels) {
+  absl::StatusOr<CounterFamily*> family =
+      registry->RegisterCounter(name, help, std::vector<absl::string_view>(labels));
+  if (!family.ok()) {
+    KVLOG(Error, "metric family not registered",
+          {{"name", name}, {"error", family.status().ToString()}});
+    return nullptr;
+  }
+  return *family;
+}
+
+Counter* Series(CounterFamily* family, std::initializer_list<absl::string_view> values) {
+  if (family == nullptr) return &Discard();
+  return &family->WithLabels(std::vector<absl::string_view>(values));
+}
+
+// "PAGE_STATUS_ALREADY_PRESENT" -> "already_present".
+std::string StatusLabel(int status) {
+  std::string name = v1::PageStatus_Name(static_cast<v1::PageStatus>(status));
+  absl::string_view rest = name;
+  absl::ConsumePrefix(&rest, "PAGE_STATUS_");
+  return absl::AsciiStrToLower(rest);
+}
+
+}  // namespace
+
+CacheMetrics::CacheMetrics(MetricsRegistry* registry) : registry_(registry) {
+  match_requests_ = Series(Family(registry, "kvcellar_match_requests_total",
+                                  "Match RPCs answered, memoized included.", {}),
+                           {});
+  CounterFamily* pages = Family(registry, "kvcellar_match_pages_total",
+                                "Pages looked up by Match (after num_computed_pages), by tier and "
+                                "result; a hit counts only when the whole TP group's shards are "
+                                "present.",
+                                {"tier", "result"});
+  CounterFamily* tokens = Family(registry, "kvcellar_match_tokens_total",
+                                 "Tokens looked up by Match (pages x page size), by tier and "
+                                 "result.",
+                                 {"tier", "result"});
+  l2_hit_pages_ = Series(pages, {"l2", "hit"});
+  l2_miss_pages_ = Series(pages, {"l2", "miss"});
+  l2_hit_tokens_ = Series(tokens, {"l2", "hit"});
+  l2_miss_tokens_ = Series(tokens, {"l2", "miss"});
+
+  CounterFamily* moved = Family(
+      registry, "kvcellar_moved_bytes_total",
+      "Bytes copied between engine devices and L2: h2d by Load, d2h by Backup.", {"direction"});
+  h2d_bytes_ = Series(moved, {"h2d"});
+  d2h_bytes_ = Series(moved, {"d2h"});
+
+  CounterFamily* ops =
+      Family(registry, "kvcellar_ops_total",
+             "Load and Backup ops that reached a terminal state, by outcome.", {"kind", "outcome"});
+  CounterFamily* op_pages =
+      Family(registry, "kvcellar_op_pages_total",
+             "Pages of terminal Load and Backup ops, by final page status.", {"kind", "status"});
+  const absl::string_view kinds[kKinds] = {"load", "backup"};
+  const absl::string_view outcomes[kOutcomes] = {"done", "failed", "cancelled"};
+  for (int k = 0; k < kKinds; ++k) {
+    for (int o = 0; o < kOutcomes; ++o) ops_[k][o] = Series(ops, {kinds[k], outcomes[o]});
+    for (int s = 0; s < kStatuses; ++s) {
+      if (!v1::PageStatus_IsValid(s) || s == v1::PAGE_STATUS_UNSPECIFIED) {
+        pages_[k][s] = &Discard();
+        continue;
+      }
+      pages_[k][s] = Series(op_pages, {kinds[k], StatusLabel(s)});
+    }
+  }
+
+  session_lease_expiries_ = Series(
+      Family(registry, "kvcellar_session_lease_expiries_total",
+             "Sessions ended because their lease lapsed (no Heartbeat): engine crash or hang.", {}),
+      {});
+  pin_lease_expiries_ =
+      Series(Family(registry, "kvcellar_pin_lease_expiries_total",
+                    "Pins ended because their lease lapsed before Load or Release.", {}),
+             {});
+  CounterFamily* evicted_pages =
+      Family(registry, "kvcellar_evicted_pages_total",
+             "Pages evicted from L2, by reason: pool_full (a Backup found no free slot), watermark "
+             "(the pool passed pool.high_watermark).",
+             {"reason"});
+  CounterFamily* evicted_bytes = Family(registry, "kvcellar_evicted_bytes_total",
+                                        "L2 slot bytes freed by eviction, by reason.", {"reason"});
+  evicted_pages_[0] = Series(evicted_pages, {"pool_full"});
+  evicted_pages_[1] = Series(evicted_pages, {"watermark"});
+  evicted_bytes_[0] = Series(evicted_bytes, {"pool_full"});
+  evicted_bytes_[1] = Series(evicted_bytes, {"watermark"});
+}
+
+CacheMetrics::~CacheMetrics() { RemoveCollectors(); }
+
+void CacheMetrics::RemoveCollectors() {
+  std::vector<CollectorId> ids;
+  {
+    absl::MutexLock lock(&mu_);
+    ids.swap(collectors_);
+  }
+  for (CollectorId id : ids) registry_->RemoveCollector(id);
+}
+
+void CacheMetrics::AddCollector(std::function<void(MetricWriter&)> collect) {
+  CollectorId id = registry_->AddCollector(std::move(collect));
+  absl::MutexLock lock(&mu_);
+  collectors_.push_back(id);
+}
+
+void CacheMetrics::CountMatch(uint64_t l2_hit_pages, uint64_t l2_miss_pages, uint32_t page_size) {
+  match_requests_->Increment();
+  l2_hit_pages_->Add(l2_hit_pages);
+  l2_miss_pages_->Add(l2_miss_pages);
+  l2_hit_tokens_->Add(l2_hit_pages * page_size);
+  l2_miss_tokens_->Add(l2_miss_pages * page_size);
+}
+
+void CacheMetrics::CountMovedBytes(v1::OpKind kind, uint64_t bytes) {
+  (kind == v1::OP_KIND_BACKUP ? d2h_bytes_ : h2d_bytes_)->Add(bytes);
+}
+
+void CacheMetrics::CountOp(v1::OpKind kind, v1::OpState state) {
+  const int outcome = state == v1::OP_STATE_DONE ? 0 : state == v1::OP_STATE_FAILED ? 1 : 2;
+  ops_[KindIndex(kind)][outcome]->Increment();
+}
+
+void CacheMetrics::CountPages(v1::OpKind kind, v1::PageStatus status, uint64_t pages) {
+  if (pages == 0 || status < 0 || status >= kStatuses) return;
+  pages_[KindIndex(kind)][status]->Add(pages);
+}
+
+void CacheMetrics::CountEviction(EvictReason reason, uint64_t pages, uint64_t bytes) {
+  const int r = static_cast<int>(reason);
+  evicted_pages_[r]->Add(pages);
+  evicted_bytes_[r]->Add(bytes);
+}
+
+}  // namespace kvcellar::server

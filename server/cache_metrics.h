@@ -1,0 +1,89 @@
+// CacheMetrics: the data path's Prometheus series (names start kvcellar_, labels bounded).
+//
+// Counters are registered once and their series resolved up front, so hot paths update an atomic
+// and never look anything up. Gauges that mirror state owned elsewhere (sessions, L2 pages) are
+// scrape-time collectors added by their owner through AddCollector; they are removed when this
+// object is destroyed, so nothing runs against freed state.
+//
+// Series:
+//   kvcellar_match_requests_total                          Match RPCs answered (memoized too)
+//   kvcellar_match_pages_total{tier,result}                pages looked up: tier=l2|l3,
+//   result=hit|miss kvcellar_match_tokens_total{tier,result}               the same in tokens
+//   (pages x page size) kvcellar_moved_bytes_total{direction}                  h2d (Load), d2h
+//   (Backup) kvcellar_ops_total{kind,outcome}                       terminal ops: load|backup x
+//   done|failed|cancelled kvcellar_op_pages_total{kind,status}                   final per-page
+//   statuses (ok, miss, ...) kvcellar_session_lease_expiries_total                  sessions ended
+//   by an expired lease kvcellar_pin_lease_expiries_total                      pins ended by an
+//   expired lease kvcellar_evicted_pages_total{reason}                   L2 evictions:
+//   pool_full|watermark kvcellar_evicted_bytes_total{reason}                   their slot bytes
+//
+// Threads: every method may be called from any thread.
+#ifndef KVCELLAR_SERVER_CACHE_METRICS_H_
+#define KVCELLAR_SERVER_CACHE_METRICS_H_
+
+#include <array>
+#include <functional>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "kvcellar/v1/common.pb.h"
+#include "server/metrics.h"
+
+namespace kvcellar::server {
+
+enum class EvictReason { kPoolFull = 0, kWatermark = 1 };
+
+class CacheMetrics {
+ public:
+  // Registers the families in `registry` (which outlives this object). Registration of a name
+  // that already exists with the same shape returns the existing family, so several services in
+  // one process (tests) share series.
+  explicit CacheMetrics(MetricsRegistry* registry);
+  ~CacheMetrics();
+  CacheMetrics(const CacheMetrics&) = delete;
+  CacheMetrics& operator=(const CacheMetrics&) = delete;
+
+  // A scrape-time collector, removed by RemoveCollectors() or the destructor.
+  void AddCollector(std::function<void(MetricWriter&)> collect);
+  // Removes every collector added here; once it returns none of them runs again. Owners call it
+  // before destroying what the collectors read.
+  void RemoveCollectors();
+
+  void CountMatch(uint64_t l2_hit_pages, uint64_t l2_miss_pages, uint32_t page_size);
+  void CountMovedBytes(v1::OpKind kind, uint64_t bytes);
+  void CountOp(v1::OpKind kind, v1::OpState state);
+  void CountPages(v1::OpKind kind, v1::PageStatus status, uint64_t pages);
+  void CountSessionLeaseExpiry() { session_lease_expiries_->Increment(); }
+  void CountPinLeaseExpiries(uint64_t n) { pin_lease_expiries_->Add(n); }
+  void CountEviction(EvictReason reason, uint64_t pages, uint64_t bytes);
+
+ private:
+  // Load and Backup; prefetch ops do not exist yet (no L3).
+  static constexpr int kKinds = 2;
+  static constexpr int kOutcomes = 3;  // done, failed, cancelled
+  static constexpr int kStatuses = v1::PageStatus_ARRAYSIZE;
+  static int KindIndex(v1::OpKind kind) { return kind == v1::OP_KIND_BACKUP ? 1 : 0; }
+
+  MetricsRegistry* const registry_;
+  Counter* match_requests_ = nullptr;
+  Counter* l2_hit_pages_ = nullptr;
+  Counter* l2_miss_pages_ = nullptr;
+  Counter* l2_hit_tokens_ = nullptr;
+  Counter* l2_miss_tokens_ = nullptr;
+  Counter* h2d_bytes_ = nullptr;
+  Counter* d2h_bytes_ = nullptr;
+  std::array<std::array<Counter*, kOutcomes>, kKinds> ops_{};
+  std::array<std::array<Counter*, kStatuses>, kKinds> pages_{};
+  Counter* session_lease_expiries_ = nullptr;
+  Counter* pin_lease_expiries_ = nullptr;
+  std::array<Counter*, 2> evicted_pages_{};
+  std::array<Counter*, 2> evicted_bytes_{};
+
+  absl::Mutex mu_;
+  std::vector<CollectorId> collectors_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvcellar::server
+
+#endif  // KVCELLAR_SERVER_CACHE_METRICS_H_

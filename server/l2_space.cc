@@ -1,0 +1,118 @@
+#include "server/l2_space.h"
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "core/log.h"
+
+namespace kvcellar::server {
+
+L2Space::L2Space(core::HostPool* pool, NamespaceRegistry* namespaces, double high_watermark,
+                 double low_watermark, CacheMetrics* metrics)
+    : pool_(pool),
+      namespaces_(namespaces),
+      high_watermark_(high_watermark),
+      low_watermark_(low_watermark),
+      metrics_(metrics) {}
+
+absl::StatusOr<core::SlotRef> L2Space::Allocate(Namespace& ns, uint64_t evict_bytes) {
+  const uint64_t object_bytes = ns.object_bytes();
+  absl::StatusOr<core::SlotRef> slot = pool_->Allocate(object_bytes);
+  if (slot.ok() || slot.status().code() != absl::StatusCode::kResourceExhausted) return slot;
+
+  // Same namespace first: its pages free slots of exactly this size class.
+  evict_bytes = std::max(evict_bytes, ns.slot_bytes());
+  if (EvictFrom(ns, evict_bytes, EvictReason::kPoolFull) > 0) {
+    slot = pool_->Allocate(object_bytes);
+    if (slot.ok()) return slot;
+  }
+  // Then the others, largest first: a region returns to the shared free list once all its slots
+  // are free, so freeing more than one slot's worth is what makes a region change class.
+  std::vector<std::pair<uint64_t, std::shared_ptr<Namespace>>> others;
+  for (std::shared_ptr<Namespace>& other : namespaces_->Snapshot()) {
+    if (other.get() == &ns || other->index() == nullptr) continue;
+    others.emplace_back(other->index()->Stats().l2_bytes, std::move(other));
+  }
+  std::sort(others.begin(), others.end(),
+            [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (auto& [bytes, other] : others) {
+    if (bytes == 0) break;
+    if (EvictFrom(*other, std::max(evict_bytes, pool_->region_bytes()), EvictReason::kPoolFull) ==
+        0) {
+      continue;
+    }
+    slot = pool_->Allocate(object_bytes);
+    if (slot.ok()) return slot;
+  }
+  return slot;
+}
+
+void L2Space::Free(core::SlotRef slot) {
+  if (!slot.valid()) return;
+  if (absl::Status s = pool_->Free(slot); !s.ok()) {
+    // The index hands each slot back exactly once; a failure here is a bookkeeping bug. Keep
+    // serving (the slot stays allocated: a leak, never a double use).
+    KVLOG(Error, "host pool free failed", {{"error", s.ToString()}});
+  }
+}
+
+void L2Space::FreeReleased(absl::Span<const core::ReleasedObject> released) {
+  for (const core::ReleasedObject& r : released) Free(r.slot);
+}
+
+uint64_t L2Space::EvictFrom(Namespace& ns, uint64_t bytes, EvictReason reason) {
+  core::RadixIndex* index = ns.index();
+  if (index == nullptr) return 0;
+  std::vector<core::ReleasedObject> evicted;
+  const uint64_t freed = index->EvictBytes(bytes, &evicted);
+  if (evicted.empty()) return 0;
+  FreeReleased(evicted);
+  // Pages, not objects: an MHA page has one object per shard, evicted together.
+  uint64_t pages = 0;
+  for (size_t i = 0; i < evicted.size(); ++i) {
+    if (i == 0 || evicted[i].key != evicted[i - 1].key) ++pages;
+  }
+  metrics_->CountEviction(reason, pages, freed);
+  return freed;
+}
+
+uint64_t L2Space::UsedBytes() const {
+  uint64_t used = 0;
+  for (const core::SizeClassStats& c : pool_->Stats()) used += c.bytes_used;
+  return used;
+}
+
+uint64_t L2Space::EnforceWatermarks() {
+  const double capacity = static_cast<double>(pool_->capacity_bytes());
+  const uint64_t used = UsedBytes();
+  if (static_cast<double>(used) <= high_watermark_ * capacity) return 0;
+  const uint64_t target = static_cast<uint64_t>(low_watermark_ * capacity);
+  uint64_t to_free = used - std::min(used, target);
+
+  std::vector<std::pair<uint64_t, std::shared_ptr<Namespace>>> by_size;
+  for (std::shared_ptr<Namespace>& ns : namespaces_->Snapshot()) {
+    if (ns->index() == nullptr) continue;
+    by_size.emplace_back(ns->index()->Stats().l2_bytes, std::move(ns));
+  }
+  uint64_t total = 0;
+  for (const auto& [bytes, ns] : by_size) total += bytes;
+  if (total == 0) return 0;
+  // Each namespace gives up its share of the excess, in proportion to what it holds, so one
+  // busy model does not drain the others.
+  uint64_t freed = 0;
+  for (const auto& [bytes, ns] : by_size) {
+    if (bytes == 0) continue;
+    const uint64_t share =
+        static_cast<uint64_t>(static_cast<double>(to_free) * (static_cast<double>(bytes) / total)) +
+        1;
+    freed += EvictFrom(*ns, share, EvictReason::kWatermark);
+  }
+  if (freed > 0) {
+    KVLOG(Info, "l2 watermark eviction",
+          {{"used_bytes", used}, {"freed_bytes", freed}, {"target_bytes", target}});
+  }
+  return freed;
+}
+
+}  // namespace kvcellar::server

@@ -1,0 +1,151 @@
+#include "server/pin_table.h"
+
+#include <utility>
+
+namespace kvcellar::server {
+
+void PinTable::Unpin(uint64_t id, const Pin& pin) {
+  if (core::RadixIndex* index = pin.ns->index(); index != nullptr) index->ReleaseOwner(id);
+}
+
+void PinTable::Add(uint64_t id, const std::string& instance_id, std::shared_ptr<Namespace> ns,
+                   std::vector<core::PageKey> keys, uint32_t holds, absl::Duration lease,
+                   absl::Time deadline) {
+  Pin pin;
+  pin.instance_id = instance_id;
+  pin.ns = std::move(ns);
+  pin.keys = std::move(keys);
+  pin.held.assign(holds, true);
+  pin.holds_left = holds;
+  pin.lease = lease;
+  pin.deadline = deadline;
+  absl::MutexLock lock(&mu_);
+  pins_.emplace(id, std::move(pin));
+}
+
+bool PinTable::DropHold(uint64_t id, const std::string& instance_id, uint32_t rank) {
+  Pin ended;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = pins_.find(id);
+    if (it == pins_.end() || it->second.instance_id != instance_id) return false;
+    Pin& pin = it->second;
+    if (rank < pin.held.size() && pin.held[rank]) {
+      pin.held[rank] = false;
+      --pin.holds_left;
+    }
+    if (pin.holds_left > 0) return false;
+    ended = std::move(pin);
+    pins_.erase(it);
+  }
+  Unpin(id, ended);
+  return true;
+}
+
+bool PinTable::Release(uint64_t id, const std::string& instance_id) {
+  Pin ended;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = pins_.find(id);
+    if (it == pins_.end() || it->second.instance_id != instance_id) return false;
+    ended = std::move(it->second);
+    pins_.erase(it);
+  }
+  Unpin(id, ended);
+  return true;
+}
+
+std::vector<uint64_t> PinTable::Renew(absl::Span<const uint64_t> ids,
+                                      const std::string& instance_id, absl::Time now) {
+  std::vector<uint64_t> unknown;
+  struct Renewal {
+    uint64_t id;
+    std::shared_ptr<Namespace> ns;
+    std::vector<core::PageKey> keys;
+    absl::Time deadline;
+  };
+  std::vector<Renewal> renewals;
+  {
+    absl::MutexLock lock(&mu_);
+    for (uint64_t id : ids) {
+      auto it = pins_.find(id);
+      if (it == pins_.end() || it->second.instance_id != instance_id ||
+          it->second.deadline <= now) {
+        unknown.push_back(id);
+        continue;
+      }
+      it->second.deadline = now + it->second.lease;
+      renewals.push_back({id, it->second.ns, it->second.keys, it->second.deadline});
+    }
+  }
+  // Pinning again under the same owner keeps the later deadline in the index; the extra count
+  // goes with the owner's other pins at ReleaseOwner.
+  for (const Renewal& r : renewals) {
+    if (core::RadixIndex* index = r.ns->index(); index != nullptr) {
+      index->Pin(r.id, r.keys, r.deadline);
+    }
+  }
+  return unknown;
+}
+
+size_t PinTable::ExpireDue(absl::Time now) {
+  std::vector<std::pair<uint64_t, Pin>> ended;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = pins_.begin(); it != pins_.end();) {
+      if (it->second.deadline <= now) {
+        ended.emplace_back(it->first, std::move(it->second));
+        pins_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (const auto& [id, pin] : ended) Unpin(id, pin);
+  return ended.size();
+}
+
+size_t PinTable::ReleaseInstance(const std::string& instance_id) {
+  std::vector<std::pair<uint64_t, Pin>> ended;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = pins_.begin(); it != pins_.end();) {
+      if (it->second.instance_id == instance_id) {
+        ended.emplace_back(it->first, std::move(it->second));
+        pins_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (const auto& [id, pin] : ended) Unpin(id, pin);
+  return ended.size();
+}
+
+size_t PinTable::DropRankHolds(const std::string& instance_id, uint32_t rank) {
+  std::vector<std::pair<uint64_t, Pin>> ended;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = pins_.begin(); it != pins_.end();) {
+      Pin& pin = it->second;
+      if (pin.instance_id == instance_id && rank < pin.held.size() && pin.held[rank]) {
+        pin.held[rank] = false;
+        if (--pin.holds_left == 0) {
+          ended.emplace_back(it->first, std::move(pin));
+          pins_.erase(it++);
+          continue;
+        }
+      }
+      ++it;
+    }
+  }
+  for (const auto& [id, pin] : ended) Unpin(id, pin);
+  return ended.size();
+}
+
+size_t PinTable::size() const {
+  absl::MutexLock lock(&mu_);
+  return pins_.size();
+}
+
+}  // namespace kvcellar::server

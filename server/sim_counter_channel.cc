@@ -1,0 +1,79 @@
+#include "server/sim_counter_channel.h"
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "server/status_util.h"
+
+namespace kvcellar::server {
+namespace {
+
+static_assert(std::atomic_ref<uint64_t>::is_always_lock_free,
+              "shared-memory words must be lock-free atomics to work across processes");
+
+// Header fields after the 8-byte magic.
+constexpr uint64_t kVersionOffset = 8;
+constexpr uint64_t kLoadSlotsOffset = 12;
+constexpr uint64_t kLayersOffset = 16;
+constexpr uint64_t kReadySlotsOffset = 20;
+
+uint32_t ReadU32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+absl::Status HandleError(absl::string_view field, absl::string_view message) {
+  return CacheError(absl::StatusCode::kFailedPrecondition, v1::ERROR_REASON_HANDLE_OPEN_FAILED,
+                    field, message);
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<SimCounterChannel>> SimCounterChannel::Open(
+    absl::string_view name, uint64_t size_bytes, uint32_t num_load_slots, uint32_t num_layers,
+    uint32_t num_ready_slots) {
+  constexpr absl::string_view kNameField = "completion.sim_counters.shm_name";
+  constexpr absl::string_view kSizeField = "completion.sim_counters.size_bytes";
+  const uint64_t need = Bytes(num_load_slots, num_layers, num_ready_slots);
+  if (size_bytes < need) {
+    return InvalidField(kSizeField,
+                        absl::StrCat(kSizeField, " (", size_bytes, ") is below the ", need,
+                                     " bytes that ", num_load_slots, " load slots of ", num_layers,
+                                     " layers and ", num_ready_slots, " ready slots need"));
+  }
+  absl::StatusOr<gpu::ShmMapping> shm = gpu::ShmMapping::Open(name, need);
+  if (!shm.ok()) {
+    return HandleError(kNameField,
+                       absl::StrCat(kNameField, " \"", name, "\": ", shm.status().message()));
+  }
+  const uint8_t* p = shm->data();
+  if (std::memcmp(p, kMagic, 8) != 0) {
+    return HandleError(kNameField, absl::StrCat(kNameField, " \"", name,
+                                                "\": not a KVCSIG01 signal region (bad magic)"));
+  }
+  if (ReadU32(p + kVersionOffset) != kVersion) {
+    return HandleError(kNameField,
+                       absl::StrCat(kNameField, " \"", name, "\": header version ",
+                                    ReadU32(p + kVersionOffset), ", expected ", kVersion));
+  }
+  struct Check {
+    absl::string_view field;
+    uint64_t offset;
+    uint32_t want;
+  };
+  for (const Check& c : {Check{"completion.num_load_slots", kLoadSlotsOffset, num_load_slots},
+                         Check{"layout.layers", kLayersOffset, num_layers},
+                         Check{"completion.num_ready_slots", kReadySlotsOffset, num_ready_slots}}) {
+    if (ReadU32(p + c.offset) != c.want) {
+      return HandleError(c.field, absl::StrCat(kNameField, " \"", name, "\": the header says ",
+                                               ReadU32(p + c.offset), " for ", c.field,
+                                               ", the registration ", c.want));
+    }
+  }
+  return std::shared_ptr<SimCounterChannel>(
+      new SimCounterChannel(*std::move(shm), num_load_slots, num_layers, num_ready_slots));
+}
+
+}  // namespace kvcellar::server

@@ -1,0 +1,323 @@
+// Tests CacheService's request validation (server/request_validation.h) through the real
+// service: every kind of bad request is rejected whole, with the gRPC code, the
+// kvcellar-error-reason and kvcellar-error-field trailers the proto documents, and nothing is
+// copied or changed: the engine's blocks, the index and the pool are exactly as before.
+#include <functional>
+
+#include "tests/server/cache_test_harness.h"
+
+namespace kvcellar::server::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct Expect {
+  grpc::StatusCode code;
+  std::string reason;
+  std::string field;
+  std::string message = "";
+};
+
+class CacheValidationTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    h_ = std::make_unique<CacheHarness>();
+    a_ = std::make_unique<TestEngine>(16, false, 1);
+    h_->Register(*a_, "inst-a", 0, Spec());
+    scheduler_ = h_->RegisterScheduler("inst-a", Spec());
+    keys_ = CacheHarness::Keys(Spec(), Tokens(1, 4));
+    h_->Wait(a_->session, h_->Backup(a_->session, keys_, 0, 2, {0, 1}).op().op_id());
+  }
+
+  // Runs `call` and checks that it failed as expected and changed nothing.
+  void Rejected(const std::string& what, const std::function<Rpc()>& call, const Expect& e) {
+    SCOPED_TRACE(what);
+    const std::string memory = a_->Snapshot();
+    const core::RadixIndexStats before = h_->IndexStats();
+    const uint64_t slots = h_->PoolSlotsUsed();
+    const size_t sessions = h_->service().GetCounts().sessions;
+    Rpc r = call();
+    EXPECT_EQ(r.status.error_code(), e.code) << r.status.error_message();
+    EXPECT_EQ(r.reason, e.reason);
+    EXPECT_EQ(r.field, e.field);
+    if (!e.message.empty()) {
+      EXPECT_THAT(r.status.error_message(), HasSubstr(e.message));
+    }
+    absl::SleepFor(absl::Milliseconds(5));  // Anything wrongly submitted would be copying now.
+    EXPECT_EQ(a_->Snapshot(), memory) << "engine memory changed";
+    const core::RadixIndexStats after = h_->IndexStats();
+    EXPECT_EQ(after.l2_objects, before.l2_objects);
+    EXPECT_EQ(after.l2_inflight_objects, before.l2_inflight_objects);
+    EXPECT_EQ(after.pinned_pages, before.pinned_pages);
+    EXPECT_EQ(h_->PoolSlotsUsed(), slots);
+    EXPECT_EQ(h_->service().GetCounts().sessions, sessions);
+  }
+
+  v1::LoadRequest GoodLoad() const {
+    v1::LoadRequest req;
+    req.set_session_id(a_->session);
+    v1::LoadSequence* seq = req.add_sequences();
+    seq->set_page_keys(KeyBlob(keys_, 0, 2));
+    seq->add_device_blocks(5);
+    seq->add_device_blocks(6);
+    return req;
+  }
+  v1::BackupRequest GoodBackup() const {
+    v1::BackupRequest req;
+    req.set_session_id(a_->session);
+    v1::BackupSequence* seq = req.add_sequences();
+    seq->set_parent_key(std::string(keys_[1].AsBytes()));
+    seq->set_page_keys(KeyBlob(keys_, 2, 4));
+    seq->add_device_blocks(7);
+    seq->add_device_blocks(8);
+    return req;
+  }
+  Rpc DoLoad(const v1::LoadRequest& req) {
+    v1::LoadResponse resp;
+    return h_->Load(req, &resp);
+  }
+  Rpc DoBackup(const v1::BackupRequest& req) {
+    v1::BackupResponse resp;
+    return h_->Backup(req, &resp);
+  }
+  Rpc DoRegister(const v1::RegisterEngineRequest& req) {
+    v1::RegisterEngineResponse resp;
+    return h_->RegisterEngine(req, &resp);
+  }
+
+  std::unique_ptr<CacheHarness> h_;
+  std::unique_ptr<TestEngine> a_;
+  uint64_t scheduler_ = 0;
+  std::vector<core::PageKey> keys_;
+};
+
+constexpr auto kInvalid = grpc::StatusCode::INVALID_ARGUMENT;
+constexpr auto kPrecondition = grpc::StatusCode::FAILED_PRECONDITION;
+
+TEST_F(CacheValidationTest, GoodRequestsPass) {
+  v1::LoadResponse l;
+  ASSERT_TRUE(h_->Load(GoodLoad(), &l).ok());
+  EXPECT_EQ(h_->Wait(a_->session, l.op().op_id()).state(), v1::OP_STATE_DONE);
+  v1::BackupResponse b;
+  ASSERT_TRUE(h_->Backup(GoodBackup(), &b).ok());
+  EXPECT_EQ(h_->Wait(a_->session, b.op().op_id()).sequences(0).leading_ok_pages(), 2u);
+}
+
+TEST_F(CacheValidationTest, LoadRejections) {
+  v1::LoadRequest r = GoodLoad();
+  r.mutable_sequences(0)->mutable_page_keys()->push_back('x');
+  Rejected(
+      "key blob", [&] { return DoLoad(r); },
+      {kInvalid, "ERROR_REASON_INVALID_FIELD", "sequences[0].page_keys", "not a multiple of 32"});
+
+  r = GoodLoad();
+  r.mutable_sequences(0)->add_device_blocks(9);
+  Rejected("count mismatch", [&] { return DoLoad(r); },
+           {kInvalid, "ERROR_REASON_INVALID_FIELD", "sequences[0].device_blocks",
+            "3 blocks for 2 page keys"});
+
+  r = GoodLoad();
+  v1::LoadSequence* second = r.add_sequences();
+  second->set_page_keys(KeyBlob(keys_, 2, 4));
+  second->add_device_blocks(7);
+  second->add_device_blocks(9000);
+  Rejected("out of range", [&] { return DoLoad(r); },
+           {kInvalid, "ERROR_REASON_BLOCK_OUT_OF_RANGE", "sequences[1].device_blocks[1]",
+            "sequences[1].device_blocks[1] (9000) out of range [0, 16)"});
+
+  second->set_device_blocks(1, 5);  // Repeats sequences[0].device_blocks[0].
+  Rejected("duplicate block", [&] { return DoLoad(r); },
+           {kInvalid, "ERROR_REASON_BLOCK_OUT_OF_RANGE", "sequences[1].device_blocks[1]",
+            "repeats sequences[0].device_blocks[0]"});
+
+  r = GoodLoad();
+  std::vector<core::PageKey> many = CacheHarness::Keys(Spec(), Tokens(9, 65));
+  v1::LoadSequence* big = r.mutable_sequences(0);
+  big->set_page_keys(KeyBlob(many));
+  big->clear_device_blocks();
+  for (uint32_t i = 0; i < 65; ++i) big->add_device_blocks(i % 16);
+  Rejected("batch over max_batch_pages", [&] { return DoLoad(r); },
+           {kInvalid, "ERROR_REASON_LIMIT_EXCEEDED", "sequences", "max_batch_pages (64)"});
+
+  r = GoodLoad();
+  r.set_session_id(12345);
+  Rejected("unknown session", [&] { return DoLoad(r); },
+           {kPrecondition, "ERROR_REASON_SESSION_UNKNOWN", "session_id"});
+
+  r = GoodLoad();
+  r.set_session_id(scheduler_);
+  Rejected("scheduler", [&] { return DoLoad(r); },
+           {kPrecondition, "ERROR_REASON_WRONG_ROLE", "session_id"});
+
+  r = GoodLoad();
+  r.set_signal_layers(true);
+  r.set_completion_slot(TestEngine::kLoadSlots);
+  Rejected("slot", [&] { return DoLoad(r); },
+           {kInvalid, "ERROR_REASON_INVALID_FIELD", "completion_slot", "out of range [0, 4)"});
+}
+
+TEST_F(CacheValidationTest, BackupRejections) {
+  v1::BackupRequest r = GoodBackup();
+  r.mutable_sequences(0)->mutable_parent_key()->pop_back();
+  Rejected("parent key", [&] { return DoBackup(r); },
+           {kInvalid, "ERROR_REASON_INVALID_FIELD", "sequences[0].parent_key"});
+
+  r = GoodBackup();
+  r.mutable_ready()->set_slot(TestEngine::kReadySlots);
+  r.mutable_ready()->set_sim_token(1);
+  Rejected("ready slot", [&] { return DoBackup(r); },
+           {kInvalid, "ERROR_REASON_INVALID_FIELD", "ready.slot"});
+
+  r = GoodBackup();
+  r.mutable_ready()->set_slot(0);
+  Rejected("sim token 0", [&] { return DoBackup(r); },
+           {kInvalid, "ERROR_REASON_INVALID_FIELD", "ready.sim_token"});
+
+  r = GoodBackup();
+  r.set_write_policy(static_cast<v1::WritePolicy>(99));
+  Rejected("write policy", [&] { return DoBackup(r); },
+           {kInvalid, "ERROR_REASON_INVALID_FIELD", "write_policy"});
+
+  r = GoodBackup();
+  r.mutable_sequences(0)->set_device_blocks(0, 16);
+  Rejected("out of range", [&] { return DoBackup(r); },
+           {kInvalid, "ERROR_REASON_BLOCK_OUT_OF_RANGE", "sequences[0].device_blocks[0]"});
+
+  r = GoodBackup();
+  r.set_session_id(scheduler_);
+  Rejected("scheduler", [&] { return DoBackup(r); },
+           {kPrecondition, "ERROR_REASON_WRONG_ROLE", "session_id"});
+}
+
+TEST_F(CacheValidationTest, MatchRejections) {
+  v1::MatchRequest r;
+  r.set_session_id(a_->session);
+  v1::MatchSequence* seq = r.add_sequences();
+  const std::vector<uint32_t> tokens = Tokens(1, 2);
+  seq->mutable_token_ids()->Add(tokens.begin(), tokens.end());
+  seq->set_page_keys(KeyBlob(keys_, 0, 1));
+  v1::MatchResponse resp;
+  Rejected("keys and tokens", [&] { return h_->Match(r, &resp); },
+           {kInvalid, "ERROR_REASON_INVALID_FIELD", "sequences[0]"});
+  seq->clear_token_ids();
+  seq->mutable_page_keys()->pop_back();
+  Rejected("key blob", [&] { return h_->Match(r, &resp); },
+           {kInvalid, "ERROR_REASON_INVALID_FIELD", "sequences[0].page_keys"});
+  seq->set_page_keys(KeyBlob(keys_, 0, 1));
+  r.set_prefetch_policy(static_cast<v1::PrefetchPolicy>(42));
+  Rejected("prefetch policy", [&] { return h_->Match(r, &resp); },
+           {kInvalid, "ERROR_REASON_INVALID_FIELD", "prefetch_policy"});
+  r.set_prefetch_policy(v1::PREFETCH_POLICY_UNSPECIFIED);
+  r.set_pin(true);
+  r.set_session_id(777);
+  Rejected("unknown session", [&] { return h_->Match(r, &resp); },
+           {kPrecondition, "ERROR_REASON_SESSION_UNKNOWN", "session_id"});
+
+  // Tokens in an opaque namespace.
+  TestEngine o(16, false, 3);
+  h_->Register(o, "inst-o", 0, Spec(1, false, /*opaque=*/true));
+  v1::MatchRequest t;
+  t.set_session_id(o.session);
+  t.add_sequences()->mutable_token_ids()->Add(tokens.begin(), tokens.end());
+  Rejected("tokens in opaque namespace", [&] { return h_->Match(t, &resp); },
+           {kInvalid, "ERROR_REASON_TOKENS_IN_OPAQUE_NAMESPACE", "sequences[0].token_ids"});
+}
+
+TEST_F(CacheValidationTest, RegisterRejections) {
+  TestEngine b(16, false, 2);
+  v1::RegisterEngineRequest r = b.Register("inst-b", 2, Spec(/*tp=*/2));
+  Rejected("rank", [&] { return DoRegister(r); },
+           {kInvalid, "ERROR_REASON_INVALID_FIELD", "rank", "rank (2) out of range"});
+
+  r = b.Register("inst-b", 0, Spec());
+  r.mutable_device()->set_kind(v1::DEVICE_KIND_CUDA);
+  Rejected("device kind", [&] { return DoRegister(r); },
+           {kPrecondition, "ERROR_REASON_DEVICE_UNAVAILABLE", "device.kind"});
+
+  r = b.Register("inst-b", 0, Spec());
+  r.mutable_device()->set_uuid("short");
+  Rejected("uuid", [&] { return DoRegister(r); },
+           {kInvalid, "ERROR_REASON_INVALID_FIELD", "device.uuid"});
+
+  r = b.Register("inst-b", 0, Spec());
+  r.mutable_namespace_spec()->clear_model_id();
+  Rejected("model id", [&] { return DoRegister(r); },
+           {kInvalid, "ERROR_REASON_INVALID_FIELD", "namespace_spec.model_id"});
+
+  r = b.Register("inst-b", 0, Spec());
+  r.mutable_namespace_spec()->set_layout_kind(v1::LAYOUT_KIND_UNSPECIFIED);
+  Rejected("layout kind", [&] { return DoRegister(r); },
+           {kInvalid, "ERROR_REASON_INVALID_FIELD", "namespace_spec.layout_kind"});
+
+  r = b.Register("inst-b", 0, Spec());
+  r.mutable_layout()->mutable_layers(1)->clear_v();
+  Rejected("MHA layer without V", [&] { return DoRegister(r); },
+           {kInvalid, "ERROR_REASON_INVALID_FIELD", "layout.layers[1].v"});
+
+  r = b.Register("inst-b", 0, Spec());
+  r.mutable_layout()->mutable_layers(0)->mutable_k()->set_bytes_per_block(kBytesPerBlock + 1);
+  Rejected("buffer overlaps its next block", [&] { return DoRegister(r); },
+           {kInvalid, "ERROR_REASON_INVALID_FIELD", "layout.layers[0].k.bytes_per_block"});
+
+  r = b.Register("inst-b", 0, Spec());
+  r.mutable_layout()->set_tokens_per_block(kPageSize * 2);
+  Rejected("tokens per block", [&] { return DoRegister(r); },
+           {kInvalid, "ERROR_REASON_INVALID_FIELD", "layout.tokens_per_block"});
+
+  r = b.Register("inst-b", 0, Spec());
+  r.mutable_layout()->mutable_layers(0)->mutable_k()->set_bytes_per_block(kBytesPerBlock / 2);
+  Rejected("geometry differs from the namespace's", [&] { return DoRegister(r); },
+           {kPrecondition, "ERROR_REASON_GROUP_MISMATCH", "layout.layers[0].k.bytes_per_block"});
+
+  r = b.Register("inst-a", 0, Spec(1, false, false, "other-model"));
+  Rejected("instance namespace", [&] { return DoRegister(r); },
+           {kPrecondition, "ERROR_REASON_GROUP_MISMATCH", "namespace_spec"});
+
+  r = b.Register("inst-b", 0, Spec());
+  r.mutable_completion()->set_num_load_slots(TestEngine::kLoadSlots - 1);
+  Rejected("counters header", [&] { return DoRegister(r); },
+           {kPrecondition, "ERROR_REASON_HANDLE_OPEN_FAILED", "completion.num_load_slots"});
+
+  r = b.Register("inst-b", 0, Spec());
+  r.mutable_completion()->mutable_sim_counters()->set_shm_name("/kvc-no-such-object");
+  Rejected("counters object", [&] { return DoRegister(r); },
+           {kPrecondition, "ERROR_REASON_HANDLE_OPEN_FAILED", "completion.sim_counters.shm_name"});
+
+  r = b.Register("inst-b", 0, Spec());
+  r.mutable_layout()->mutable_regions(0)->set_sim_shm_name("/kvc-no-such-region");
+  Rejected("region object", [&] { return DoRegister(r); },
+           {kPrecondition, "ERROR_REASON_HANDLE_OPEN_FAILED", "layout.regions[0]"});
+
+  r = b.Register("", 0, Spec());
+  Rejected("instance id", [&] { return DoRegister(r); },
+           {kInvalid, "ERROR_REASON_INVALID_FIELD", "instance_id"});
+
+  // And the same engine registers fine once the request is right.
+  EXPECT_TRUE(DoRegister(b.Register("inst-b", 0, Spec())).ok());
+}
+
+TEST_F(CacheValidationTest, WaitOpsAndReleaseRejections) {
+  v1::WaitOpsRequest w;
+  w.set_session_id(a_->session);
+  v1::WaitOpsResponse wr;
+  Rejected("no ids", [&] { return h_->WaitOps(w, &wr); },
+           {kInvalid, "ERROR_REASON_INVALID_FIELD", "op_ids"});
+  w.add_op_ids(1);
+  w.set_mode(static_cast<v1::WaitMode>(7));
+  Rejected("mode", [&] { return h_->WaitOps(w, &wr); },
+           {kInvalid, "ERROR_REASON_INVALID_FIELD", "mode"});
+  v1::ReleaseRequest rel;
+  rel.set_session_id(999);
+  v1::ReleaseResponse rr;
+  Rejected("unknown session", [&] { return h_->Release(rel, &rr); },
+           {kPrecondition, "ERROR_REASON_SESSION_UNKNOWN", "session_id"});
+  // Heartbeat of an unknown session is an answer, not an error.
+  v1::HeartbeatRequest hb;
+  hb.set_session_id(999);
+  v1::HeartbeatResponse hr;
+  ASSERT_TRUE(h_->Heartbeat(hb, &hr).ok());
+  EXPECT_EQ(hr.state(), v1::SESSION_STATE_UNKNOWN);
+}
+
+}  // namespace
+}  // namespace kvcellar::server::testing
