@@ -4,6 +4,7 @@
 
 #include "absl/time/clock.h"
 #include "server/build_info.h"
+#include "server/cache_limits.h"
 
 namespace kvcellar::server {
 namespace {
@@ -99,9 +100,7 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetStatus(grpc::CallbackServerContex
   response->set_ready(info.ready);
   response->set_draining(info.draining);
   if (!info.ready) response->set_not_ready_reason(info.draining ? "draining" : "starting");
-  v1::ServerLimits* limits = response->mutable_limits();
-  limits->set_max_batch_pages(static_cast<uint32_t>(config_.server.max_batch_pages));
-  limits->set_max_message_bytes(config_.server.max_message_bytes);
+  CacheLimits::FromConfig(config_).ToProto(response->mutable_limits());
   response->set_hostname(Hostname());
   return Finish(context, grpc::Status::OK);
 }

@@ -125,6 +125,9 @@ def test_status_reports_listeners_and_digest(daemon):
     stub = admin_service_pb2_grpc.AdminServiceStub(channel(daemon.admin_socket))
     status = stub.GetStatus(admin_service_pb2.GetStatusRequest(), timeout=5)
     assert status.ready and not status.draining
+    # The limits engines are given at registration, all of them.
+    assert status.limits.max_batch_pages == 65536 and status.limits.max_pin_lease_ms > 0
+    assert status.limits.max_layers > 0 and status.limits.max_wait_ms > 0
     addresses = {l.address for l in status.listeners}
     assert {daemon.socket, daemon.admin_socket, daemon.http} <= addresses
     config = stub.GetConfig(admin_service_pb2.GetConfigRequest(), timeout=5)
