@@ -1,0 +1,116 @@
+#include "storage/object_format.h"
+
+#include <cstring>
+
+#include "storage/crc32c.h"
+
+namespace kvcellar::storage {
+namespace {
+
+constexpr char kMagic[8] = {'K', 'V', 'C', 'E', 'L', 'L', 'A', 'R'};
+constexpr size_t kOffVersion = 8;
+constexpr size_t kOffHeaderSize = 10;
+constexpr size_t kOffFlags = 12;
+constexpr size_t kOffNs = 16;
+constexpr size_t kOffKey = 48;
+constexpr size_t kOffShard = 80;
+constexpr size_t kOffPayloadCrc = 84;
+constexpr size_t kOffPayloadBytes = 88;
+constexpr size_t kOffCreated = 96;
+constexpr size_t kOffHeaderCrc = 124;
+static_assert(kOffHeaderCrc + 4 == kObjectHeaderBytes);
+
+// Explicit little-endian stores and loads: the format is the same on every host.
+template <typename T>
+void Store(uint8_t* p, T v) {
+  for (size_t i = 0; i < sizeof(T); ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+template <typename T>
+T Load(const uint8_t* p) {
+  T v = 0;
+  for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<T>(p[i]) << (8 * i);
+  return v;
+}
+
+}  // namespace
+
+absl::string_view ObjectDefectName(ObjectDefect d) {
+  switch (d) {
+    case ObjectDefect::kNone: return "none";
+    case ObjectDefect::kTruncated: return "truncated";
+    case ObjectDefect::kBadMagic: return "bad_magic";
+    case ObjectDefect::kBadVersion: return "bad_version";
+    case ObjectDefect::kBadHeaderCrc: return "bad_header_crc";
+    case ObjectDefect::kForeignNamespace: return "foreign_namespace";
+    case ObjectDefect::kForeignKey: return "foreign_key";
+    case ObjectDefect::kForeignShard: return "foreign_shard";
+    case ObjectDefect::kSizeMismatch: return "size_mismatch";
+    case ObjectDefect::kBadPayloadCrc: return "bad_payload_crc";
+  }
+  return "unknown";
+}
+
+void EncodeObjectHeader(const ObjectHeader& h, uint8_t* out) {
+  std::memset(out, 0, kObjectHeaderBytes);
+  std::memcpy(out, kMagic, sizeof(kMagic));
+  Store<uint16_t>(out + kOffVersion, kObjectFormatVersion);
+  Store<uint16_t>(out + kOffHeaderSize, static_cast<uint16_t>(kObjectHeaderBytes));
+  Store<uint32_t>(out + kOffFlags, 0);
+  std::memcpy(out + kOffNs, h.ns.bytes.data(), core::kPageKeyBytes);
+  std::memcpy(out + kOffKey, h.key.bytes.data(), core::kPageKeyBytes);
+  Store<uint32_t>(out + kOffShard, h.shard);
+  Store<uint32_t>(out + kOffPayloadCrc, h.payload_crc);
+  Store<uint64_t>(out + kOffPayloadBytes, h.payload_bytes);
+  Store<uint64_t>(out + kOffCreated, h.created_unix_ms);
+  Store<uint32_t>(out + kOffHeaderCrc, Crc32c(out, kOffHeaderCrc));
+}
+
+ObjectHeader MakeObjectHeader(const core::PageKey& ns, const core::PageKey& key, uint32_t shard,
+                              const uint8_t* payload, uint64_t payload_bytes,
+                              uint64_t created_unix_ms) {
+  ObjectHeader h;
+  h.ns = ns;
+  h.key = key;
+  h.shard = shard;
+  h.payload_bytes = payload_bytes;
+  h.payload_crc = Crc32c(payload, payload_bytes);
+  h.created_unix_ms = created_unix_ms;
+  return h;
+}
+
+ObjectDefect DecodeObjectHeader(const uint8_t* in, size_t available, ObjectHeader* out) {
+  if (available < kObjectHeaderBytes) return ObjectDefect::kTruncated;
+  if (std::memcmp(in, kMagic, sizeof(kMagic)) != 0) return ObjectDefect::kBadMagic;
+  // Version before CRC: a newer format may lay out (and checksum) its header differently.
+  if (Load<uint16_t>(in + kOffVersion) != kObjectFormatVersion) return ObjectDefect::kBadVersion;
+  if (Load<uint32_t>(in + kOffHeaderCrc) != Crc32c(in, kOffHeaderCrc)) {
+    return ObjectDefect::kBadHeaderCrc;
+  }
+  if (Load<uint16_t>(in + kOffHeaderSize) != kObjectHeaderBytes) return ObjectDefect::kBadVersion;
+  std::memcpy(out->ns.bytes.data(), in + kOffNs, core::kPageKeyBytes);
+  std::memcpy(out->key.bytes.data(), in + kOffKey, core::kPageKeyBytes);
+  out->shard = Load<uint32_t>(in + kOffShard);
+  out->payload_crc = Load<uint32_t>(in + kOffPayloadCrc);
+  out->payload_bytes = Load<uint64_t>(in + kOffPayloadBytes);
+  out->created_unix_ms = Load<uint64_t>(in + kOffCreated);
+  return ObjectDefect::kNone;
+}
+
+ObjectDefect VerifyObject(const uint8_t* header, size_t header_available,
+                          const ExpectedObject& expected, const uint8_t* payload,
+                          uint64_t payload_available, ObjectHeader* out) {
+  ObjectHeader h;
+  ObjectDefect d = DecodeObjectHeader(header, header_available, &h);
+  if (d != ObjectDefect::kNone) return d;
+  if (h.ns != *expected.ns) return ObjectDefect::kForeignNamespace;
+  if (h.key != *expected.key) return ObjectDefect::kForeignKey;
+  if (h.shard != expected.shard) return ObjectDefect::kForeignShard;
+  if (h.payload_bytes > expected.capacity) return ObjectDefect::kSizeMismatch;
+  if (payload_available < h.payload_bytes) return ObjectDefect::kTruncated;
+  if (payload_available > h.payload_bytes) return ObjectDefect::kSizeMismatch;
+  if (Crc32c(payload, h.payload_bytes) != h.payload_crc) return ObjectDefect::kBadPayloadCrc;
+  if (out != nullptr) *out = h;
+  return ObjectDefect::kNone;
+}
+
+}  // namespace kvcellar::storage

@@ -1,0 +1,97 @@
+// RedisBackend: the L3 tier in Redis or Valkey, standalone or cluster, shared by every daemon
+// that points at it.
+//
+// Each object is one string value: the 128-byte header of storage/object_format.h followed by the
+// payload, under the key
+//   <key_prefix><ns>:<page key>:<shard>     e.g. kvc:882cbfe3f98cb863:354fe3...:0
+// (<ns>: first 8 bytes of the namespace digest in hex, <page key>: 64 hex characters). Reads check
+// the header and CRC like the file backend, so a value damaged in memory, a truncated write, or
+// another namespace's value under a colliding name is a miss, removed (UNLINK) and counted.
+// Optional TTL (SET ... PX) lets Redis age objects out on its own; otherwise its maxmemory policy
+// does (an OOM error is kRejected).
+//
+// Batches are pipelined: a batch is split by node (cluster) and over that node's connections,
+// and each connection writes all its commands and reads all replies in one round trip. Writes go
+// out with writev straight from the host slots (no copy into a command buffer); replies are
+// parsed by hiredis' reader with reply functions that copy a GET's payload straight from the
+// socket buffer into the destination slot (no reply object per page).
+//
+// Failures never hang: every connect and every pipeline runs under a deadline (the batch's, at
+// most command_timeout by default). A dead server fails objects with kRetry within the connect
+// timeout, and after a failed connect a node is not retried for `reconnect_backoff` (objects fail
+// at once meanwhile); a stalled server fails them at the deadline, and the connection is dropped
+// (replies might still arrive). When the server comes back the next batch reconnects.
+//
+// Cluster: see redis_cluster.h. MOVED updates the slot and resends (up to max_redirects per
+// object), ASK resends once with ASKING; either, and connection errors, schedule a topology
+// refresh (CLUSTER SLOTS) on a background thread, rate-limited.
+//
+// Threads: all Backend methods from any thread. Each connection has its own worker thread
+// (connections_per_node per node), which runs one pipeline at a time and calls `done` when it
+// resolves a batch's last object; a refresher thread updates the cluster map; a callback thread
+// delivers batches that completed during submission.
+#ifndef KVCELLAR_STORAGE_REDIS_BACKEND_H_
+#define KVCELLAR_STORAGE_REDIS_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "storage/backend.h"
+
+namespace kvcellar::storage {
+
+struct RedisBackendOptions {
+  // Standalone: one address. Cluster: seed nodes (any subset of the cluster).
+  // "host:port", "[v6]:port" or "unix:/path".
+  std::vector<std::string> addresses;
+  bool cluster = false;
+  int connections_per_node = 4;
+  absl::Duration connect_timeout = absl::Milliseconds(500);
+  // Default batch deadline when a request has none.
+  absl::Duration command_timeout = absl::Seconds(2);
+  // After a failed connect, objects for that node fail at once for this long.
+  absl::Duration reconnect_backoff = absl::Milliseconds(100);
+  // Least time between two cluster topology refreshes.
+  absl::Duration refresh_interval = absl::Milliseconds(100);
+  std::string key_prefix = "kvc:";
+  absl::Duration ttl = absl::ZeroDuration();  // Zero: no expiry.
+  std::string password;  // AUTH on connect when set.
+  // Redis refuses strings over proto-max-bulk-len (512 MiB by default), header included.
+  uint64_t max_object_bytes = (uint64_t{512} << 20) - 128;
+  size_t max_batch_items = 8192;
+  int max_redirects = 5;
+};
+
+class RedisBackend final : public Backend {
+ public:
+  // Fails only on bad options: an unreachable server is an L3 that is down, not a startup error
+  // (objects get kRetry until it answers).
+  static absl::StatusOr<std::unique_ptr<RedisBackend>> Create(const RedisBackendOptions& options);
+  // Completes every batch in flight (servers that do not answer fail them at their deadline).
+  ~RedisBackend() override;
+
+  absl::string_view name() const override;
+  Capabilities capabilities() const override;
+  absl::Status Exists(const ExistsRequest& request, ExistsCallback done) override;
+  absl::Status Get(const GetRequest& request, BatchCallback done) override;
+  absl::Status Put(const PutRequest& request, BatchCallback done) override;
+  absl::Status Delete(const DeleteRequest& request, BatchCallback done) override;
+  BackendStats Stats() const override;
+
+  // The Redis key of an object (tests, tools).
+  std::string ObjectKey(const PageKey& ns, const PageKey& key, uint32_t shard) const;
+
+ private:
+  class Impl;
+  explicit RedisBackend(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvcellar::storage
+
+#endif  // KVCELLAR_STORAGE_REDIS_BACKEND_H_

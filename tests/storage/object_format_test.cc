@@ -1,0 +1,114 @@
+#include "storage/object_format.h"
+
+#include <cstring>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "storage_test_util.h"
+
+namespace kvcellar::storage {
+namespace {
+
+using testing::TestKey;
+using testing::TestNamespace;
+
+class ObjectFormatTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ns_ = TestNamespace();
+    key_ = TestKey(1);
+    payload_.resize(10000);
+    testing::FillPayload(key_, 3, payload_.data(), payload_.size());
+    EncodeObjectHeader(MakeObjectHeader(ns_, key_, 3, payload_.data(), payload_.size(), 1234),
+                       header_);
+  }
+  ObjectDefect Verify(uint64_t capacity = 1 << 20) const {
+    ExpectedObject e{&ns_, &key_, 3, capacity};
+    return VerifyObject(header_, sizeof(header_), e, payload_.data(), payload_.size());
+  }
+
+  core::PageKey ns_, key_;
+  std::vector<uint8_t> payload_;
+  uint8_t header_[kObjectHeaderBytes];
+};
+
+TEST_F(ObjectFormatTest, RoundTrip) {
+  ObjectHeader h;
+  ASSERT_EQ(DecodeObjectHeader(header_, sizeof(header_), &h), ObjectDefect::kNone);
+  EXPECT_EQ(h.ns, ns_);
+  EXPECT_EQ(h.key, key_);
+  EXPECT_EQ(h.shard, 3u);
+  EXPECT_EQ(h.payload_bytes, payload_.size());
+  EXPECT_EQ(h.created_unix_ms, 1234u);
+  EXPECT_EQ(Verify(), ObjectDefect::kNone);
+}
+
+TEST_F(ObjectFormatTest, StableEncoding) {
+  // The format is shared by daemons of different versions: pin the layout.
+  EXPECT_EQ(std::memcmp(header_, "KVCELLAR", 8), 0);
+  EXPECT_EQ(header_[8], 1);  // version
+  EXPECT_EQ(header_[10], 128);  // header size
+  EXPECT_EQ(std::memcmp(header_ + 16, ns_.bytes.data(), 32), 0);
+  EXPECT_EQ(std::memcmp(header_ + 48, key_.bytes.data(), 32), 0);
+  EXPECT_EQ(header_[80], 3);
+  uint64_t size;
+  std::memcpy(&size, header_ + 88, 8);
+  EXPECT_EQ(size, payload_.size());
+}
+
+TEST_F(ObjectFormatTest, EveryDefectIsNamed) {
+  {
+    ExpectedObject e{&ns_, &key_, 3, 1 << 20};
+    EXPECT_EQ(VerifyObject(header_, 100, e, payload_.data(), payload_.size()),
+              ObjectDefect::kTruncated);
+    EXPECT_EQ(VerifyObject(header_, sizeof(header_), e, payload_.data(), payload_.size() - 1),
+              ObjectDefect::kTruncated);
+    EXPECT_EQ(VerifyObject(header_, sizeof(header_), e, payload_.data(), payload_.size() + 1),
+              ObjectDefect::kSizeMismatch);
+  }
+  EXPECT_EQ(Verify(/*capacity=*/payload_.size() - 1), ObjectDefect::kSizeMismatch);
+  {
+    core::PageKey other_ns = ns_;
+    other_ns.bytes[31] ^= 1;
+    ExpectedObject e{&other_ns, &key_, 3, 1 << 20};
+    EXPECT_EQ(VerifyObject(header_, sizeof(header_), e, payload_.data(), payload_.size()),
+              ObjectDefect::kForeignNamespace);
+  }
+  {
+    core::PageKey other = TestKey(2);
+    ExpectedObject e{&ns_, &other, 3, 1 << 20};
+    EXPECT_EQ(VerifyObject(header_, sizeof(header_), e, payload_.data(), payload_.size()),
+              ObjectDefect::kForeignKey);
+  }
+  {
+    ExpectedObject e{&ns_, &key_, 4, 1 << 20};
+    EXPECT_EQ(VerifyObject(header_, sizeof(header_), e, payload_.data(), payload_.size()),
+              ObjectDefect::kForeignShard);
+  }
+  payload_[5000] ^= 0x10;
+  EXPECT_EQ(Verify(), ObjectDefect::kBadPayloadCrc);
+  payload_[5000] ^= 0x10;
+  header_[0] = 'X';
+  EXPECT_EQ(Verify(), ObjectDefect::kBadMagic);
+  header_[0] = 'K';
+  header_[8] = 2;
+  EXPECT_EQ(Verify(), ObjectDefect::kBadVersion);
+  header_[8] = 1;
+  header_[90] ^= 1;  // payload size
+  EXPECT_EQ(Verify(), ObjectDefect::kBadHeaderCrc);
+  header_[90] ^= 1;
+  EXPECT_EQ(Verify(), ObjectDefect::kNone);
+}
+
+TEST_F(ObjectFormatTest, EverySingleBitFlipInTheHeaderIsCaught) {
+  for (size_t byte = 0; byte < kObjectHeaderBytes; ++byte) {
+    for (int bit = 0; bit < 8; ++bit) {
+      header_[byte] ^= static_cast<uint8_t>(1 << bit);
+      EXPECT_NE(Verify(), ObjectDefect::kNone) << "byte " << byte << " bit " << bit;
+      header_[byte] ^= static_cast<uint8_t>(1 << bit);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvcellar::storage
