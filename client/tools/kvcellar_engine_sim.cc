@@ -1,0 +1,737 @@
+// kvcellar-engine-sim: a real engine process on the sim device, for integration tests.
+//
+//   kvcellar-engine-sim [ENGINE FLAGS] COMMAND [COMMAND FLAGS]
+//
+// It creates a sim KV cache (client/sim_engine.h), registers it with libkvcellar-client, and runs
+// one command. Tokens come from --tokens-seed (page i of a prompt is a pure function of it), and
+// block bytes from the pattern of (seed, page key, shard, layer, byte), so any process can verify
+// what another backed up. One JSON object on stdout per command (hold prints it before sleeping);
+// log lines on stderr.
+//
+// Exit codes: 0 success; 1 wrong bytes were loaded (the failure that must never happen); 2 usage;
+// 3 setup failed (shared memory, client, registration rejected by the daemon); 4 the cache did
+// less than --expect-* asked (not stored, too few hits, never registered).
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "client/kvcellar_client.h"
+#include "client/sim_engine.h"
+#include "core/runtime_paths.h"
+
+namespace {
+
+namespace kc = ::kvcellar::client;
+namespace core = ::kvcellar::core;
+
+constexpr int kExitOk = 0;
+constexpr int kExitMismatch = 1;
+constexpr int kExitUsage = 2;
+constexpr int kExitSetup = 3;
+constexpr int kExitExpectation = 4;
+
+// A vocabulary size of a typical tokenizer (Llama 3 has 128256); tokens only need to vary.
+constexpr uint32_t kVocab = 128000;
+// Bytes of a stale-block marker: loaded blocks are set to this first, so a page the daemon claims
+// to have loaded but did not shows up as a mismatch.
+constexpr uint8_t kStaleByte = 0xEE;
+
+constexpr char kUsage[] = R"(usage: kvcellar-engine-sim [ENGINE FLAGS] COMMAND [FLAGS]
+
+engine flags:
+  --addr SOCK            daemon socket (default: the default socket path)
+  --instance ID          instance id (default sim-PID)
+  --rank R --tp T        TP rank and size (default 0, 1)
+  --layout mha|mla       (default mha)
+  --layers L             (default 2)
+  --block-bytes B        bytes per block per buffer (K, V or latent) per layer (default 4096)
+  --blocks N             blocks in the KV pool (default 64)
+  --page-size P          tokens per page/block (default 16)
+  --model M              model id (default sim-model); --revision REV (rev1); --dtype (bf16);
+                         --tenant T ("")
+  --arrangement layer|block   KV arrangement (default layer)
+  --no-signals           register without a completion channel
+  --rpc-timeout-ms N     per-RPC deadline (default 1000)
+  --backoff-max-ms N     longest delay between reconnection attempts (default 1000)
+  --register-wait-ms N   wait this long for the session before the command (default 5000)
+  --wait-ms N            longest wait for an op (default 10000)
+  --replace              replace a live session of the same (instance, rank)
+  --shm-prefix P         name the sim shm objects /P-PID-kv and /P-PID-sig
+
+commands:
+  backup --seed S --tokens-seed X --pages N [--first-block B] [--ready late|early|none]
+      fill blocks B.. with the pattern of the prompt's keys, Backup them, wait.
+      JSON: stored, state, statuses. Exit 4 unless every page is stored.
+  load --tokens-seed X --pages N [--first-block B] --verify-seed S [--pin] [--expect-hits H]
+       [--no-layer-signals]
+      Match, Load the hit into blocks B.., wait (per layer when signals are on), verify every
+      byte. JSON: hits, loaded, verified_bytes, mismatched_bytes. Exit 1 on any mismatch.
+  random --duration-s D --seed S [--tokens-seed X] [--docs U] [--max-pages N] [--rng-seed R]
+         [--think-ms T]
+      random Match/Load/Backup over a universe of U prompts shared by every process with the
+      same --tokens-seed; every loaded byte verified. Exit 1 on any mismatch.
+  hold [--pin] --tokens-seed X --pages N [--hold-s S]
+      Match (pinning the hit), print JSON, then sleep (to be killed).
+
+exit codes: 0 ok; 1 wrong bytes loaded; 2 usage; 3 setup failed (shared memory, client, the
+daemon rejected the registration); 4 the cache did less than asked (not stored, too few hits).
+)";
+
+// ---- Flags -----------------------------------------------------------------------------------
+
+class Flags {
+ public:
+  bool Parse(int argc, char** argv, std::string* command, std::string* error) {
+    static const std::set<std::string> kBool = {"--pin", "--no-signals", "--replace",
+                                                "--no-layer-signals"};
+    // Every flag of every command: a typo fails before anything is created or registered.
+    // clang-format off
+    static const std::set<std::string> kKnown = {
+        "--addr", "--instance", "--rank", "--tp", "--layout", "--layers", "--block-bytes",
+        "--blocks", "--page-size", "--model", "--revision", "--dtype", "--tenant",
+        "--arrangement", "--no-signals", "--rpc-timeout-ms", "--backoff-max-ms",
+        "--register-wait-ms", "--wait-ms", "--replace", "--shm-prefix", "--seed", "--tokens-seed",
+        "--pages", "--first-block", "--ready", "--verify-seed", "--pin", "--expect-hits",
+        "--no-layer-signals", "--duration-s", "--docs", "--max-pages", "--rng-seed",
+        "--think-ms", "--hold-s"};
+    // clang-format on
+    for (int i = 1; i < argc; ++i) {
+      std::string a = argv[i];
+      if (a == "-h" || a == "--help") {
+        *error = "help";
+        return false;
+      }
+      if (a.rfind("--", 0) != 0) {
+        if (!command->empty()) {
+          *error = absl::StrCat("unexpected argument '", a, "'");
+          return false;
+        }
+        *command = a;
+        continue;
+      }
+      const std::string name = a.substr(0, a.find('='));
+      if (!kKnown.count(name)) {
+        *error = absl::StrCat("unknown flag ", name);
+        return false;
+      }
+      if (size_t eq = a.find('='); eq != std::string::npos) {
+        values_[name] = a.substr(eq + 1);
+      } else if (kBool.count(a)) {
+        values_[a] = "1";
+      } else if (i + 1 < argc) {
+        values_[a] = argv[++i];
+      } else {
+        *error = absl::StrCat(a, " needs a value");
+        return false;
+      }
+    }
+    return true;
+  }
+  std::string Str(const std::string& name, const std::string& dflt = "") {
+    used_.insert(name);
+    auto it = values_.find(name);
+    return it == values_.end() ? dflt : it->second;
+  }
+  bool Bool(const std::string& name) { return !Str(name).empty(); }
+  bool Has(const std::string& name) {
+    used_.insert(name);
+    return values_.count(name) > 0;
+  }
+  uint64_t U64(const std::string& name, uint64_t dflt) {
+    std::string v = Str(name);
+    uint64_t out;
+    if (v.empty()) return dflt;
+    if (!absl::SimpleAtoi(v, &out)) {
+      bad_ = absl::StrCat(name, ": '", v, "' is not a number");
+      return dflt;
+    }
+    return out;
+  }
+  double Double(const std::string& name, double dflt) {
+    std::string v = Str(name);
+    double out;
+    if (v.empty()) return dflt;
+    if (!absl::SimpleAtod(v, &out)) {
+      bad_ = absl::StrCat(name, ": '", v, "' is not a number");
+      return dflt;
+    }
+    return out;
+  }
+  // The first problem: a bad number or a flag no command read.
+  std::string Problem() const {
+    if (!bad_.empty()) return bad_;
+    for (const auto& [k, v] : values_) {
+      if (!used_.count(k)) return absl::StrCat("unknown flag ", k);
+    }
+    return "";
+  }
+
+ private:
+  std::map<std::string, std::string> values_;
+  std::set<std::string> used_;
+  std::string bad_;
+};
+
+// ---- JSON ------------------------------------------------------------------------------------
+
+// One flat-or-nested JSON object built in insertion order.
+class Json {
+ public:
+  Json& Num(absl::string_view k, uint64_t v) { return Raw(k, absl::StrCat(v)); }
+  Json& Double(absl::string_view k, double v) { return Raw(k, absl::StrFormat("%.3f", v)); }
+  Json& Bool(absl::string_view k, bool v) { return Raw(k, v ? "true" : "false"); }
+  Json& Str(absl::string_view k, absl::string_view v) {
+    std::string q = "\"";
+    for (char c : v) {
+      if (c == '"' || c == '\\') {
+        q += '\\';
+        q += c;
+      } else if (static_cast<unsigned char>(c) < 0x20) {
+        q += absl::StrFormat("\\u%04x", c);
+      } else {
+        q += c;
+      }
+    }
+    q += '"';
+    return Raw(k, q);
+  }
+  Json& Obj(absl::string_view k, const Json& j) { return Raw(k, j.Dump()); }
+  Json& Raw(absl::string_view k, absl::string_view v) {
+    fields_.push_back(absl::StrCat("\"", k, "\": ", v));
+    return *this;
+  }
+  std::string Dump() const { return absl::StrCat("{", absl::StrJoin(fields_, ", "), "}"); }
+
+ private:
+  std::vector<std::string> fields_;
+};
+
+Json StatusCounts(const kc::OpResult& r) {
+  std::map<std::string, uint64_t> counts;
+  for (const kc::SequenceResult& s : r.sequences) {
+    for (kc::PageStatus p : s.page_status) ++counts[kc::PageStatusName(p)];
+  }
+  Json j;
+  for (const auto& [k, v] : counts) j.Num(k, v);
+  return j;
+}
+
+Json StatsJson(const kc::ClientStats& s) {
+  Json j;
+  j.Num("rpcs_ok", s.rpcs_ok)
+      .Num("rpcs_failed", s.rpcs_failed)
+      .Num("rpcs_unavailable", s.rpcs_unavailable)
+      .Num("rpcs_deadline_exceeded", s.rpcs_deadline_exceeded)
+      .Num("rpcs_unimplemented", s.rpcs_unimplemented)
+      .Num("degraded_calls", s.degraded_calls)
+      .Num("registrations", s.registrations)
+      .Num("reregistrations", s.reregistrations)
+      .Num("registration_failures", s.registration_failures)
+      .Num("sessions_lost", s.sessions_lost)
+      .Num("heartbeats_ok", s.heartbeats_ok)
+      .Num("heartbeats_failed", s.heartbeats_failed)
+      .Num("ns_digest_mismatches", s.ns_digest_mismatches)
+      .Num("ops_failed_session_lost", s.ops_failed_session_lost)
+      .Num("uncertain_submissions", s.uncertain_submissions);
+  return j;
+}
+
+// ---- The engine ------------------------------------------------------------------------------
+
+uint64_t Mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Token i of prompt `doc` in the universe of `seed`.
+std::vector<uint32_t> Tokens(uint64_t seed, uint64_t doc, size_t n) {
+  std::vector<uint32_t> t(n);
+  const uint64_t base = Mix(Mix(seed) ^ doc);
+  for (size_t i = 0; i < n; ++i) t[i] = static_cast<uint32_t>(Mix(base + i) % kVocab);
+  return t;
+}
+
+struct Engine {
+  std::unique_ptr<kc::Client> client;
+  std::unique_ptr<kc::SimEngine> sim;
+  std::unique_ptr<kc::Session> session;
+  uint32_t page_size = 16;
+  absl::Duration op_wait = absl::Seconds(10);
+  bool layer_signals = true;
+
+  uint32_t shard() const { return session->info().shard_index; }
+
+  Json SessionJson() const {
+    const kc::SessionInfo i = session->info();
+    return Json()
+        .Str("state", kc::SessionStateName(session->state()))
+        .Num("generation", i.generation)
+        .Num("shard_index", i.shard_index)
+        .Num("num_shards", i.num_shards)
+        .Bool("is_shard_writer", i.is_shard_writer)
+        .Num("page_object_bytes", i.page_object_bytes)
+        .Str("ns_digest", i.ns_digest.Hex());
+  }
+
+  // Waits for the op to be terminal (or op_wait to pass).
+  kc::OpResult Wait(kc::OpResult r) {
+    const absl::Time deadline = absl::Now() + op_wait;
+    while (!r.terminal() && absl::Now() < deadline) {
+      kc::WaitOptions w;
+      w.timeout = std::min(absl::Seconds(1), deadline - absl::Now());
+      r = session->WaitOps({r.ref}, w)[0];
+      if (!r.terminal() && !r.status.ok()) absl::SleepFor(absl::Milliseconds(20));
+    }
+    return r;
+  }
+
+  // Backs up pages [from, keys.size()) held in `blocks` (one per page from `from`), with the
+  // pattern of `seed`. ready: "late" fills after the Backup call and then publishes the ready
+  // token (the daemon must wait for it), "early" fills and publishes first, "none" fills and
+  // sends no ready signal.
+  kc::OpResult Backup(const std::vector<core::PageKey>& keys, size_t from,
+                      const std::vector<uint32_t>& blocks, uint64_t seed, const std::string& ready,
+                      kc::OpResult* submitted) {
+    const uint32_t sh = shard();
+    auto fill = [&] {
+      for (size_t i = from; i < keys.size(); ++i)
+        sim->FillBlock(blocks[i - from], seed, keys[i], sh);
+    };
+    kc::BackupSequence seq;
+    if (from > 0) {
+      seq.has_parent = true;
+      seq.parent = keys[from - 1];
+    }
+    seq.keys = absl::MakeConstSpan(keys).subspan(from);
+    seq.blocks = blocks;
+    kc::BackupOptions opts;
+    const bool signals = sim->has_signals() && sim->signals().num_ready_slots() > 0;
+    if (ready != "none" && signals) {
+      opts.has_ready = true;
+      opts.ready_slot = 0;
+      opts.ready_token = sim->NextReadyToken();
+      opts.ready_timeout_ms = static_cast<uint32_t>(absl::ToInt64Milliseconds(op_wait));
+    }
+    if (ready != "late" || !opts.has_ready) {
+      fill();
+      if (opts.has_ready) sim->PublishReady(opts.ready_slot, opts.ready_token);
+    }
+    kc::OpResult r = session->Backup({seq}, opts);
+    if (submitted != nullptr) *submitted = r;
+    if (ready == "late" && opts.has_ready) {
+      fill();
+      sim->PublishReady(opts.ready_slot, opts.ready_token);
+    }
+    return Wait(std::move(r));
+  }
+
+  struct LoadOutcome {
+    kc::OpResult result;
+    uint32_t loaded = 0;
+    uint64_t verified_bytes = 0;
+    uint64_t mismatched_bytes = 0;
+    uint32_t layers_signalled = 0;
+    std::string first_mismatch;
+  };
+
+  // Loads keys[from, from + n) into `blocks` and verifies every byte of the usable prefix against
+  // the pattern of `seed`; with layer signals, also each layer as soon as it is signalled.
+  LoadOutcome Load(const std::vector<core::PageKey>& keys, size_t from, size_t n,
+                   const std::vector<uint32_t>& blocks, uint64_t pin_id, uint64_t seed) {
+    LoadOutcome out;
+    const uint32_t sh = shard();
+    for (size_t i = 0; i < n; ++i) sim->ClearBlock(blocks[i], kStaleByte);
+    kc::LoadSequence seq;
+    seq.keys = absl::MakeConstSpan(keys).subspan(from, n);
+    seq.blocks = absl::MakeConstSpan(blocks).subspan(0, n);
+    seq.pin_id = pin_id;
+    seq.release_pin = pin_id != 0;
+    kc::LoadOptions opts;
+    const bool signals = layer_signals && sim->has_signals() && sim->signals().num_load_slots() > 0;
+    opts.signal_layers = signals;
+    opts.completion_slot = 0;
+    kc::OpResult r = session->Load({seq}, opts);
+    const uint32_t promised = r.sequences.empty() ? 0 : r.sequences[0].leading_ok_pages;
+    if (signals && r.ref.op_id != 0 && r.status.ok()) {
+      // Layer l may be used as soon as it is signalled: check its bytes right then (before later
+      // layers land). The signal means "done with the layer", not "it succeeded", so what was
+      // seen counts only once the op word says the op succeeded.
+      const absl::Time deadline = absl::Now() + op_wait;
+      uint64_t early_bad = 0;
+      std::string early_first;
+      for (uint32_t l = 0; l < sim->num_layers(); ++l) {
+        if (!session->WaitLayerSignal(r.ref, 0, l, deadline).ok()) break;
+        ++out.layers_signalled;
+        for (size_t i = 0; i < promised; ++i) {
+          std::string first;
+          const uint64_t bad =
+              sim->CountLayerMismatches(blocks[i], l, seed, keys[from + i], sh, &first);
+          if (bad > 0 && early_first.empty()) early_first = first;
+          early_bad += bad;
+        }
+      }
+      const absl::Status op = session->WaitLoadSignal(r.ref, 0, deadline);
+      if (op.ok() && early_bad > 0) {
+        out.mismatched_bytes += early_bad;
+        out.first_mismatch =
+            absl::StrCat("(layer signalled before its bytes landed) ", early_first);
+      }
+    }
+    r = Wait(std::move(r));
+    out.result = r;
+    out.loaded = r.usable_pages(0);
+    for (size_t i = 0; i < out.loaded; ++i) {
+      std::string first;
+      const uint64_t bad = sim->CountMismatches(blocks[i], seed, keys[from + i], sh, &first);
+      if (bad > 0 && out.first_mismatch.empty()) out.first_mismatch = first;
+      out.mismatched_bytes += bad;
+      out.verified_bytes += sim->page_bytes();
+    }
+    return out;
+  }
+};
+
+std::vector<uint32_t> Range(uint32_t first, size_t n) {
+  std::vector<uint32_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = first + static_cast<uint32_t>(i);
+  return v;
+}
+
+int CmdBackup(Engine& e, Flags& f) {
+  const uint64_t seed = f.U64("--seed", 1);
+  const uint64_t tseed = f.U64("--tokens-seed", 1);
+  const uint64_t pages = f.U64("--pages", 1);
+  const uint32_t first = static_cast<uint32_t>(f.U64("--first-block", 0));
+  const std::string ready = f.Str("--ready", "late");
+  if (std::string p = f.Problem(); !p.empty()) {
+    std::fprintf(stderr, "%s\n", p.c_str());
+    return kExitUsage;
+  }
+  if (ready != "late" && ready != "early" && ready != "none") {
+    std::fprintf(stderr, "--ready must be late, early or none\n");
+    return kExitUsage;
+  }
+  if (first + pages > e.sim->num_blocks()) {
+    std::fprintf(stderr, "blocks [%u, %lu) exceed --blocks\n", first, first + pages);
+    return kExitUsage;
+  }
+  const std::vector<core::PageKey> keys =
+      e.session->ComputeKeys(Tokens(tseed, 0, pages * e.page_size));
+  kc::OpResult submitted;
+  kc::OpResult r = e.Backup(keys, 0, Range(first, pages), seed, ready, &submitted);
+  const uint32_t stored = r.usable_pages(0);
+  Json j;
+  j.Str("cmd", "backup")
+      .Num("pages", pages)
+      .Num("stored", stored)
+      .Str("state", kc::OpStateName(r.state))
+      .Str("error", r.status.ok() ? r.error_message : r.status.ToString())
+      .Obj("submitted", StatusCounts(submitted))
+      .Obj("final", StatusCounts(r))
+      .Str("first_key", keys.empty() ? "" : keys[0].Hex())
+      .Obj("session", e.SessionJson())
+      .Obj("stats", StatsJson(e.client->stats()));
+  std::printf("%s\n", j.Dump().c_str());
+  return stored == pages ? kExitOk : kExitExpectation;
+}
+
+int CmdLoad(Engine& e, Flags& f) {
+  const uint64_t seed = f.U64("--verify-seed", 1);
+  const uint64_t tseed = f.U64("--tokens-seed", 1);
+  const uint64_t pages = f.U64("--pages", 1);
+  const uint32_t first = static_cast<uint32_t>(f.U64("--first-block", 0));
+  const bool pin = f.Bool("--pin");
+  const bool expect = f.Has("--expect-hits");
+  const uint64_t expect_hits = f.U64("--expect-hits", 0);
+  if (std::string p = f.Problem(); !p.empty()) {
+    std::fprintf(stderr, "%s\n", p.c_str());
+    return kExitUsage;
+  }
+  if (first + pages > e.sim->num_blocks()) {
+    std::fprintf(stderr, "blocks [%u, %lu) exceed --blocks\n", first, first + pages);
+    return kExitUsage;
+  }
+  const std::vector<uint32_t> tokens = Tokens(tseed, 0, pages * e.page_size);
+  kc::MatchSequence ms;
+  ms.tokens = tokens;
+  kc::MatchOptions mo;
+  mo.pin = pin;
+  const kc::MatchReply m = e.session->Match({ms}, mo);
+  const kc::MatchResult& mr = m.results[0];
+  Engine::LoadOutcome lo;
+  if (mr.l2_hit_pages > 0) {
+    lo = e.Load(mr.keys, 0, mr.l2_hit_pages, Range(first, mr.l2_hit_pages), mr.pin_id, seed);
+  }
+  Json j;
+  j.Str("cmd", "load")
+      .Num("pages", pages)
+      .Num("hits", mr.l2_hit_pages)
+      .Num("l3_hits", mr.l3_hit_pages)
+      .Num("pin_id", mr.pin_id)
+      .Str("match_error", m.status.ok() ? "" : m.status.ToString())
+      .Num("loaded", lo.loaded)
+      .Str("state", mr.l2_hit_pages > 0 ? kc::OpStateName(lo.result.state) : "NONE")
+      .Str("error", lo.result.status.ok() ? lo.result.error_message : lo.result.status.ToString())
+      .Num("layers_signalled", lo.layers_signalled)
+      .Num("verified_bytes", lo.verified_bytes)
+      .Num("mismatched_bytes", lo.mismatched_bytes)
+      .Str("first_mismatch", lo.first_mismatch)
+      .Obj("final", StatusCounts(lo.result))
+      .Obj("session", e.SessionJson())
+      .Obj("stats", StatsJson(e.client->stats()));
+  std::printf("%s\n", j.Dump().c_str());
+  if (lo.mismatched_bytes > 0) return kExitMismatch;
+  if (expect && lo.loaded < expect_hits) return kExitExpectation;
+  return kExitOk;
+}
+
+int CmdHold(Engine& e, Flags& f) {
+  const uint64_t tseed = f.U64("--tokens-seed", 1);
+  const uint64_t pages = f.U64("--pages", 1);
+  const bool pin = f.Bool("--pin");
+  const double hold_s = f.Double("--hold-s", 3600);
+  if (std::string p = f.Problem(); !p.empty()) {
+    std::fprintf(stderr, "%s\n", p.c_str());
+    return kExitUsage;
+  }
+  const std::vector<uint32_t> tokens = Tokens(tseed, 0, pages * e.page_size);
+  kc::MatchSequence ms;
+  ms.tokens = tokens;
+  kc::MatchOptions mo;
+  mo.pin = pin;
+  const kc::MatchReply m = e.session->Match({ms}, mo);
+  Json j;
+  j.Str("cmd", "hold")
+      .Num("pages", pages)
+      .Num("hits", m.results[0].l2_hit_pages)
+      .Num("pin_id", m.results[0].pin_id)
+      .Str("match_error", m.status.ok() ? "" : m.status.ToString())
+      .Obj("session", e.SessionJson());
+  std::printf("%s\n", j.Dump().c_str());
+  std::fflush(stdout);
+  absl::SleepFor(absl::Seconds(hold_s));
+  return kExitOk;
+}
+
+int CmdRandom(Engine& e, Flags& f) {
+  const double duration_s = f.Double("--duration-s", 10);
+  const uint64_t seed = f.U64("--seed", 1);
+  const uint64_t tseed = f.U64("--tokens-seed", seed);
+  const uint64_t docs = std::max<uint64_t>(1, f.U64("--docs", 32));
+  const uint64_t max_pages = std::max<uint64_t>(1, f.U64("--max-pages", 8));
+  const uint64_t rng_seed = f.U64("--rng-seed", Mix(getpid() ^ absl::ToUnixNanos(absl::Now())));
+  const absl::Duration think = absl::Milliseconds(f.U64("--think-ms", 0));
+  if (std::string p = f.Problem(); !p.empty()) {
+    std::fprintf(stderr, "%s\n", p.c_str());
+    return kExitUsage;
+  }
+  if (2 * max_pages > e.sim->num_blocks()) {
+    std::fprintf(stderr, "--blocks must be >= 2 * --max-pages\n");
+    return kExitUsage;
+  }
+  std::mt19937_64 rng(rng_seed);
+  std::vector<uint32_t> all = Range(0, e.sim->num_blocks());
+  uint64_t steps = 0, hit_pages = 0, loaded_pages = 0, verified_bytes = 0, mismatched = 0;
+  uint64_t backup_pages = 0, stored_pages = 0, loads_not_done = 0, backups_not_done = 0;
+  uint64_t loaded_after_reconnect = 0, stored_after_reconnect = 0;
+  std::string first_mismatch;
+  uint64_t quarantined = 0;
+  // Blocks of ops whose outcome never became known leave the pool for good.
+  auto quarantine = [&](const std::vector<uint32_t>& bad) {
+    for (uint32_t b : bad) std::erase(all, b);
+    quarantined += bad.size();
+  };
+  const absl::Time end = absl::Now() + absl::Seconds(duration_s);
+  while (absl::Now() < end && all.size() >= max_pages) {
+    if (think > absl::ZeroDuration()) absl::SleepFor(think);  // The forward pass, as it were.
+    ++steps;
+    const uint64_t doc = rng() % docs;
+    const size_t n = 1 + rng() % max_pages;
+    const std::vector<uint32_t> tokens = Tokens(tseed, doc, n * e.page_size);
+    std::shuffle(all.begin(), all.end(), rng);
+    // Distinct blocks for the loaded prefix and the computed rest, as an engine allocates them.
+    const std::vector<uint32_t> blocks(all.begin(), all.begin() + n);
+    kc::MatchSequence ms;
+    ms.tokens = tokens;
+    kc::MatchOptions mo;
+    mo.pin = rng() % 2 == 0;
+    const kc::MatchReply m = e.session->Match({ms}, mo);
+    const kc::MatchResult& mr = m.results[0];
+    std::vector<core::PageKey> keys = mr.keys.empty() ? e.session->ComputeKeys(tokens) : mr.keys;
+    const uint64_t gen = e.session->info().generation;
+    uint32_t have = 0;
+    if (mr.l2_hit_pages > 0) {
+      hit_pages += mr.l2_hit_pages;
+      Engine::LoadOutcome lo = e.Load(keys, 0, mr.l2_hit_pages, blocks, mr.pin_id, seed);
+      if (!lo.result.done()) ++loads_not_done;
+      loaded_pages += lo.loaded;
+      verified_bytes += lo.verified_bytes;
+      if (gen > 1) loaded_after_reconnect += lo.loaded;
+      if (lo.mismatched_bytes > 0) {
+        mismatched += lo.mismatched_bytes;
+        if (first_mismatch.empty()) first_mismatch = lo.first_mismatch;
+      }
+      if (!lo.result.terminal()) {
+        // The daemon may still write these blocks: an engine would not reuse them, nor do we.
+        quarantine(blocks);
+        continue;
+      }
+      have = lo.loaded;
+    } else if (mr.pin_id != 0) {
+      e.session->Release({mr.pin_id});
+    }
+    if (have < n) {
+      // "Compute" the rest and back it up, as the engine does after the forward pass.
+      const std::vector<uint32_t> bblocks(blocks.begin() + have, blocks.end());
+      static const char* kReady[] = {"late", "early", "none"};
+      kc::OpResult r = e.Backup(keys, have, bblocks, seed, kReady[rng() % 3], nullptr);
+      backup_pages += n - have;
+      stored_pages += r.usable_pages(0);
+      if (gen > 1) stored_after_reconnect += r.usable_pages(0);
+      if (!r.done()) ++backups_not_done;
+      if (!r.terminal()) quarantine(bblocks);
+    }
+  }
+  Json j;
+  j.Str("cmd", "random")
+      .Num("steps", steps)
+      .Num("hit_pages", hit_pages)
+      .Num("loaded_pages", loaded_pages)
+      .Num("verified_bytes", verified_bytes)
+      .Num("mismatched_bytes", mismatched)
+      .Str("first_mismatch", first_mismatch)
+      .Num("backup_pages", backup_pages)
+      .Num("stored_pages", stored_pages)
+      .Num("loads_not_done", loads_not_done)
+      .Num("backups_not_done", backups_not_done)
+      .Num("loaded_pages_after_reconnect", loaded_after_reconnect)
+      .Num("stored_pages_after_reconnect", stored_after_reconnect)
+      .Num("quarantined_blocks", quarantined)
+      .Obj("session", e.SessionJson())
+      .Obj("stats", StatsJson(e.client->stats()));
+  std::printf("%s\n", j.Dump().c_str());
+  return mismatched > 0 ? kExitMismatch : kExitOk;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags f;
+  std::string command, error;
+  if (!f.Parse(argc, argv, &command, &error)) {
+    if (error == "help") {
+      std::fputs(kUsage, stdout);
+      return kExitOk;
+    }
+    std::fprintf(stderr, "kvcellar-engine-sim: %s\n%s", error.c_str(), kUsage);
+    return kExitUsage;
+  }
+  if (command != "backup" && command != "load" && command != "random" && command != "hold") {
+    std::fprintf(stderr, "kvcellar-engine-sim: unknown command '%s'\n%s", command.c_str(), kUsage);
+    return kExitUsage;
+  }
+  // An engine whose daemon dies must not die of SIGPIPE.
+  signal(SIGPIPE, SIG_IGN);
+
+  Engine e;
+  e.page_size = static_cast<uint32_t>(f.U64("--page-size", 16));
+  e.op_wait = absl::Milliseconds(f.U64("--wait-ms", 10000));
+  e.layer_signals = !f.Bool("--no-layer-signals");
+  const std::string layout = f.Str("--layout", "mha");
+  const std::string arrangement = f.Str("--arrangement", "layer");
+  kc::SimEngineOptions so;
+  so.num_layers = static_cast<uint32_t>(f.U64("--layers", 2));
+  so.bytes_per_block = f.U64("--block-bytes", 4096);
+  so.num_blocks = static_cast<uint32_t>(f.U64("--blocks", 64));
+  so.mla = layout == "mla";
+  so.arrangement = arrangement == "block" ? kvcellar::gpu::SimKvShape::Arrangement::kBlockFirst
+                                          : kvcellar::gpu::SimKvShape::Arrangement::kLayerFirst;
+  if (f.Bool("--no-signals")) so.load_slots = so.ready_slots = 0;
+  // A killed engine cannot unlink its shm objects; a known prefix lets the test remove them.
+  if (std::string prefix = f.Str("--shm-prefix"); !prefix.empty()) {
+    so.name_prefix = absl::StrCat("/", prefix, "-", getpid());
+  }
+
+  kc::EngineRegistration reg;
+  reg.instance_id = f.Str("--instance", absl::StrCat("sim-", getpid()));
+  reg.rank = static_cast<uint32_t>(f.U64("--rank", 0));
+  reg.ns.tenant = f.Str("--tenant", "");
+  reg.ns.model_id = f.Str("--model", "sim-model");
+  reg.ns.model_revision = f.Str("--revision", "rev1");
+  reg.ns.kv_dtype = f.Str("--dtype", "bf16");
+  reg.ns.page_size = e.page_size;
+  reg.ns.layout = so.mla ? core::LayoutKind::kMla : core::LayoutKind::kMha;
+  reg.ns.tp_size = static_cast<uint32_t>(f.U64("--tp", 1));
+  reg.replace_existing = f.Bool("--replace");
+  reg.engine_name = "kvcellar-engine-sim";
+  reg.device_uuid = std::string(16, '\0');
+  for (int i = 0; i < 8; ++i) reg.device_uuid[i] = static_cast<char>(getpid() >> (8 * (i % 4)));
+
+  kc::ClientOptions co;
+  co.addr = f.Str("--addr", kvcellar::core::DefaultSocketPath());
+  co.rpc_timeout = absl::Milliseconds(f.U64("--rpc-timeout-ms", 1000));
+  co.register_timeout = std::max(co.rpc_timeout, absl::Seconds(2));
+  co.reconnect_backoff_max = absl::Milliseconds(f.U64("--backoff-max-ms", 1000));
+  const absl::Duration register_wait = absl::Milliseconds(f.U64("--register-wait-ms", 5000));
+  if (layout != "mha" && layout != "mla") {
+    std::fprintf(stderr, "--layout must be mha or mla\n");
+    return kExitUsage;
+  }
+  if (arrangement != "layer" && arrangement != "block") {
+    std::fprintf(stderr, "--arrangement must be layer or block\n");
+    return kExitUsage;
+  }
+
+  absl::StatusOr<std::unique_ptr<kc::SimEngine>> sim = kc::SimEngine::Create(so);
+  if (!sim.ok()) {
+    std::fprintf(stderr, "sim engine: %s\n", sim.status().ToString().c_str());
+    return kExitSetup;
+  }
+  e.sim = *std::move(sim);
+  e.sim->Describe(&reg);
+  absl::StatusOr<std::unique_ptr<kc::Client>> client = kc::Client::Connect(co);
+  if (!client.ok()) {
+    std::fprintf(stderr, "client: %s\n", client.status().ToString().c_str());
+    return kExitSetup;
+  }
+  e.client = *std::move(client);
+  absl::StatusOr<std::unique_ptr<kc::Session>> session = e.client->Register(reg);
+  if (!session.ok()) {
+    std::fprintf(stderr, "register: %s\n", session.status().ToString().c_str());
+    Json j;
+    j.Str("cmd", command).Str("error", session.status().ToString());
+    std::printf("%s\n", j.Dump().c_str());
+    return kExitSetup;
+  }
+  e.session = *std::move(session);
+  const bool active = e.session->WaitUntilActive(register_wait);
+  if (!active && command != "random") {
+    std::fprintf(stderr, "session not active after %s (state %s)\n",
+                 absl::FormatDuration(register_wait).c_str(),
+                 kc::SessionStateName(e.session->state()));
+  }
+
+  int rc = kExitUsage;
+  if (command == "backup") rc = CmdBackup(e, f);
+  if (command == "load") rc = CmdLoad(e, f);
+  if (command == "random") rc = CmdRandom(e, f);
+  if (command == "hold") rc = CmdHold(e, f);
+  std::fflush(stdout);
+  e.session->Close(absl::Seconds(2));
+  return rc;
+}
