@@ -8,28 +8,13 @@
 namespace kvcellar::client {
 namespace {
 
-static_assert(std::atomic_ref<uint64_t>::is_always_lock_free,
-              "shared-memory words must be lock-free atomics to work across processes");
-
 // Busy polls before a waiter sleeps: a layer copy takes microseconds; a sleep costs ~50 us.
 constexpr int kSpinPolls = 2000;
 constexpr absl::Duration kSleepStep = absl::Microseconds(20);
 
-// Header fields after the 8-byte magic (docs/api.md).
-constexpr uint64_t kVersionOffset = 8;
-constexpr uint64_t kLoadSlotsOffset = 12;
-constexpr uint64_t kLayersOffset = 16;
-constexpr uint64_t kReadySlotsOffset = 20;
-
 // Same bound as the daemon's completion slots (gpu/completion.h kMaxSlots) and layers.
 constexpr uint32_t kMaxSlots = 4096;
 constexpr uint32_t kMaxLayers = 1024;
-
-uint32_t ReadU32(const uint8_t* p) {
-  uint32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
 
 }  // namespace
 
@@ -46,10 +31,7 @@ absl::StatusOr<SimSignalRegion> SimSignalRegion::Create(absl::string_view name, 
   absl::StatusOr<gpu::ShmMapping> shm =
       gpu::ShmMapping::Create(name, Bytes(load_slots, num_layers, ready_slots));
   if (!shm.ok()) return shm.status();
-  uint8_t* p = shm->data();
-  std::memcpy(p, kMagic, 8);
-  const uint32_t header[4] = {kVersion, load_slots, num_layers, ready_slots};
-  std::memcpy(p + kVersionOffset, header, sizeof(header));
+  WriteHeader(shm->data(), load_slots, num_layers, ready_slots);
   std::atomic_thread_fence(std::memory_order_release);
   return SimSignalRegion(*std::move(shm), load_slots, num_layers, ready_slots);
 }
@@ -57,17 +39,16 @@ absl::StatusOr<SimSignalRegion> SimSignalRegion::Create(absl::string_view name, 
 absl::StatusOr<SimSignalRegion> SimSignalRegion::Open(absl::string_view name) {
   absl::StatusOr<gpu::ShmMapping> head = gpu::ShmMapping::Open(name, kHeaderBytes);
   if (!head.ok()) return head.status();
-  const uint8_t* p = head->data();
-  if (std::memcmp(p, kMagic, 8) != 0) {
+  if (!HasMagic(head->data())) {
     return absl::InvalidArgumentError(absl::StrCat(name, " is not a KVCSIG01 signal region"));
   }
-  if (ReadU32(p + kVersionOffset) != kVersion) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, ": version ", ReadU32(p + kVersionOffset), " unsupported"));
+  const Header h = ReadHeader(head->data());
+  if (h.version != kVersion) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": version ", h.version, " unsupported"));
   }
-  const uint32_t load_slots = ReadU32(p + kLoadSlotsOffset);
-  const uint32_t layers = ReadU32(p + kLayersOffset);
-  const uint32_t ready_slots = ReadU32(p + kReadySlotsOffset);
+  const uint32_t load_slots = h.num_load_slots;
+  const uint32_t layers = h.num_layers;
+  const uint32_t ready_slots = h.num_ready_slots;
   if (load_slots > kMaxSlots || ready_slots > kMaxSlots || layers == 0 || layers > kMaxLayers) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": bad header counts"));
   }
@@ -79,8 +60,8 @@ absl::StatusOr<SimSignalRegion> SimSignalRegion::Open(absl::string_view name) {
 
 CompletionChannelSpec SimSignalRegion::Channel() const {
   CompletionChannelSpec c;
-  c.num_load_slots = load_slots_;
-  c.num_ready_slots = ready_slots_;
+  c.num_load_slots = num_load_slots();
+  c.num_ready_slots = num_ready_slots();
   c.sim_shm_name = name();
   c.sim_size_bytes = size();
   return c;
@@ -107,7 +88,7 @@ absl::Status SimSignalRegion::WaitWord(uint64_t offset, uint64_t value, absl::Ti
 
 absl::Status SimSignalRegion::WaitLayer(uint32_t slot, uint32_t layer, uint64_t op_id,
                                         absl::Time deadline) const {
-  if (slot >= load_slots_ || layer >= num_layers_ || op_id == 0) {
+  if (slot >= num_load_slots() || layer >= num_layers() || op_id == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("WaitLayer(slot ", slot, ", layer ", layer, ", op ", op_id, ") out of range"));
   }
@@ -115,7 +96,7 @@ absl::Status SimSignalRegion::WaitLayer(uint32_t slot, uint32_t layer, uint64_t 
 }
 
 absl::Status SimSignalRegion::WaitOp(uint32_t slot, uint64_t op_id, absl::Time deadline) const {
-  if (slot >= load_slots_ || op_id == 0) {
+  if (slot >= num_load_slots() || op_id == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("WaitOp(slot ", slot, ", op ", op_id, ") out of range"));
   }

@@ -9,21 +9,6 @@
 namespace kvcellar::server {
 namespace {
 
-static_assert(std::atomic_ref<uint64_t>::is_always_lock_free,
-              "shared-memory words must be lock-free atomics to work across processes");
-
-// Header fields after the 8-byte magic.
-constexpr uint64_t kVersionOffset = 8;
-constexpr uint64_t kLoadSlotsOffset = 12;
-constexpr uint64_t kLayersOffset = 16;
-constexpr uint64_t kReadySlotsOffset = 20;
-
-uint32_t ReadU32(const uint8_t* p) {
-  uint32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
 absl::Status HandleError(absl::string_view field, absl::string_view message) {
   return CacheError(absl::StatusCode::kFailedPrecondition, v1::ERROR_REASON_HANDLE_OPEN_FAILED,
                     field, message);
@@ -48,28 +33,28 @@ absl::StatusOr<std::shared_ptr<SimCounterChannel>> SimCounterChannel::Open(
     return HandleError(kNameField,
                        absl::StrCat(kNameField, " \"", name, "\": ", shm.status().message()));
   }
-  const uint8_t* p = shm->data();
-  if (std::memcmp(p, kMagic, 8) != 0) {
+  if (!HasMagic(shm->data())) {
     return HandleError(kNameField, absl::StrCat(kNameField, " \"", name,
                                                 "\": not a KVCSIG01 signal region (bad magic)"));
   }
-  if (ReadU32(p + kVersionOffset) != kVersion) {
-    return HandleError(kNameField,
-                       absl::StrCat(kNameField, " \"", name, "\": header version ",
-                                    ReadU32(p + kVersionOffset), ", expected ", kVersion));
+  const Header header = ReadHeader(shm->data());
+  if (header.version != kVersion) {
+    return HandleError(kNameField, absl::StrCat(kNameField, " \"", name, "\": header version ",
+                                                header.version, ", expected ", kVersion));
   }
   struct Check {
     absl::string_view field;
-    uint64_t offset;
+    uint32_t have;
     uint32_t want;
   };
-  for (const Check& c : {Check{"completion.num_load_slots", kLoadSlotsOffset, num_load_slots},
-                         Check{"layout.layers", kLayersOffset, num_layers},
-                         Check{"completion.num_ready_slots", kReadySlotsOffset, num_ready_slots}}) {
-    if (ReadU32(p + c.offset) != c.want) {
+  for (const Check& c :
+       {Check{"completion.num_load_slots", header.num_load_slots, num_load_slots},
+        Check{"layout.layers", header.num_layers, num_layers},
+        Check{"completion.num_ready_slots", header.num_ready_slots, num_ready_slots}}) {
+    if (c.have != c.want) {
       return HandleError(c.field, absl::StrCat(kNameField, " \"", name, "\": the header says ",
-                                               ReadU32(p + c.offset), " for ", c.field,
-                                               ", the registration ", c.want));
+                                               c.have, " for ", c.field, ", the registration ",
+                                               c.want));
     }
   }
   return std::shared_ptr<SimCounterChannel>(

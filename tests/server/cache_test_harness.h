@@ -85,9 +85,7 @@ inline gpu::ShmMapping CreateSignals(const std::string& name, uint32_t load_slot
   absl::StatusOr<gpu::ShmMapping> shm =
       gpu::ShmMapping::Create(name, SimCounterChannel::Bytes(load_slots, layers, ready_slots));
   EXPECT_TRUE(shm.ok()) << shm.status();
-  std::memcpy(shm->data(), "KVCSIG01", 8);
-  const uint32_t header[4] = {1, load_slots, layers, ready_slots};
-  std::memcpy(shm->data() + 8, header, sizeof(header));
+  gpu::SimSignalLayout::WriteHeader(shm->data(), load_slots, layers, ready_slots);
   return *std::move(shm);
 }
 
