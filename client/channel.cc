@@ -3,6 +3,9 @@
 #include <fstream>
 #include <sstream>
 
+#include <algorithm>
+#include <cstdint>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/create_channel.h"
@@ -60,9 +63,24 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(absl::string_view add
   }
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_receive_bytes);
+  args.SetMaxSendMessageSize(options.max_receive_bytes);
   if (!options.server_name_override.empty()) {
     args.SetSslTargetNameOverride(options.server_name_override);
   }
+  auto ms = [](absl::Duration d) {
+    return static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(d), 1, INT32_MAX));
+  };
+  if (options.reconnect_backoff_min > absl::ZeroDuration()) {
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, ms(options.reconnect_backoff_min));
+  }
+  if (options.reconnect_backoff_max > absl::ZeroDuration()) {
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, ms(options.reconnect_backoff_max));
+  }
+  // Not GRPC_ARG_MIN_RECONNECT_BACKOFF_MS: despite its name it is the minimum time gRPC gives a
+  // connection attempt (MIN_CONNECT_TIMEOUT in gRPC's doc/connection-backoff.md). Set to a
+  // backoff-sized value it makes handshakes with a busy daemon fail ("timed out before receiving
+  // SETTINGS frame"); RPC deadlines bound what a caller waits anyway.
+  if (options.private_subchannel) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   return grpc::CreateCustomChannel(*target, creds, args);
 }
 

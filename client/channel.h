@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "grpcpp/channel.h"
 
 namespace kvcellar::client {
@@ -23,8 +24,14 @@ struct ChannelOptions {
   std::string key_file;
   // Overrides the name checked against the server certificate (tests use "localhost").
   std::string server_name_override;
-  // Largest reply accepted.
+  // Largest message sent or accepted.
   int max_receive_bytes = 64 << 20;
+  // Reconnect backoff after a failed connection; zero keeps gRPC's defaults (1 s growing to
+  // 120 s, which would leave a restarted daemon unused for minutes: engines set these).
+  absl::Duration reconnect_backoff_min = absl::ZeroDuration();
+  absl::Duration reconnect_backoff_max = absl::ZeroDuration();
+  // A subchannel of this channel's own: a shared one would carry another channel's backoff.
+  bool private_subchannel = false;
 };
 
 // The gRPC target string for ADDR ("unix:/run/kvcellar/kvcellard.sock", "dns:host:port").

@@ -2,8 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <fstream>
-#include <sstream>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -21,57 +19,6 @@ namespace {
 // The heartbeat thread re-checks at least this often even when nothing is due (lost sessions'
 // lease deadlines, sessions registered meanwhile).
 constexpr absl::Duration kMaxIdle = absl::Seconds(1);
-
-absl::StatusOr<std::string> ReadFile(absl::string_view what, const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat(what, ": cannot read '", path, "'"));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-int Ms(absl::Duration d) {
-  return static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(d), 1, INT32_MAX));
-}
-
-// Like MakeChannel (channel.h), plus the reconnect backoff and a private subchannel: gRPC's
-// default backoff grows to 120 s, which would keep a restarted daemon unused for minutes, and a
-// shared subchannel would carry another channel's backoff state.
-absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeClientChannel(const std::string& target,
-                                                                 const ClientOptions& o) {
-  std::shared_ptr<grpc::ChannelCredentials> creds;
-  if (o.channel.ca_file.empty()) {
-    creds = grpc::InsecureChannelCredentials();
-  } else {
-    grpc::SslCredentialsOptions ssl;
-    absl::StatusOr<std::string> ca = ReadFile("CA file", o.channel.ca_file);
-    if (!ca.ok()) return ca.status();
-    ssl.pem_root_certs = *ca;
-    if (!o.channel.cert_file.empty()) {
-      absl::StatusOr<std::string> cert = ReadFile("client certificate", o.channel.cert_file);
-      if (!cert.ok()) return cert.status();
-      absl::StatusOr<std::string> key = ReadFile("client key", o.channel.key_file);
-      if (!key.ok()) return key.status();
-      ssl.pem_cert_chain = *cert;
-      ssl.pem_private_key = *key;
-    }
-    creds = grpc::SslCredentials(ssl);
-  }
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(o.channel.max_receive_bytes);
-  args.SetMaxSendMessageSize(o.channel.max_receive_bytes);
-  if (!o.channel.server_name_override.empty()) {
-    args.SetSslTargetNameOverride(o.channel.server_name_override);
-  }
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, Ms(o.reconnect_backoff_min));
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, Ms(o.reconnect_backoff_max));
-  // Not GRPC_ARG_MIN_RECONNECT_BACKOFF_MS: despite its name it is the minimum time gRPC gives a
-  // connection attempt (MIN_CONNECT_TIMEOUT in gRPC's doc/connection-backoff.md, 20 s). Set to
-  // the backoff minimum it made every handshake with a busy daemon fail after ~100 ms ("timed out
-  // before receiving SETTINGS frame"). RPC deadlines bound what the engine waits anyway.
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  return grpc::CreateCustomChannel(target, creds, args);
-}
 
 }  // namespace
 
@@ -271,7 +218,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   }
   absl::StatusOr<std::string> target = NormalizeTarget(options.addr);
   if (!target.ok()) return target.status();
-  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeClientChannel(*target, options);
+  // The engine's backoff, not gRPC's default that grows to 120 s, and a subchannel of its own.
+  options.channel.reconnect_backoff_min = options.reconnect_backoff_min;
+  options.channel.reconnect_backoff_max = options.reconnect_backoff_max;
+  options.channel.private_subchannel = true;
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeChannel(*target, options.channel);
   if (!channel.ok()) return channel.status();
   auto core = std::make_shared<ClientCore>(std::move(options), *target, *std::move(channel));
   core->Start();
