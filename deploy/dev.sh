@@ -2,8 +2,9 @@
 # The two commands of the README quick start, on a fresh Debian 12 machine:
 #   deploy/dev.sh start [kvcellard args...]   install deps, build, run kvcellard on embedded defaults
 #   deploy/dev.sh test  [ctest args...]       install deps, build, run every test
-# Environment: BUILD_DIR (default build), JOBS (default: number of cores), KVCELLAR_CUDA
-# (AUTO|ON|OFF, default AUTO: the CUDA sources compile whenever nvcc is present).
+# Environment: BUILD_DIR (default build), ASAN_BUILD_DIR (default build-asan-tools: the daemon
+# and engine tool under ASan+UBSan for the stress test), JOBS (default: number of cores),
+# KVCELLAR_CUDA (AUTO|ON|OFF, default AUTO: the CUDA sources compile whenever nvcc is present).
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -26,6 +27,13 @@ case "$cmd" in
     ;;
   test)
     configure_and_build
+    # The 16-engine stress test runs a second time against kvcellard and kvcellar-engine-sim
+    # built with AddressSanitizer and UBSan (tests/integration/test_datapath.py).
+    asan=${ASAN_BUILD_DIR:-$root/build-asan-tools}
+    cmake -S "$root" -B "$asan" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+          -DKVCELLAR_SANITIZE=ON -DKVCELLAR_CUDA=OFF -DKVCELLAR_BUILD_BENCHMARKS=OFF >/dev/null
+    ninja -C "$asan" -j "$jobs" kvcellard kvcellar-engine-sim
+    export KVCELLAR_ASAN_BIN_DIR="$asan/bin"
     cd "$build"
     exec ctest --output-on-failure -j "$jobs" "$@"
     ;;
