@@ -435,6 +435,9 @@ class RedisBackend::Impl {
   };
 
   Batch* NewBatch(OpKind kind, const PageKey& ns, absl::Duration timeout, size_t n);
+  // Names item i of `b` (key, shard), formats its Redis key and picks its cluster slot from that
+  // very key, so the key a command sends and the node it goes to never disagree.
+  Item& AddressItem(Batch* b, size_t i, const PageKey& key, uint32_t shard) const;
   absl::Status CheckOpen(size_t items) const;
   void Dispatch(Batch* b, absl::Span<const uint32_t> items, int node_hint, bool asking);
   Node* EnsureNode(int id);
@@ -577,6 +580,16 @@ RedisBackend::Impl::Batch* RedisBackend::Impl::NewBatch(OpKind kind, const PageK
   return b;
 }
 
+RedisBackend::Impl::Item& RedisBackend::Impl::AddressItem(Batch* b, size_t i, const PageKey& key,
+                                                         uint32_t shard) const {
+  Item& it = b->items[i];
+  it.key = key;
+  it.shard = shard;
+  it.key_len = static_cast<uint8_t>(FormatKey(b->ns, it.key, it.shard, it.rkey));
+  it.slot = KeyHashSlot(absl::string_view(it.rkey, it.key_len));
+  return it;
+}
+
 absl::Status RedisBackend::Impl::Get(const GetRequest& request, BatchCallback done) {
   for (size_t i = 0; i < request.items.size(); ++i) {
     if (request.items[i].dst == nullptr || request.items[i].capacity == 0) {
@@ -589,13 +602,9 @@ absl::Status RedisBackend::Impl::Get(const GetRequest& request, BatchCallback do
   b->results.resize(request.items.size());
   absl::InlinedVector<uint32_t, 64> all;
   for (size_t i = 0; i < request.items.size(); ++i) {
-    Item& it = b->items[i];
-    it.key = request.items[i].key;
-    it.shard = request.items[i].shard;
+    Item& it = AddressItem(b, i, request.items[i].key, request.items[i].shard);
     it.buf = request.items[i].dst;
     it.len = request.items[i].capacity;
-    it.key_len = static_cast<uint8_t>(FormatKey(b->ns, it.key, it.shard, it.rkey));
-    it.slot = KeyHashSlot(absl::string_view(it.rkey, it.key_len));
     all.push_back(static_cast<uint32_t>(i));
   }
   Dispatch(b, all, -1, false);
@@ -615,13 +624,9 @@ absl::Status RedisBackend::Impl::Put(const PutRequest& request, BatchCallback do
   b->results.resize(request.items.size());
   absl::InlinedVector<uint32_t, 64> admitted;
   for (size_t i = 0; i < request.items.size(); ++i) {
-    Item& it = b->items[i];
-    it.key = request.items[i].key;
-    it.shard = request.items[i].shard;
+    Item& it = AddressItem(b, i, request.items[i].key, request.items[i].shard);
     it.buf = const_cast<uint8_t*>(request.items[i].src);  // Only ever sent from.
     it.len = request.items[i].size;
-    it.key_len = static_cast<uint8_t>(FormatKey(b->ns, it.key, it.shard, it.rkey));
-    it.slot = KeyHashSlot(absl::string_view(it.rkey, it.key_len));
     if (it.len > options_.max_object_bytes) {
       Resolve(b, static_cast<uint32_t>(i), ObjectStatus::kRejected, 0);
     } else {
@@ -640,11 +645,7 @@ absl::Status RedisBackend::Impl::Delete(const DeleteRequest& request, BatchCallb
   b->results.resize(request.items.size());
   absl::InlinedVector<uint32_t, 64> all;
   for (size_t i = 0; i < request.items.size(); ++i) {
-    Item& it = b->items[i];
-    it.key = request.items[i].key;
-    it.shard = request.items[i].shard;
-    it.key_len = static_cast<uint8_t>(FormatKey(b->ns, it.key, it.shard, it.rkey));
-    it.slot = KeyHashSlot(absl::string_view(it.rkey, it.key_len));
+    AddressItem(b, i, request.items[i].key, request.items[i].shard);
     all.push_back(static_cast<uint32_t>(i));
   }
   Dispatch(b, all, -1, false);
@@ -667,11 +668,7 @@ absl::Status RedisBackend::Impl::Exists(const ExistsRequest& request, ExistsCall
   for (size_t k = 0; k < b->nkeys; ++k) {
     for (size_t s = 0; s < b->nshards; ++s) {
       const size_t i = k * b->nshards + s;
-      Item& it = b->items[i];
-      it.key = request.keys[k];
-      it.shard = request.shards[s];
-      it.key_len = static_cast<uint8_t>(FormatKey(b->ns, it.key, it.shard, it.rkey));
-      it.slot = KeyHashSlot(absl::string_view(it.rkey, it.key_len));
+      AddressItem(b, i, request.keys[k], request.shards[s]);
       all.push_back(static_cast<uint32_t>(i));
     }
   }
