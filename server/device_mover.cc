@@ -162,6 +162,41 @@ class BackupCompletion final : public OpCompletion {
   }
 };
 
+// An op whose device blocks are reserved: its record and the request's blocks in request order.
+struct StartedOp {
+  std::unique_ptr<OpRecord> record;
+  std::vector<uint32_t> blocks;
+};
+
+// Starts an op of `kind` over `sequences`: reserves the session's device blocks (and `slot`, if
+// any) and an in-flight count atomically, then names the record (id, owner, submission time,
+// every page SKIPPED until planned). On error nothing is reserved. On success the caller must
+// end the submission (Session::EndSubmission).
+template <typename Sequences>
+absl::StatusOr<StartedOp> StartOp(Session& session, const Sequences& sequences,
+                                                  v1::OpKind kind, std::optional<uint32_t> slot,
+                                                  absl::string_view slot_field, OpTable& ops,
+                                                  uint32_t max_inflight) {
+  auto record = std::make_unique<OpRecord>();
+  record->seq_begin = SequenceStarts(sequences);
+  const uint32_t n = record->seq_begin.back();
+  std::vector<uint32_t> blocks = FlatBlocks(sequences, n);
+  if (absl::Status s = session.Reserve(
+          blocks, [&](size_t i) { return BlockField(record->seq_begin, i); }, slot, slot_field,
+          max_inflight);
+      !s.ok()) {
+    return s;
+  }
+  const SessionInfo& info = session.info();
+  record->id = ops.NextId();
+  record->kind = kind;
+  record->instance_id = info.instance_id;
+  record->session_id = info.id;
+  record->submitted = absl::Now();
+  record->statuses.assign(n, v1::PAGE_STATUS_SKIPPED);
+  return StartedOp{std::move(record), std::move(blocks)};
+}
+
 }  // namespace
 
 DeviceMover::DeviceMover(gpu::DeviceBackend* device, L2Space* l2, PinTable* pins, OpTable* ops,
@@ -179,26 +214,16 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Load(const std::shared_pt
   const SessionInfo& info = session->info();
   Namespace& ns = *info.ns;
   core::RadixIndex* index = ns.index();  // Set: the worker's registration fixed the geometry.
-  auto record = std::make_unique<OpRecord>();
-  record->seq_begin = SequenceStarts(request.sequences());
-  const uint32_t n = record->seq_begin.back();
-  const std::vector<uint32_t> blocks = FlatBlocks(request.sequences(), n);
   std::optional<uint32_t> slot;
   if (request.signal_layers()) slot = request.completion_slot();
-  if (absl::Status s = session->Reserve(
-          blocks, [&](size_t i) { return BlockField(record->seq_begin, i); }, slot,
-          "completion_slot", limits_->max_inflight_ops);
-      !s.ok()) {
-    return s;
-  }
-
-  const absl::Time now = absl::Now();
-  record->id = ops_->NextId();
-  record->kind = v1::OP_KIND_LOAD;
-  record->instance_id = info.instance_id;
-  record->session_id = info.id;
-  record->submitted = now;
-  record->statuses.assign(n, v1::PAGE_STATUS_SKIPPED);
+  absl::StatusOr<StartedOp> started =
+      StartOp(*session, request.sequences(), v1::OP_KIND_LOAD, slot, "completion_slot", *ops_,
+              limits_->max_inflight_ops);
+  if (!started.ok()) return started.status();
+  std::unique_ptr<OpRecord> record = std::move(started->record);
+  const std::vector<uint32_t> blocks = std::move(started->blocks);
+  const uint32_t n = record->seq_begin.back();
+  const absl::Time now = record->submitted;
 
   std::vector<core::PageKey> keys;
   keys.reserve(n);
@@ -300,24 +325,14 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Backup(
   const SessionInfo& info = session->info();
   Namespace& ns = *info.ns;
   core::RadixIndex* index = ns.index();
-  auto record = std::make_unique<OpRecord>();
-  record->seq_begin = SequenceStarts(request.sequences());
+  absl::StatusOr<StartedOp> started =
+      StartOp(*session, request.sequences(), v1::OP_KIND_BACKUP, std::nullopt, "", *ops_,
+              limits_->max_inflight_ops);
+  if (!started.ok()) return started.status();
+  std::unique_ptr<OpRecord> record = std::move(started->record);
+  const std::vector<uint32_t> blocks = std::move(started->blocks);
   const uint32_t n = record->seq_begin.back();
-  const std::vector<uint32_t> blocks = FlatBlocks(request.sequences(), n);
-  if (absl::Status s = session->Reserve(
-          blocks, [&](size_t i) { return BlockField(record->seq_begin, i); }, std::nullopt, "",
-          limits_->max_inflight_ops);
-      !s.ok()) {
-    return s;
-  }
-
-  const absl::Time now = absl::Now();
-  record->id = ops_->NextId();
-  record->kind = v1::OP_KIND_BACKUP;
-  record->instance_id = info.instance_id;
-  record->session_id = info.id;
-  record->submitted = now;
-  record->statuses.assign(n, v1::PAGE_STATUS_SKIPPED);
+  const absl::Time now = record->submitted;
 
   std::vector<core::PageKey> keys;
   keys.reserve(n);
