@@ -101,6 +101,11 @@ struct SessionInfo {
   uint32_t max_wait_ms = 0;
   std::string daemon_version;
   core::PageKey ns_digest;  // Computed locally; equal to the daemon's when usable.
+  // The daemon's L3 tiers in lookup order (index i = MatchResult's per-tier counts), and the
+  // policies its UNSPECIFIED means.
+  std::vector<std::string> l3_tier_names;
+  uint32_t default_write_policy = 0;     // WritePolicy value.
+  uint32_t default_prefetch_policy = 0;  // PrefetchPolicy value.
 };
 
 enum class SessionState {

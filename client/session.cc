@@ -219,6 +219,9 @@ absl::Status SessionImpl::TryRegister(bool first) {
       info_.num_shards = resp.num_shards();
       info_.is_shard_writer = resp.is_shard_writer();
       info_.page_object_bytes = resp.page_object_bytes();
+      info_.l3_tier_names.assign(resp.l3_tier_names().begin(), resp.l3_tier_names().end());
+      info_.default_write_policy = static_cast<uint32_t>(resp.default_write_policy());
+      info_.default_prefetch_policy = static_cast<uint32_t>(resp.default_prefetch_policy());
       info_.api_revision = resp.api_revision();
       info_.max_batch_pages = resp.limits().max_batch_pages();
       info_.max_batch_sequences = resp.limits().max_batch_sequences();

@@ -64,17 +64,37 @@ CacheMetrics::CacheMetrics(MetricsRegistry* registry) : registry_(registry) {
 
   CounterFamily* moved = Family(
       registry, "kvcellar_moved_bytes_total",
-      "Bytes copied between engine devices and L2: h2d by Load, d2h by Backup.", {"direction"});
+      "Bytes moved between tiers: h2d by Load, d2h by Backup (device <-> L2), l2_to_l3 by L3 "
+      "writes, l3_to_l2 by prefetches.", {"direction"});
   h2d_bytes_ = Series(moved, {"h2d"});
   d2h_bytes_ = Series(moved, {"d2h"});
+  l2_to_l3_ = Series(moved, {"l2_to_l3"});
+  l3_to_l2_ = Series(moved, {"l3_to_l2"});
+  l3_hit_pages_ = Series(pages, {"l3", "hit"});
+  l3_miss_pages_ = Series(pages, {"l3", "miss"});
+  l3_hit_tokens_ = Series(tokens, {"l3", "hit"});
+  l3_miss_tokens_ = Series(tokens, {"l3", "miss"});
+  CounterFamily* prefetch = Family(registry, "kvcellar_prefetch_pages_total",
+                                   "Pages of terminal prefetch ops (L3 -> L2) by the policy they "
+                                   "ran under and final status.",
+                                   {"policy", "status"});
+  const absl::string_view policies[kPolicies] = {"unspecified", "none", "best_effort",
+                                                 "wait_complete", "timeout"};
+  for (int p = 0; p < kPolicies; ++p) {
+    for (int s = 0; s < kStatuses; ++s) {
+      const bool used = p >= v1::PREFETCH_POLICY_BEST_EFFORT && v1::PageStatus_IsValid(s) &&
+                        s != v1::PAGE_STATUS_UNSPECIFIED;
+      prefetch_pages_[p][s] = used ? Series(prefetch, {policies[p], StatusLabel(s)}) : &Discard();
+    }
+  }
 
   CounterFamily* ops =
       Family(registry, "kvcellar_ops_total",
-             "Load and Backup ops that reached a terminal state, by outcome.", {"kind", "outcome"});
+             "Load, Backup and Prefetch ops that reached a terminal state, by outcome.", {"kind", "outcome"});
   CounterFamily* op_pages =
       Family(registry, "kvcellar_op_pages_total",
-             "Pages of terminal Load and Backup ops, by final page status.", {"kind", "status"});
-  const absl::string_view kinds[kKinds] = {"load", "backup"};
+             "Pages of terminal Load, Backup and Prefetch ops, by final page status.", {"kind", "status"});
+  const absl::string_view kinds[kKinds] = {"load", "backup", "prefetch"};
   const absl::string_view outcomes[kOutcomes] = {"done", "failed", "cancelled"};
   for (int k = 0; k < kKinds; ++k) {
     for (int o = 0; o < kOutcomes; ++o) ops_[k][o] = Series(ops, {kinds[k], outcomes[o]});
@@ -145,6 +165,49 @@ void CacheMetrics::CountOp(v1::OpKind kind, v1::OpState state) {
 void CacheMetrics::CountPages(v1::OpKind kind, v1::PageStatus status, uint64_t pages) {
   if (pages == 0 || status < 0 || status >= kStatuses) return;
   pages_[KindIndex(kind)][status]->Add(pages);
+}
+
+void CacheMetrics::SetL3Tiers(const std::vector<std::string>& names) {
+  CounterFamily* hits = Family(registry_, "kvcellar_match_l3_tier_pages_total",
+                               "L3 hit pages reported by Match, by the first tier holding each.",
+                               {"tier"});
+  CounterFamily* writes =
+      Family(registry_, "kvcellar_l3_writes_total",
+             "L2 -> L3 object writes by tier and result: ok, failed (the backend refused or "
+             "failed it), dropped (storage.max_pending_write_bytes reached), not_resident (the "
+             "page left L2 before it could be written).",
+             {"tier", "result"});
+  const absl::string_view results[kWriteResults] = {"ok", "failed", "dropped", "not_resident"};
+  for (const std::string& name : names) {
+    l3_tier_hit_pages_.push_back(Series(hits, {name}));
+    std::array<Counter*, kWriteResults> w{};
+    for (int r = 0; r < kWriteResults; ++r) w[r] = Series(writes, {name, results[r]});
+    l3_tier_writes_.push_back(w);
+  }
+}
+
+void CacheMetrics::CountL3Match(absl::Span<const uint32_t> hit_pages_by_tier, uint64_t miss_pages,
+                                uint32_t page_size) {
+  uint64_t hits = 0;
+  for (size_t t = 0; t < hit_pages_by_tier.size() && t < l3_tier_hit_pages_.size(); ++t) {
+    l3_tier_hit_pages_[t]->Add(hit_pages_by_tier[t]);
+    hits += hit_pages_by_tier[t];
+  }
+  l3_hit_pages_->Add(hits);
+  l3_hit_tokens_->Add(hits * page_size);
+  l3_miss_pages_->Add(miss_pages);
+  l3_miss_tokens_->Add(miss_pages * page_size);
+}
+
+void CacheMetrics::CountL3Writes(size_t tier, L3WriteResult result, uint64_t objects) {
+  if (tier >= l3_tier_writes_.size() || objects == 0) return;
+  l3_tier_writes_[tier][static_cast<int>(result)]->Add(objects);
+}
+
+void CacheMetrics::CountPrefetchPages(v1::PrefetchPolicy policy, v1::PageStatus status,
+                                      uint64_t pages) {
+  if (pages == 0 || policy < 0 || policy >= kPolicies || status < 0 || status >= kStatuses) return;
+  prefetch_pages_[policy][status]->Add(pages);
 }
 
 void CacheMetrics::CountEviction(EvictReason reason, uint64_t pages, uint64_t bytes) {

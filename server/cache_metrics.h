@@ -58,12 +58,29 @@ class CacheMetrics {
   void CountPinLeaseExpiries(uint64_t n) { pin_lease_expiries_->Add(n); }
   void CountEviction(EvictReason reason, uint64_t pages, uint64_t bytes);
 
+  // ---- L3 ----
+  // Creates the per-tier series (names in lookup order). Call once, before the first count.
+  void SetL3Tiers(const std::vector<std::string>& names);
+  // One Match's L3 outcome: pages hit per tier (first tier holding each page), and pages missed
+  // in L2 and every L3 tier.
+  void CountL3Match(absl::Span<const uint32_t> hit_pages_by_tier, uint64_t miss_pages,
+                    uint32_t page_size);
+  // Bytes moved between L2 and L3 (write: L2 -> L3 put; read: L3 -> L2 prefetch).
+  void CountL3Bytes(bool write, uint64_t bytes) { (write ? l2_to_l3_ : l3_to_l2_)->Add(bytes); }
+  enum class L3WriteResult { kOk = 0, kFailed, kDropped, kNotResident };
+  void CountL3Writes(size_t tier, L3WriteResult result, uint64_t objects);
+  // Final page statuses of a prefetch op, by the policy it ran under.
+  void CountPrefetchPages(v1::PrefetchPolicy policy, v1::PageStatus status, uint64_t pages);
+
  private:
-  // Load and Backup; prefetch ops do not exist yet (no L3).
-  static constexpr int kKinds = 2;
+  static constexpr int kKinds = 3;  // load, backup, prefetch
   static constexpr int kOutcomes = 3;  // done, failed, cancelled
   static constexpr int kStatuses = v1::PageStatus_ARRAYSIZE;
-  static int KindIndex(v1::OpKind kind) { return kind == v1::OP_KIND_BACKUP ? 1 : 0; }
+  static int KindIndex(v1::OpKind kind) {
+    return kind == v1::OP_KIND_BACKUP ? 1 : kind == v1::OP_KIND_PREFETCH ? 2 : 0;
+  }
+  static constexpr int kPolicies = v1::PrefetchPolicy_ARRAYSIZE;
+  static constexpr int kWriteResults = 4;
 
   MetricsRegistry* const registry_;
   Counter* match_requests_ = nullptr;
@@ -79,6 +96,15 @@ class CacheMetrics {
   Counter* pin_lease_expiries_ = nullptr;
   std::array<Counter*, 2> evicted_pages_{};
   std::array<Counter*, 2> evicted_bytes_{};
+  Counter* l3_hit_pages_ = nullptr;
+  Counter* l3_miss_pages_ = nullptr;
+  Counter* l3_hit_tokens_ = nullptr;
+  Counter* l3_miss_tokens_ = nullptr;
+  Counter* l2_to_l3_ = nullptr;
+  Counter* l3_to_l2_ = nullptr;
+  std::vector<Counter*> l3_tier_hit_pages_;                           // Per tier.
+  std::vector<std::array<Counter*, kWriteResults>> l3_tier_writes_;  // Per tier.
+  std::array<std::array<Counter*, kStatuses>, kPolicies> prefetch_pages_{};
 
   absl::Mutex mu_;
   std::vector<CollectorId> collectors_ ABSL_GUARDED_BY(mu_);

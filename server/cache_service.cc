@@ -90,18 +90,29 @@ CacheServiceImpl::CacheServiceImpl(CacheServiceOptions options)
       device_kind_(KindOf(options.device)),
       housekeeping_interval_(options.housekeeping_interval),
       metrics_(options.metrics != nullptr ? options.metrics : &DefaultRegistry()),
-      namespaces_(options.pool, PolicyOf(config_)),
+      namespaces_(options.pool, PolicyOf(config_),
+                  options.l3 != nullptr ? static_cast<int>(options.l3->size()) : 0),
       l2_(options.pool, &namespaces_, config_.pool.high_watermark, config_.pool.low_watermark,
           &metrics_),
       ops_(&metrics_, absl::Milliseconds(limits_.op_result_retention_ms)),
-      mover_(options.device, &l2_, &pins_, &ops_, &pump_, &metrics_, &limits_),
-      matcher_(&pins_, &ops_, &metrics_, &limits_) {
+      no_l3_(options.l3 == nullptr ? L3Tiers::None() : nullptr),
+      l3_(options.l3 != nullptr ? options.l3 : no_l3_.get()),
+      writer_(l3_, &l2_, [this] { return ops_.NextId(); }, &metrics_, config_.storage),
+      prefetcher_(l3_, &l2_, &ops_, &pins_, &metrics_, &limits_, config_.storage),
+      mover_(options.device, &l2_, &pins_, &ops_, &pump_, &metrics_, &limits_, &writer_),
+      matcher_(&pins_, &ops_, &metrics_, &limits_,
+               MatcherL3{l3_, &prefetcher_, &writer_,
+                         absl::Milliseconds(config_.storage.max_lookup_ms)}) {
+  metrics_.SetL3Tiers(l3_->names());
+  l2_.set_eviction_observer(&writer_);
+  if (!l3_->empty()) metrics_.AddCollector([this](MetricWriter& out) { l3_->Collect(out); });
   AddCollectors();
   housekeeper_ = std::thread([this] { HousekeeperLoop(); });
 }
 
 CacheServiceImpl::~CacheServiceImpl() {
   metrics_.RemoveCollectors();
+  l2_.set_eviction_observer(nullptr);
   {
     absl::MutexLock lock(&housekeeper_mu_);
     stop_ = true;
@@ -322,9 +333,14 @@ absl::Status CacheServiceImpl::DoRegister(grpc::CallbackServerContext* context,
   response->set_daemon_epoch(daemon_epoch_);
   response->set_daemon_version(kVersion);
   response->set_api_revision(kApiRevision);
-  // No L3 tier yet: pages stay in L2 and nothing is prefetched.
-  response->set_default_write_policy(v1::WRITE_POLICY_L2_ONLY);
-  response->set_default_prefetch_policy(v1::PREFETCH_POLICY_NONE);
+  if (!l3_->empty()) {
+    for (const std::string& name : l3_->names()) response->add_l3_tier_names(name);
+    response->set_default_write_policy(writer_.default_policy());
+    response->set_default_prefetch_policy(prefetcher_.Resolve(v1::PREFETCH_POLICY_UNSPECIFIED));
+  } else {
+    response->set_default_write_policy(v1::WRITE_POLICY_L2_ONLY);
+    response->set_default_prefetch_policy(v1::PREFETCH_POLICY_NONE);
+  }
   KVLOG(Info, "session registered",
         {{"session_id", s.id},
          {"instance_id", s.instance_id},
@@ -416,6 +432,50 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Match(grpc::CallbackServerContext* c
                                                   const v1::MatchRequest* request,
                                                   v1::MatchResponse* response) {
   return Finish(context, DoMatch(*request, response));
+}
+
+absl::Status CacheServiceImpl::DoPrefetch(const v1::PrefetchRequest& request,
+                                          v1::PrefetchResponse* response) {
+  if (absl::Status s = CheckNotDraining(); !s.ok()) return s;
+  absl::StatusOr<std::shared_ptr<Session>> session = FindSession(request.session_id());
+  if (!session.ok()) return session.status();
+  if (absl::Status s = ValidatePrefetch(request, limits_); !s.ok()) return s;
+  const SessionInfo& info = (*session)->info();
+  Namespace& ns = *info.ns;
+  const uint32_t lease_ms = limits_.PinLeaseMs(request.pin_lease_ms());
+  const absl::Time pin_deadline = absl::Now() + absl::Milliseconds(lease_ms);
+  std::vector<PrefetchChain> chains;
+  chains.reserve(request.sequences_size());
+  uint64_t pages = 0;
+  for (const v1::PrefetchSequence& seq : request.sequences()) {
+    PrefetchChain& chain = chains.emplace_back();
+    if (!seq.parent_key().empty()) chain.parent = ns.IndexKey(seq.parent_key().data());
+    ns.AppendIndexKeys(seq.page_keys(), &chain.keys);
+    pages += chain.keys.size();
+    if (request.pin()) {
+      chain.pin_id = ops_.NextId();
+      pins_.Add(chain.pin_id, info.instance_id, info.ns, {}, info.tp_size,
+                absl::Milliseconds(lease_ms), pin_deadline);
+      response->add_pin_ids(chain.pin_id);
+    }
+  }
+  // Without L3 tiers every page is ALREADY_PRESENT or MISS, and the op is done at once.
+  v1::PrefetchPolicy policy = prefetcher_.Resolve(request.policy());
+  if (policy == v1::PREFETCH_POLICY_NONE) policy = v1::PREFETCH_POLICY_BEST_EFFORT;
+  std::shared_ptr<OpRecord> op =
+      prefetcher_
+          .Start(info, std::move(chains), policy,
+                 prefetcher_.Deadline(policy, request.timeout_ms(), pages * ns.spec().page_size),
+                 /*always_op=*/true)
+          .op;
+  ops_.Fill(*op, /*omit_page_status=*/false, /*submission=*/true, response->mutable_op());
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::Prefetch(grpc::CallbackServerContext* context,
+                                                     const v1::PrefetchRequest* request,
+                                                     v1::PrefetchResponse* response) {
+  return Finish(context, DoPrefetch(*request, response));
 }
 
 absl::Status CacheServiceImpl::DoLoad(const v1::LoadRequest& request, v1::LoadResponse* response) {

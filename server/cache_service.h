@@ -14,6 +14,8 @@
 //   Matcher            group-consistent lookups and the step memo           matcher.h
 //   L2Space            pool slots, eviction on a full pool, watermarks      l2_space.h
 //   SimSignalPump      SIM engines' layer and ready counters                 sim_signal_pump.h
+//   L3Writer           L2 -> L3 writes under the write policies              l3_writer.h
+//   L3Prefetcher       L3 -> L2 prefetch ops                                 l3_prefetcher.h
 //
 // Threads: RPCs on gRPC's callback threads, concurrently; no handler blocks except
 // UnregisterEngine (for its drain, at most ServerLimits.max_wait_ms). Owned threads: the op
@@ -22,9 +24,8 @@
 // mappings closed), expires pin leases, forgets old op results and memoized Match answers, and
 // evicts L2 down to the low watermark when the pool is above the high one.
 //
-// Not implemented: Prefetch answers UNIMPLEMENTED, since there is no L3 tier to prefetch from yet;
-// Match reports no L3 hits and starts no prefetch whatever the policy. Write policies are
-// accepted and validated, and every page stays in L2 only.
+// Without L3 tiers (storage.tiers = ""), Match reports no L3 hits, Prefetch answers an op whose
+// pages are ALREADY_PRESENT or MISS, and every page stays in L2 only.
 #ifndef KVCELLAR_SERVER_CACHE_SERVICE_H_
 #define KVCELLAR_SERVER_CACHE_SERVICE_H_
 
@@ -44,6 +45,9 @@
 #include "server/cache_metrics.h"
 #include "server/config.h"
 #include "server/device_mover.h"
+#include "server/l3_prefetcher.h"
+#include "server/l3_tiers.h"
+#include "server/l3_writer.h"
 #include "server/l2_space.h"
 #include "server/matcher.h"
 #include "server/metrics.h"
@@ -64,6 +68,8 @@ struct CacheServiceOptions {
   uint64_t daemon_epoch = 0;
   // nullptr: DefaultRegistry(). Outlives the service.
   MetricsRegistry* metrics = nullptr;
+  // The L3 tiers; nullptr or empty: none. Outlives the service.
+  L3Tiers* l3 = nullptr;
   // How often the housekeeper runs. Pin and session leases lapse at most this late.
   absl::Duration housekeeping_interval = absl::Milliseconds(20);
 };
@@ -89,6 +95,9 @@ class CacheServiceImpl final : public kvcellar::v1::CacheService::CallbackServic
   grpc::ServerUnaryReactor* Match(grpc::CallbackServerContext* context,
                                   const v1::MatchRequest* request,
                                   v1::MatchResponse* response) override;
+  grpc::ServerUnaryReactor* Prefetch(grpc::CallbackServerContext* context,
+                                     const v1::PrefetchRequest* request,
+                                     v1::PrefetchResponse* response) override;
   grpc::ServerUnaryReactor* Load(grpc::CallbackServerContext* context,
                                  const v1::LoadRequest* request,
                                  v1::LoadResponse* response) override;
@@ -116,6 +125,9 @@ class CacheServiceImpl final : public kvcellar::v1::CacheService::CallbackServic
   const CacheLimits& limits() const { return limits_; }
   // For tests and admin tools: the namespaces and their indexes.
   NamespaceRegistry& namespaces() { return namespaces_; }
+  // For tests: the L3 writer and prefetcher (idle without L3 tiers).
+  L3Writer& l3_writer() { return writer_; }
+  L3Prefetcher& l3_prefetcher() { return prefetcher_; }
 
   // Runs one housekeeping pass now (tests; the housekeeper thread runs it periodically).
   void Housekeep();
@@ -133,6 +145,7 @@ class CacheServiceImpl final : public kvcellar::v1::CacheService::CallbackServic
   absl::Status DoUnregister(const v1::UnregisterEngineRequest& request,
                             v1::UnregisterEngineResponse* response);
   absl::Status DoMatch(const v1::MatchRequest& request, v1::MatchResponse* response);
+  absl::Status DoPrefetch(const v1::PrefetchRequest& request, v1::PrefetchResponse* response);
   absl::Status DoLoad(const v1::LoadRequest& request, v1::LoadResponse* response);
   absl::Status DoBackup(const v1::BackupRequest& request, v1::BackupResponse* response);
   absl::Status DoRelease(const v1::ReleaseRequest& request, v1::ReleaseResponse* response);
@@ -164,6 +177,10 @@ class CacheServiceImpl final : public kvcellar::v1::CacheService::CallbackServic
   PinTable pins_;
   OpTable ops_;
   SimSignalPump pump_;
+  std::unique_ptr<L3Tiers> no_l3_;  // The empty list, when options.l3 is nullptr.
+  L3Tiers* const l3_;
+  L3Writer writer_;
+  L3Prefetcher prefetcher_;
   DeviceMover mover_;
   Matcher matcher_;
 

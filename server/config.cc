@@ -5,6 +5,7 @@
 // output loads back to an equal Config and its bytes (hence the digest) depend only on the
 // values, never on how they were spelled or on a YAML library's emitter.
 #include "server/config.h"
+#include "server/l3_tier_spec.h"
 
 #include <fcntl.h>
 #include <grp.h>
@@ -143,22 +144,7 @@ constexpr SizeUnit kSizeUnits[] = {
 constexpr char kSizeSyntax[] =
     "a size (bytes, or an integer with a unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)";
 
-std::optional<uint64_t> ParseSize(absl::string_view text) {
-  text = absl::StripAsciiWhitespace(text);
-  size_t digits = 0;
-  while (digits < text.size() && absl::ascii_isdigit(text[digits])) ++digits;
-  uint64_t number = 0;
-  if (digits == 0 || !absl::SimpleAtoi(text.substr(0, digits), &number)) return std::nullopt;
-  absl::string_view unit = absl::StripLeadingAsciiWhitespace(text.substr(digits));
-  if (unit.empty()) return number;
-  for (const SizeUnit& u : kSizeUnits) {
-    if (unit == u.name) {
-      if (number > std::numeric_limits<uint64_t>::max() / u.bytes) return std::nullopt;
-      return number * u.bytes;
-    }
-  }
-  return std::nullopt;
-}
+std::optional<uint64_t> ParseSize(absl::string_view text) { return ParseSizeValue(text); }
 
 // The exact form with the smallest number, binary units winning ties: 4000000000 is "4GB", not
 // "3906250KiB"; a byte count no unit divides stays a plain integer.
@@ -288,6 +274,12 @@ std::string CheckGroup(absl::string_view value) {
   }
   if (found == nullptr) return absl::StrCat("names no group known on this host: '", value, "'");
   return "";
+}
+
+std::string CheckL3Tiers(absl::string_view value) {
+  absl::StatusOr<std::vector<L3TierSpec>> specs = ParseL3TierSpecs(value);
+  if (specs.ok()) return "";
+  return absl::StrCat("is invalid: ", specs.status().message());
 }
 
 std::string CheckShmName(absl::string_view value) {
@@ -426,7 +418,7 @@ KeySpec ModeKey(const char* path, Field<uint32_t> field, const char* default_tex
 
 // Marks a key whose value ConfigToYaml(..., redact_secrets=true) and ConfigDigest() hide (a
 // password, a token; not a path to a key file): Secret(StringKey(...)).
-[[maybe_unused]] KeySpec Secret(KeySpec k) {
+KeySpec Secret(KeySpec k) {
   k.secret = true;
   return k;
 }
@@ -506,6 +498,34 @@ std::vector<KeySpec> SchemaTable() {
       ChoiceKey(KVC_ENUM(device, kind), "auto", {"auto", "cuda", "sim"},
                 "Device backend: cuda, sim (shared memory, no GPU), or auto = cuda when a GPU "
                 "is present, else sim."),
+      // storage
+      StringKey(KVC_FIELD(storage, tiers), "", CheckL3Tiers, "tier specs, or \"\"",
+                "L3 tiers in lookup order, fastest first, separated by spaces or ';': "
+                "file:/DIR?name=nvme&capacity=500GiB, redis:HOST:PORT?prefix=kvc:, "
+                "redis-cluster:H1:P1,H2:P2 (options in docs/storage.md); \"\" = no L3."),
+      Secret(StringKey(KVC_FIELD(storage, redis_password), "", nullptr, "",
+                       "Password (AUTH) for every redis tier; \"\" = none.")),
+      ChoiceKey(KVC_ENUM(storage, write_policy), "write_through",
+                {"write_through", "write_through_selective", "write_back", "l2_only"},
+                "Default L2 -> L3 write policy (an engine's Backup may name another): every page "
+                "at once, pages hit selective_hits times, pages evicted from L2, or never."),
+      IntKey(KVC_FIELD(storage, selective_hits), "2", 1, 1'000'000,
+             "write_through_selective: L2 hits a page needs before it is written to L3."),
+      ChoiceKey(KVC_ENUM(storage, prefetch_policy), "best_effort",
+                {"none", "best_effort", "wait_complete", "timeout"},
+                "Default L3 -> L2 prefetch policy for Match and Prefetch requests that name none."),
+      DurationKey(KVC_FIELD(storage, prefetch_timeout_base_ms), "20", 1, kOneHourMs,
+                  "timeout policy without a request timeout: deadline = base + per 1K tokens "
+                  "x tokens fetched, capped at the daemon's max prefetch timeout."),
+      DurationKey(KVC_FIELD(storage, prefetch_timeout_per_1k_tokens_ms), "5", 0, kOneHourMs,
+                  "timeout policy: milliseconds added per 1024 tokens being prefetched."),
+      SizeKey(KVC_FIELD(storage, max_pending_write_bytes), "1GiB", {.min = 0, .max = 1 * kTiB},
+              "L2 -> L3 bytes in flight at most; pages past it are not written (counted)."),
+      SizeKey(KVC_FIELD(storage, max_pending_prefetch_bytes), "1GiB", {.min = 0, .max = 1 * kTiB},
+              "L3 -> L2 bytes in flight at most; pages past it are THROTTLED."),
+      DurationKey(KVC_FIELD(storage, max_lookup_ms), "50", 0, 10'000,
+                  "Cap on a Match's l3_lookup_timeout_ms (asking L3 backends for pages the "
+                  "index does not know)."),
   };
 }
 
@@ -1070,6 +1090,24 @@ std::vector<std::string> CrossCheck(const Config& config) {
 }
 
 }  // namespace
+
+std::optional<uint64_t> ParseSizeValue(absl::string_view text) {
+  text = absl::StripAsciiWhitespace(text);
+  size_t digits = 0;
+  while (digits < text.size() && absl::ascii_isdigit(text[digits])) ++digits;
+  uint64_t number = 0;
+  if (digits == 0 || !absl::SimpleAtoi(text.substr(0, digits), &number)) return std::nullopt;
+  absl::string_view unit = absl::StripLeadingAsciiWhitespace(text.substr(digits));
+  if (unit.empty()) return number;
+  for (const SizeUnit& u : kSizeUnits) {
+    if (unit == u.name) {
+      if (number > std::numeric_limits<uint64_t>::max() / u.bytes) return std::nullopt;
+      return number * u.bytes;
+    }
+  }
+  return std::nullopt;
+}
+
 
 absl::string_view ConfigTypeName(ConfigType type) {
   switch (type) {

@@ -39,6 +39,8 @@ enum class TlsMode { kPlaintext, kTls, kMtls };
 enum class HugePages { kAuto, kOn, kOff };
 enum class EvictionPolicy { kS3Fifo, kLru };
 enum class DeviceKind { kAuto, kCuda, kSim };
+enum class L3WritePolicy { kWriteThrough, kWriteThroughSelective, kWriteBack, kL2Only };
+enum class L3PrefetchPolicy { kNone, kBestEffort, kWaitComplete, kTimeout };
 
 // Field names match the key names; see config/kvcellard.yaml for what each one means. A
 // value-initialized Config is not the defaults: use DefaultConfig() or LoadConfig().
@@ -104,6 +106,22 @@ struct DeviceConfig {
   bool operator==(const DeviceConfig&) const = default;
 };
 
+// L3: the tiers (server/l3_tier_spec.h says the syntax of `tiers`) and the policies that move
+// pages between them and L2.
+struct StorageConfig {
+  std::string tiers;           // "" = no L3.
+  std::string redis_password;  // Secret. AUTH for every redis tier.
+  L3WritePolicy write_policy{};
+  int64_t selective_hits = 0;  // write_through_selective: L2 hits before the page is written.
+  L3PrefetchPolicy prefetch_policy{};
+  int64_t prefetch_timeout_base_ms = 0;
+  int64_t prefetch_timeout_per_1k_tokens_ms = 0;
+  uint64_t max_pending_write_bytes = 0;     // L2 -> L3 bytes in flight; more are dropped.
+  uint64_t max_pending_prefetch_bytes = 0;  // L3 -> L2 bytes in flight; more are THROTTLED.
+  int64_t max_lookup_ms = 0;                // Cap on MatchRequest.l3_lookup_timeout_ms.
+  bool operator==(const StorageConfig&) const = default;
+};
+
 struct Config {
   ListenConfig listen;
   TlsConfig tls;
@@ -114,6 +132,7 @@ struct Config {
   EvictionConfig eviction;
   SessionsConfig sessions;
   DeviceConfig device;
+  StorageConfig storage;
   bool operator==(const Config&) const = default;
 };
 
@@ -176,6 +195,10 @@ std::string ResolveUnixSocketPath(const Config& config);
 // nullopt when listen.admin_socket is "none"; the path when set; else `kvcellard-admin.sock` in
 // the directory of ResolveUnixSocketPath().
 std::optional<std::string> ResolveAdminSocketPath(const Config& config);
+
+// Parses a size as the config's value syntax describes ("64MiB", "4GB", "4096"); nullopt when it
+// is not one. For other config-like text (storage.tiers options).
+std::optional<uint64_t> ParseSizeValue(absl::string_view text);
 
 namespace config_internal {
 // ConfigToYaml with the redaction decision taken per key path; lets tests exercise redaction

@@ -91,6 +91,9 @@ absl::Status Daemon::StartListeners() {
 
   if (absl::Status s = CreateHostPool(); !s.ok()) return s;
   if (absl::Status s = CreateDeviceBackend(); !s.ok()) return s;
+  absl::StatusOr<std::unique_ptr<L3Tiers>> l3 = L3Tiers::Open(config_.storage);
+  if (!l3.ok()) return l3.status();
+  l3_ = *std::move(l3);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -99,6 +102,7 @@ absl::Status Daemon::StartListeners() {
   cache_options.config = config_;
   cache_options.pool = pool_.get();
   cache_options.device = device_.get();
+  cache_options.l3 = l3_.get();
   cache_options.metrics = &registry;
   {
     absl::MutexLock lock(&mu_);

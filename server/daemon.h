@@ -24,6 +24,7 @@
 #include "core/host_pool.h"
 #include "gpu/device_backend.h"
 #include "server/config.h"
+#include "server/l3_tiers.h"
 #include "server/daemon_info.h"
 
 namespace kvcellar::server {
@@ -66,6 +67,9 @@ class Daemon {
   std::unique_ptr<core::HostPool> pool_;
   std::unique_ptr<gpu::DeviceBackend> device_;  // Destroyed after the service, before the pool.
   std::vector<void*> registered_chunks_;        // Pool chunks registered with device_.
+  // L3 backends: destroyed after the service (whose writes and reads they complete), before the
+  // pool (whose slots their I/O reads and writes).
+  std::unique_ptr<L3Tiers> l3_;
   std::unique_ptr<CacheServiceImpl> cache_service_;
   std::unique_ptr<AdminServiceImpl> engine_admin_service_;  // Read-only RPCs.
   std::unique_ptr<AdminServiceImpl> admin_service_;         // All RPCs.

@@ -116,6 +116,8 @@ class BackupCompletion final : public OpCompletion {
   uint32_t ready_timeout_ms = 0;
   L2Space* l2 = nullptr;
   CacheMetrics* metrics = nullptr;
+  L3Writer* writer = nullptr;
+  v1::WritePolicy write_policy = v1::WRITE_POLICY_UNSPECIFIED;
   uint64_t bytes = 0;
 
   OpOutcome Complete(const absl::Status& device, OpCancelCause cause,
@@ -126,9 +128,12 @@ class BackupCompletion final : public OpCompletion {
       // Every byte has landed: the pages become visible (once their group is complete).
       std::vector<absl::Status> committed(objects.size());
       index->Commit(objects, absl::MakeSpan(committed));
+      std::vector<core::ObjectId> stored;
+      stored.reserve(objects.size());
       for (size_t k = 0; k < objects.size(); ++k) {
         if (committed[k].ok()) {
           statuses[object_page[k]] = v1::PAGE_STATUS_OK;
+          stored.push_back(objects[k]);
         } else {
           statuses[object_page[k]] = v1::PAGE_STATUS_INTERNAL_ERROR;
           KVLOG(Error, "backup commit failed",
@@ -136,6 +141,8 @@ class BackupCompletion final : public OpCompletion {
         }
       }
       if (bytes > 0) metrics->CountMovedBytes(v1::OP_KIND_BACKUP, bytes);
+      // L3 follows the write policy; the op does not wait for it.
+      if (writer != nullptr) writer->OnCommitted(*session->info().ns, stored, write_policy);
     } else {
       // Nothing partial is ever visible: the in-flight objects go, their slots with them.
       std::vector<core::ReleasedObject> released;
@@ -200,14 +207,16 @@ absl::StatusOr<StartedOp> StartOp(Session& session, const Sequences& sequences,
 }  // namespace
 
 DeviceMover::DeviceMover(gpu::DeviceBackend* device, L2Space* l2, PinTable* pins, OpTable* ops,
-                         SimSignalPump* pump, CacheMetrics* metrics, const CacheLimits* limits)
+                         SimSignalPump* pump, CacheMetrics* metrics, const CacheLimits* limits,
+                         L3Writer* writer)
     : device_(device),
       l2_(l2),
       pins_(pins),
       ops_(ops),
       pump_(pump),
       metrics_(metrics),
-      limits_(limits) {}
+      limits_(limits),
+      writer_(writer) {}
 
 absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Load(const std::shared_ptr<Session>& session,
                                                             const v1::LoadRequest& request) {
@@ -529,6 +538,8 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Backup(
   completion->blocks = std::move(used_blocks);
   completion->ready_timeout_ms = ready_timeout_ms;
   completion->l2 = l2_;
+  completion->writer = writer_;
+  completion->write_policy = request.write_policy();
   completion->metrics = metrics_;
   completion->bytes = completion->object_page.size() * object_bytes;
   record->completion = std::move(completion);

@@ -33,6 +33,7 @@
 #include "server/cache_limits.h"
 #include "server/cache_metrics.h"
 #include "server/l2_space.h"
+#include "server/l3_writer.h"
 #include "server/op_table.h"
 #include "server/pin_table.h"
 #include "server/session_registry.h"
@@ -42,9 +43,10 @@ namespace kvcellar::server {
 
 class DeviceMover {
  public:
-  // Every pointer outlives the mover.
+  // Every pointer outlives the mover. `writer` (may be nullptr) is told of every committed Backup.
   DeviceMover(gpu::DeviceBackend* device, L2Space* l2, PinTable* pins, OpTable* ops,
-              SimSignalPump* pump, CacheMetrics* metrics, const CacheLimits* limits);
+              SimSignalPump* pump, CacheMetrics* metrics, const CacheLimits* limits,
+              L3Writer* writer = nullptr);
 
   // The request passed ValidateLoad / ValidateBackup. Errors: the session's reservation errors
   // (SESSION_UNKNOWN, TOO_MANY_OPS, BLOCK_BUSY, SLOT_BUSY) with nothing changed, or INTERNAL when
@@ -63,6 +65,7 @@ class DeviceMover {
   SimSignalPump* const pump_;
   CacheMetrics* const metrics_;
   const CacheLimits* const limits_;
+  L3Writer* const writer_;
 };
 
 }  // namespace kvcellar::server

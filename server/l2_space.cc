@@ -67,6 +67,10 @@ uint64_t L2Space::EvictFrom(Namespace& ns, uint64_t bytes, EvictReason reason) {
   std::vector<core::ReleasedObject> evicted;
   const uint64_t freed = index->EvictBytes(bytes, &evicted);
   if (evicted.empty()) return 0;
+  // A write-back observer takes the slots of pages it writes to L3 (and frees them after).
+  if (L2EvictionObserver* observer = observer_.load(std::memory_order_acquire)) {
+    observer->OnEvicted(ns, absl::MakeSpan(evicted));
+  }
   FreeReleased(evicted);
   // Pages, not objects: an MHA page has one object per shard, evicted together.
   uint64_t pages = 0;
@@ -85,7 +89,10 @@ uint64_t L2Space::UsedBytes() const {
 
 uint64_t L2Space::EnforceWatermarks() {
   const double capacity = static_cast<double>(pool_->capacity_bytes());
-  const uint64_t used = UsedBytes();
+  uint64_t used = UsedBytes();
+  if (const L2EvictionObserver* observer = observer_.load(std::memory_order_acquire)) {
+    used -= std::min(used, observer->held_bytes());
+  }
   if (static_cast<double>(used) <= high_watermark_ * capacity) return 0;
   const uint64_t target = static_cast<uint64_t>(low_watermark_ * capacity);
   uint64_t to_free = used - std::min(used, target);

@@ -16,6 +16,7 @@
 #ifndef KVCELLAR_SERVER_L2_SPACE_H_
 #define KVCELLAR_SERVER_L2_SPACE_H_
 
+#include <atomic>
 #include <cstdint>
 
 #include "absl/status/statusor.h"
@@ -26,6 +27,17 @@
 #include "server/namespace_registry.h"
 
 namespace kvcellar::server {
+
+// Told of every page L2Space evicts, before the slots are freed (server/l3_writer.h: write_back).
+class L2EvictionObserver {
+ public:
+  virtual ~L2EvictionObserver() = default;
+  // May take a slot: it sets that object's `slot` invalid and frees it later through Free().
+  virtual void OnEvicted(Namespace& ns, absl::Span<core::ReleasedObject> released) = 0;
+  // Slot bytes taken and not freed yet: already evicted, so watermark eviction does not count
+  // them again (it would evict more pages than it needs while the writes run).
+  virtual uint64_t held_bytes() const = 0;
+};
 
 class L2Space {
  public:
@@ -45,6 +57,11 @@ class L2Space {
   // Brings the pool back to the low watermark when it is above the high one. Returns bytes freed.
   uint64_t EnforceWatermarks();
 
+  // Set once before serving, cleared before the observer is destroyed; nullptr: none.
+  void set_eviction_observer(L2EvictionObserver* observer) {
+    observer_.store(observer, std::memory_order_release);
+  }
+
   // Bytes of slots in use (slot capacity, not object bytes), summed over size classes.
   uint64_t UsedBytes() const;
   core::HostPool* pool() const { return pool_; }
@@ -58,6 +75,7 @@ class L2Space {
   const double high_watermark_;
   const double low_watermark_;
   CacheMetrics* const metrics_;
+  std::atomic<L2EvictionObserver*> observer_{nullptr};
 };
 
 }  // namespace kvcellar::server

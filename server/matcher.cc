@@ -37,8 +37,9 @@ uint64_t Fingerprint(const v1::MatchRequest& request) {
 
 }  // namespace
 
-Matcher::Matcher(PinTable* pins, OpTable* ids, CacheMetrics* metrics, const CacheLimits* limits)
-    : pins_(pins), ids_(ids), metrics_(metrics), limits_(limits) {}
+Matcher::Matcher(PinTable* pins, OpTable* ids, CacheMetrics* metrics, const CacheLimits* limits,
+                 MatcherL3 l3)
+    : pins_(pins), ids_(ids), metrics_(metrics), limits_(limits), l3_(l3) {}
 
 absl::Status Matcher::Match(const SessionInfo& session, const v1::MatchRequest& request,
                             v1::MatchResponse* response) {
@@ -90,13 +91,25 @@ void Matcher::Compute(const SessionInfo& session, const v1::MatchRequest& reques
   core::MatchOptions options;
   options.shards = ns.group_shards();
 
+  const size_t num_tiers = l3_.tiers != nullptr ? l3_.tiers->size() : 0;
+  const v1::PrefetchPolicy policy = l3_.prefetcher != nullptr
+                                        ? l3_.prefetcher->Resolve(request.prefetch_policy())
+                                        : v1::PREFETCH_POLICY_NONE;
+  const absl::Duration lookup_budget =
+      std::min(absl::Milliseconds(request.l3_lookup_timeout_ms()), l3_.max_lookup);
+
   std::vector<core::PageKey> keys;
+  std::vector<PrefetchChain> chains;
+  uint64_t prefetch_tokens = 0;
   uint64_t hits = 0;
   uint64_t lookups = 0;
+  std::array<uint32_t, core::kMaxL3Tiers> l3_hits_by_tier{};
+  uint64_t l3_misses = 0;
   response->mutable_results()->Reserve(request.sequences_size());
   for (const v1::MatchSequence& seq : request.sequences()) {
     v1::MatchResult* result = response->add_results();
     result->set_request_id(seq.request_id());
+    if (num_tiers > 0) chains.emplace_back();
     keys.clear();
     size_t first = 0;  // Index in `keys` of the first page to look up.
     if (seq.token_ids_size() > 0) {
@@ -132,16 +145,128 @@ void Matcher::Compute(const SessionInfo& session, const v1::MatchRequest& reques
     }
     absl::StatusOr<core::MatchResult> m = index->Match(lookup, options);
     if (!m.ok()) continue;  // Only for a bad shard set, which the namespace rules out.
-    result->set_l2_hit_pages(m->l2_pages);
-    hits += m->l2_pages;
+    const uint32_t l2 = m->l2_pages;
+    result->set_l2_hit_pages(l2);
+    hits += l2;
+    if (l3_.writer != nullptr) l3_.writer->OnL2Hits(ns, lookup.first(l2));
+    bool pinned = false;
     if (pin_id != 0 && m->pinned_pages > 0) {
       pins_->Add(pin_id, session.instance_id, session.ns,
-                 std::vector<core::PageKey>(lookup.begin(), lookup.begin() + m->l2_pages),
-                 session.tp_size, lease, deadline);
+                 std::vector<core::PageKey>(lookup.begin(), lookup.begin() + l2), session.tp_size,
+                 lease, deadline);
       result->set_pin_id(pin_id);
+      pinned = true;
+    }
+    if (num_tiers == 0) continue;
+
+    // The page before lookup[0]: computed from tokens, or page 0; unknown for keys sent from
+    // page num_computed_pages > 0 on (then only pages the index knows can be fetched).
+    std::optional<core::PageKey> parent0;
+    if (first > 0) parent0 = keys[first - 1];
+    const bool parent0_known = seq.token_ids_size() > 0 || seq.num_computed_pages() == 0;
+    std::array<uint32_t, core::kMaxL3Tiers> runs = m->l3_pages;
+    uint32_t known = 0;
+    for (size_t t = 0; t < num_tiers; ++t) known = std::max(known, runs[t]);
+    const size_t from = l2 + known;
+    // Pages found only in a backend enter the index under their parent: not knowable for the
+    // first page sent when the engine sent keys from a page > 0.
+    if (lookup_budget > absl::ZeroDuration() && from < lookup.size() &&
+        (from > 0 || parent0_known)) {
+      std::optional<core::PageKey> parent = from > 0 ? std::optional(lookup[from - 1]) : parent0;
+      std::array<uint32_t, core::kMaxL3Tiers> found{};
+      LookUpL3(ns, lookup, from, parent, lookup_budget, found);
+      for (size_t t = 0; t < num_tiers; ++t) {
+        // A tier's run extends only when it reached the pages asked about.
+        if (runs[t] == known) runs[t] += found[t];
+      }
+    }
+    uint32_t best = 0;
+    for (size_t t = 0; t < num_tiers; ++t) best = std::max(best, runs[t]);
+    if (best == 0) {
+      l3_misses += lookup.size() - l2;
+      continue;
+    }
+    // Each page from the first tier whose run covers it.
+    PrefetchChain& chain = chains.back();
+    chain.tiers.resize(best);
+    auto* by_tier = result->mutable_l3_hit_pages_by_tier();
+    by_tier->Resize(static_cast<int>(num_tiers), 0);
+    for (uint32_t p = 0; p < best; ++p) {
+      for (size_t t = 0; t < num_tiers; ++t) {
+        if (runs[t] > p) {
+          chain.tiers[p] = static_cast<int>(t);
+          ++(*by_tier)[static_cast<int>(t)];
+          ++l3_hits_by_tier[t];
+          break;
+        }
+      }
+    }
+    result->set_l3_hit_pages(best);
+    l3_misses += lookup.size() - l2 - best;
+    if (policy == v1::PREFETCH_POLICY_NONE) continue;
+    chain.parent = l2 > 0 ? std::optional(lookup[l2 - 1]) : parent0;
+    chain.parent_known = l2 > 0 || parent0_known;
+    chain.keys.assign(lookup.begin() + l2, lookup.begin() + l2 + best);
+    prefetch_tokens += uint64_t{best} * page_size;
+    if (request.pin()) {
+      if (!pinned) {
+        // Nothing in L2 yet: a pin for the prefetched pages to join as they land.
+        pins_->Add(pin_id, session.instance_id, session.ns, {}, session.tp_size, lease, deadline);
+        result->set_pin_id(pin_id);
+      }
+      chain.pin_id = pin_id;
     }
   }
   metrics_->CountMatch(hits, lookups - hits, page_size);
+  if (num_tiers == 0) return;
+  metrics_->CountL3Match(absl::MakeConstSpan(l3_hits_by_tier.data(), num_tiers), l3_misses,
+                         page_size);
+  if (prefetch_tokens == 0) return;
+  L3Prefetcher::Started started = l3_.prefetcher->Start(
+      session, std::move(chains), policy,
+      l3_.prefetcher->Deadline(policy, request.prefetch_timeout_ms(), prefetch_tokens),
+      /*always_op=*/false);
+  if (started.op == nullptr) return;
+  response->set_prefetch_op_id(started.op->id);
+  for (size_t i = 0; i < started.fetching.size(); ++i) {
+    response->mutable_results(static_cast<int>(i))->set_prefetch_pages(started.fetching[i]);
+  }
+}
+
+void Matcher::LookUpL3(Namespace& ns, absl::Span<const core::PageKey> lookup, size_t from,
+                       std::optional<core::PageKey> parent, absl::Duration budget,
+                       std::array<uint32_t, core::kMaxL3Tiers>& runs) {
+  const size_t num_tiers = l3_.tiers->size();
+  std::vector<uint32_t> shards(static_cast<size_t>(ns.shards()));
+  for (size_t s = 0; s < shards.size(); ++s) shards[s] = static_cast<uint32_t>(s);
+  const absl::Span<const core::PageKey> ask = lookup.subspan(from);
+  const absl::Time deadline = absl::Now() + budget;
+  std::vector<std::optional<storage::ExistsFuture>> futures(num_tiers);
+  for (size_t t = 0; t < num_tiers; ++t) {
+    absl::StatusOr<storage::ExistsFuture> f = l3_.tiers->tier(t).backend->ExistsAsync(
+        {ns.digest(), ask, shards, budget});
+    if (f.ok()) futures[t] = *std::move(f);
+  }
+  std::vector<core::L3Update> updates;
+  for (size_t t = 0; t < num_tiers; ++t) {
+    if (!futures[t].has_value()) continue;
+    const storage::ExistsResult* r =
+        futures[t]->WaitFor(std::max(absl::ZeroDuration(), deadline - absl::Now()));
+    if (r == nullptr) continue;  // Too slow this time: the pages count as not found.
+    runs[t] = static_cast<uint32_t>(r->present_prefix);
+    for (size_t p = 0; p < r->present_prefix; ++p) {
+      std::optional<core::PageKey> page_parent = p > 0 ? std::optional(ask[p - 1]) : parent;
+      for (uint32_t s : shards) {
+        updates.push_back({ask[p], page_parent, static_cast<uint16_t>(s),
+                           static_cast<uint8_t>(t), true});
+      }
+    }
+  }
+  if (updates.empty()) return;
+  // A page whose parent is unknown to the index cannot be recorded (the tree stays
+  // prefix-closed); it still counts for this answer, and is read by key if prefetched.
+  std::vector<absl::Status> statuses(updates.size());
+  ns.index()->UpdateL3(updates, absl::MakeSpan(statuses));
 }
 
 size_t Matcher::Prune(absl::Time now) {

@@ -8,8 +8,17 @@
 // `pin`, the hit is pinned in the same index call (no eviction can slip between lookup and pin)
 // under a new pin id with tp_size holds (PinTable).
 //
-// There is no L3 yet: l3_hit_pages is 0, no prefetch op is started whatever the policy
-// (prefetch_op_id 0, prefetch_pages 0), and nothing is ever asked of storage.
+// L3 (when tiers are configured): after the L2 hit, the index says per tier how many further
+// pages that tier holds (copies this daemon wrote, read or was told of). With
+// l3_lookup_timeout_ms > 0 (capped by storage.max_lookup_ms) the backends are also asked (Exists,
+// all tiers at once, the handler waiting at most that budget) about the pages past what the index
+// knows: other nodes write shared tiers, and a restarted daemon's index is empty while its files
+// are not. What they report is recorded in the index (UpdateL3) for the next Match. The L3 hit is
+// the longest such run; each page is attributed to the first tier (in lookup order) whose run
+// covers it, which is also the tier a prefetch reads it from. Under a prefetch policy other than
+// NONE one prefetch op (L3Prefetcher) covers every sequence's L3 hit; with `pin` the sequence's
+// pin grows over its pages as they land (a pin is created for this even when the L2 hit is 0).
+// L2 hits are reported to the L3Writer (write_through_selective and admission count them).
 //
 // step_id memo: the first Match of (instance, step_id) computes the answer and keeps it for
 // group_match_window_ms; a later one with the same request gets it back with memoized = true, and
@@ -21,7 +30,9 @@
 #ifndef KVCELLAR_SERVER_MATCHER_H_
 #define KVCELLAR_SERVER_MATCHER_H_
 
+#include <array>
 #include <cstdint>
+#include <optional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -34,16 +45,28 @@
 #include "kvcellar/v1/cache_service.pb.h"
 #include "server/cache_limits.h"
 #include "server/cache_metrics.h"
+#include "server/l3_prefetcher.h"
+#include "server/l3_tiers.h"
+#include "server/l3_writer.h"
 #include "server/op_table.h"
 #include "server/pin_table.h"
 #include "server/session_registry.h"
 
 namespace kvcellar::server {
 
+// The L3 side of Match; every pointer null (and no tiers) when the daemon has no L3.
+struct MatcherL3 {
+  L3Tiers* tiers = nullptr;
+  L3Prefetcher* prefetcher = nullptr;
+  L3Writer* writer = nullptr;
+  absl::Duration max_lookup = absl::ZeroDuration();
+};
+
 class Matcher {
  public:
   // Every pointer outlives the matcher; `ids` provides pin ids (the daemon-wide sequence).
-  Matcher(PinTable* pins, OpTable* ids, CacheMetrics* metrics, const CacheLimits* limits);
+  Matcher(PinTable* pins, OpTable* ids, CacheMetrics* metrics, const CacheLimits* limits,
+          MatcherL3 l3);
 
   // Answers a validated Match of `session`. Errors: STEP_MISMATCH.
   absl::Status Match(const SessionInfo& session, const v1::MatchRequest& request,
@@ -62,11 +85,17 @@ class Matcher {
 
   void Compute(const SessionInfo& session, const v1::MatchRequest& request,
                v1::MatchResponse* response);
+  // Pages after `from` that each tier holds, asked of the backends within `budget`; recorded in
+  // the index. `parent` is the key before lookup[from] (nullopt: page 0 or unknown).
+  void LookUpL3(Namespace& ns, absl::Span<const core::PageKey> lookup, size_t from,
+                std::optional<core::PageKey> parent, absl::Duration budget,
+                std::array<uint32_t, core::kMaxL3Tiers>& runs);
 
   PinTable* const pins_;
   OpTable* const ids_;
   CacheMetrics* const metrics_;
   const CacheLimits* const limits_;
+  const MatcherL3 l3_;
 
   absl::Mutex mu_;
   absl::flat_hash_map<std::pair<std::string, uint64_t>, std::shared_ptr<MemoEntry>> memo_

@@ -18,12 +18,13 @@ absl::Status GroupMismatch(absl::string_view field, absl::string_view message) {
 }  // namespace
 
 Namespace::Namespace(core::NamespaceSpec spec, core::HostPool* pool,
-                     core::EvictionPolicyKind policy)
+                     core::EvictionPolicyKind policy, int l3_tiers)
     : spec_(std::move(spec)),
       digest_(spec_.Digest()),
       shards_(static_cast<int>(spec_.ShardsPerPage())),
       pool_(pool),
-      policy_(policy) {}
+      policy_(policy),
+      l3_tiers_(l3_tiers) {}
 
 Namespace::~Namespace() = default;
 
@@ -77,7 +78,7 @@ absl::Status Namespace::AdoptLayout(const gpu::KvLayout& layout) {
   const uint64_t slot_bytes = pool_->slot_sizes()[*size_class];
   core::RadixIndexOptions options;
   options.shards_per_page = shards_;
-  options.l3_tiers = 0;
+  options.l3_tiers = l3_tiers_;
   // Accounting in slot bytes: what the pool actually spends per object.
   options.object_bytes = slot_bytes;
   options.capacity_bytes = 0;  // The pool-wide watermarks are enforced by L2Space.
@@ -106,15 +107,16 @@ absl::Status Namespace::AdoptLayout(const gpu::KvLayout& layout) {
   return absl::OkStatus();
 }
 
-NamespaceRegistry::NamespaceRegistry(core::HostPool* pool, core::EvictionPolicyKind policy)
-    : pool_(pool), policy_(policy) {}
+NamespaceRegistry::NamespaceRegistry(core::HostPool* pool, core::EvictionPolicyKind policy,
+                                     int l3_tiers)
+    : pool_(pool), policy_(policy), l3_tiers_(l3_tiers) {}
 
 std::shared_ptr<Namespace> NamespaceRegistry::GetOrCreate(const core::NamespaceSpec& spec) {
   const core::PageKey digest = spec.Digest();
   absl::MutexLock lock(&mu_);
   auto [it, inserted] = by_digest_.try_emplace(digest);
   if (inserted) {
-    it->second = std::make_shared<Namespace>(spec, pool_, policy_);
+    it->second = std::make_shared<Namespace>(spec, pool_, policy_, l3_tiers_);
     KVLOG(Info, "namespace created",
           {{"ns_digest", digest.Hex().substr(0, 16)},
            {"tenant", spec.tenant},

@@ -42,7 +42,9 @@ namespace kvcellar::server {
 
 class Namespace {
  public:
-  Namespace(core::NamespaceSpec spec, core::HostPool* pool, core::EvictionPolicyKind policy);
+  // `l3_tiers`: how many L3 tiers the daemon has (the index keeps a bit per tier).
+  Namespace(core::NamespaceSpec spec, core::HostPool* pool, core::EvictionPolicyKind policy,
+            int l3_tiers = 0);
   ~Namespace();
   Namespace(const Namespace&) = delete;
   Namespace& operator=(const Namespace&) = delete;
@@ -84,6 +86,7 @@ class Namespace {
   const int shards_;
   core::HostPool* const pool_;
   const core::EvictionPolicyKind policy_;
+  const int l3_tiers_;
 
   absl::Mutex mu_;
   bool has_geometry_ ABSL_GUARDED_BY(mu_) = false;
@@ -97,7 +100,7 @@ class Namespace {
 class NamespaceRegistry {
  public:
   // `pool` outlives the registry.
-  NamespaceRegistry(core::HostPool* pool, core::EvictionPolicyKind policy);
+  NamespaceRegistry(core::HostPool* pool, core::EvictionPolicyKind policy, int l3_tiers = 0);
 
   // The namespace of `spec` (which passed Validate()), created on first use.
   std::shared_ptr<Namespace> GetOrCreate(const core::NamespaceSpec& spec) ABSL_LOCKS_EXCLUDED(mu_);
@@ -108,6 +111,7 @@ class NamespaceRegistry {
  private:
   core::HostPool* const pool_;
   const core::EvictionPolicyKind policy_;
+  const int l3_tiers_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<core::PageKey, std::shared_ptr<Namespace>> by_digest_ ABSL_GUARDED_BY(mu_);
 };

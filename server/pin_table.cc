@@ -42,6 +42,32 @@ bool PinTable::DropHold(uint64_t id, const std::string& instance_id, uint32_t ra
   return true;
 }
 
+bool PinTable::Extend(uint64_t id, absl::Span<const core::PageKey> keys) {
+  std::shared_ptr<Namespace> ns;
+  absl::Time deadline;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = pins_.find(id);
+    if (it == pins_.end()) return false;
+    ns = it->second.ns;
+    deadline = it->second.deadline;
+    it->second.keys.insert(it->second.keys.end(), keys.begin(), keys.end());
+  }
+  core::RadixIndex* index = ns->index();
+  if (index == nullptr) return false;
+  index->Pin(id, keys, deadline);
+  // The pin may have ended between the two locks (its ReleaseOwner ran before our Pin): then
+  // nothing else would drop these pins before their deadline. One that ends after this check
+  // drops them itself.
+  bool alive;
+  {
+    absl::MutexLock lock(&mu_);
+    alive = pins_.contains(id);
+  }
+  if (!alive) index->ReleaseOwner(id);
+  return alive;
+}
+
 bool PinTable::Release(uint64_t id, const std::string& instance_id) {
   Pin ended;
   {

@@ -42,6 +42,11 @@ class PinTable {
            std::vector<core::PageKey> keys, uint32_t holds, absl::Duration lease,
            absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // A prefetch landed `keys` under pin `id`: pins them in the index until the pin's deadline and
+  // adds them to the pin (renewals cover them). Returns false, pinning nothing, when the pin has
+  // ended.
+  bool Extend(uint64_t id, absl::Span<const core::PageKey> keys) ABSL_LOCKS_EXCLUDED(mu_);
+
   // Drops `rank`'s hold on pin `id` of `instance_id`; the pin ends with its last hold. Unknown
   // pins (expired, released, another instance's) are ignored. Returns whether the pin ended.
   bool DropHold(uint64_t id, const std::string& instance_id, uint32_t rank)

@@ -490,6 +490,38 @@ absl::Status ValidateBackup(const v1::BackupRequest& request, const SessionInfo&
   return CheckKeysAndBlocks(request.sequences(), session, limits);
 }
 
+absl::Status ValidatePrefetch(const v1::PrefetchRequest& request, const CacheLimits& limits) {
+  if (!v1::PrefetchPolicy_IsValid(request.policy())) {
+    return InvalidField("policy",
+                        absl::StrCat("policy (", request.policy(), ") is not a PrefetchPolicy"));
+  }
+  if (request.policy() == v1::PREFETCH_POLICY_NONE) {
+    return InvalidField("policy", "policy PREFETCH_POLICY_NONE asks for no prefetch");
+  }
+  if (absl::Status s = CheckSequenceCount(request.sequences_size(), limits); !s.ok()) return s;
+  uint64_t pages = 0;
+  for (int i = 0; i < request.sequences_size(); ++i) {
+    const v1::PrefetchSequence& seq = request.sequences(i);
+    const std::string prefix = absl::StrCat("sequences[", i, "]");
+    if (absl::Status s = CheckKeyBlob(absl::StrCat(prefix, ".page_keys"), seq.page_keys());
+        !s.ok()) {
+      return s;
+    }
+    if (!seq.parent_key().empty() && seq.parent_key().size() != kKeyBytes) {
+      std::string field = absl::StrCat(prefix, ".parent_key");
+      return InvalidField(field, absl::StrCat(field, " is ", seq.parent_key().size(),
+                                              " bytes; 32 required, or empty for page 0"));
+    }
+    if (absl::Status s =
+            CheckLength(absl::StrCat(prefix, ".request_id"), seq.request_id(), kMaxIdBytes);
+        !s.ok()) {
+      return s;
+    }
+    pages += seq.page_keys().size() / kKeyBytes;
+  }
+  return CheckPageCount(pages, limits);
+}
+
 std::string BlockField(const std::vector<uint32_t>& seq_begin, size_t flat) {
   auto it = std::upper_bound(seq_begin.begin(), seq_begin.end(), static_cast<uint32_t>(flat));
   const size_t s = static_cast<size_t>(it - seq_begin.begin()) - 1;

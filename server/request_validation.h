@@ -60,6 +60,9 @@ absl::Status CheckWorker(const SessionInfo& session, absl::string_view rpc);
 
 absl::Status ValidateMatch(const v1::MatchRequest& request, const core::NamespaceSpec& spec,
                            const CacheLimits& limits);
+// Prefetch: policy (NONE is INVALID_ARGUMENT), key blobs, parent keys, request ids and the batch
+// limits; any session of the instance may prefetch.
+absl::Status ValidatePrefetch(const v1::PrefetchRequest& request, const CacheLimits& limits);
 absl::Status ValidateLoad(const v1::LoadRequest& request, const SessionInfo& session,
                           const CacheLimits& limits);
 absl::Status ValidateBackup(const v1::BackupRequest& request, const SessionInfo& session,

@@ -73,12 +73,17 @@ engine flags:
 
 commands:
   backup --seed S --tokens-seed X --pages N [--first-block B] [--ready late|early|none]
+         [--write-policy default|write_through|write_through_selective|write_back|l2_only]
       fill blocks B.. with the pattern of the prompt's keys, Backup them, wait.
       JSON: stored, state, statuses. Exit 4 unless every page is stored.
   load --tokens-seed X --pages N [--first-block B] --verify-seed S [--pin] [--expect-hits H]
-       [--no-layer-signals]
-      Match, Load the hit into blocks B.., wait (per layer when signals are on), verify every
-      byte. JSON: hits, loaded, verified_bytes, mismatched_bytes. Exit 1 on any mismatch.
+       [--no-layer-signals] [--prefetch none|default|best_effort|wait_complete|timeout]
+       [--prefetch-timeout-ms T] [--l3-lookup-ms L] [--doc D]
+      Match (asking L3 backends for L lookup ms), then, when it started a prefetch, WaitOps on
+      it and Match again; Load the L2 hit into blocks B.., wait (per layer when signals are on),
+      verify every byte. The prompt is document D (default 0) of --tokens-seed X, the same
+      documents `random` draws from. JSON: hits (L2 pages loaded), l3_hits, prefetch_pages, prefetch_state,
+      prefetch_final, loaded, verified_bytes, mismatched_bytes. Exit 1 on any mismatch.
   random --duration-s D --seed S [--tokens-seed X] [--docs U] [--max-pages N] [--rng-seed R]
          [--think-ms T]
       random Match/Load/Backup over a universe of U prompts shared by every process with the
@@ -106,7 +111,8 @@ class Flags {
         "--register-wait-ms", "--wait-ms", "--replace", "--shm-prefix", "--seed", "--tokens-seed",
         "--pages", "--first-block", "--ready", "--verify-seed", "--pin", "--expect-hits",
         "--no-layer-signals", "--duration-s", "--docs", "--max-pages", "--rng-seed",
-        "--think-ms", "--hold-s"};
+        "--think-ms", "--hold-s", "--write-policy", "--prefetch", "--prefetch-timeout-ms",
+        "--l3-lookup-ms", "--doc"};
     // clang-format on
     for (int i = 1; i < argc; ++i) {
       std::string a = argv[i];
@@ -259,6 +265,16 @@ uint64_t Mix(uint64_t x) {
 }
 
 // Token i of prompt `doc` in the universe of `seed`.
+const char* WritePolicyName(uint32_t p) {
+  static const char* kNames[] = {"UNSPECIFIED", "WRITE_THROUGH", "WRITE_THROUGH_SELECTIVE",
+                                 "WRITE_BACK", "L2_ONLY"};
+  return p < 5 ? kNames[p] : "UNKNOWN";
+}
+const char* PrefetchPolicyName(uint32_t p) {
+  static const char* kNames[] = {"UNSPECIFIED", "NONE", "BEST_EFFORT", "WAIT_COMPLETE", "TIMEOUT"};
+  return p < 5 ? kNames[p] : "UNKNOWN";
+}
+
 std::vector<uint32_t> Tokens(uint64_t seed, uint64_t doc, size_t n) {
   std::vector<uint32_t> t(n);
   const uint64_t base = Mix(Mix(seed) ^ doc);
@@ -273,6 +289,7 @@ struct Engine {
   uint32_t page_size = 16;
   absl::Duration op_wait = absl::Seconds(10);
   bool layer_signals = true;
+  kc::WritePolicy write_policy = kc::WritePolicy::kUnspecified;
 
   uint32_t shard() const { return session->info().shard_index; }
 
@@ -285,7 +302,10 @@ struct Engine {
         .Num("num_shards", i.num_shards)
         .Bool("is_shard_writer", i.is_shard_writer)
         .Num("page_object_bytes", i.page_object_bytes)
-        .Str("ns_digest", i.ns_digest.Hex());
+        .Str("ns_digest", i.ns_digest.Hex())
+        .Str("l3_tier_names", absl::StrJoin(i.l3_tier_names, ","))
+        .Str("default_write_policy", WritePolicyName(i.default_write_policy))
+        .Str("default_prefetch_policy", PrefetchPolicyName(i.default_prefetch_policy));
   }
 
   // Waits for the op to be terminal (or op_wait to pass).
@@ -320,6 +340,7 @@ struct Engine {
     seq.keys = absl::MakeConstSpan(keys).subspan(from);
     seq.blocks = blocks;
     kc::BackupOptions opts;
+    opts.write_policy = write_policy;
     const bool signals = sim->has_signals() && sim->signals().num_ready_slots() > 0;
     if (ready != "none" && signals) {
       opts.has_ready = true;
@@ -458,6 +479,25 @@ int CmdLoad(Engine& e, Flags& f) {
   const bool pin = f.Bool("--pin");
   const bool expect = f.Has("--expect-hits");
   const uint64_t expect_hits = f.U64("--expect-hits", 0);
+  const std::string prefetch = f.Str("--prefetch", "none");
+  kc::MatchOptions mo;
+  mo.pin = pin;
+  mo.prefetch_timeout_ms = static_cast<uint32_t>(f.U64("--prefetch-timeout-ms", 0));
+  mo.l3_lookup_timeout_ms = static_cast<uint32_t>(f.U64("--l3-lookup-ms", 0));
+  static const std::map<std::string, kc::PrefetchPolicy> kPolicies = {
+      {"none", kc::PrefetchPolicy::kNone},
+      {"default", kc::PrefetchPolicy::kUnspecified},
+      {"best_effort", kc::PrefetchPolicy::kBestEffort},
+      {"wait_complete", kc::PrefetchPolicy::kWaitComplete},
+      {"timeout", kc::PrefetchPolicy::kTimeout}};
+  const uint64_t doc = f.U64("--doc", 0);
+  if (auto it = kPolicies.find(prefetch); it != kPolicies.end()) {
+    mo.prefetch_policy = it->second;
+  } else {
+    std::fprintf(stderr, "--prefetch: '%s' is not none, default, best_effort, wait_complete or "
+                 "timeout\n", prefetch.c_str());
+    return kExitUsage;
+  }
   if (std::string p = f.Problem(); !p.empty()) {
     std::fprintf(stderr, "%s\n", p.c_str());
     return kExitUsage;
@@ -466,12 +506,24 @@ int CmdLoad(Engine& e, Flags& f) {
     std::fprintf(stderr, "blocks [%u, %lu) exceed --blocks\n", first, first + pages);
     return kExitUsage;
   }
-  const std::vector<uint32_t> tokens = Tokens(tseed, 0, pages * e.page_size);
+  const std::vector<uint32_t> tokens = Tokens(tseed, doc, pages * e.page_size);
   kc::MatchSequence ms;
   ms.tokens = tokens;
-  kc::MatchOptions mo;
-  mo.pin = pin;
-  const kc::MatchReply m = e.session->Match({ms}, mo);
+  const kc::MatchReply first_match = e.session->Match({ms}, mo);
+  kc::MatchReply m = first_match;
+  // A prefetch: wait for it as the policy says (the daemon bounds it), then ask again what is in
+  // L2 now, pinning it for the Load.
+  kc::OpResult prefetched;
+  const bool prefetching = first_match.prefetch_op.op_id != 0;
+  if (prefetching) {
+    kc::WaitOptions wo;
+    wo.timeout = e.op_wait;
+    prefetched = e.session->WaitOps({first_match.prefetch_op}, wo)[0];
+    if (first_match.results[0].pin_id != 0) e.session->Release({first_match.results[0].pin_id});
+    kc::MatchOptions again;
+    again.pin = pin;
+    m = e.session->Match({ms}, again);
+  }
   const kc::MatchResult& mr = m.results[0];
   Engine::LoadOutcome lo;
   if (mr.l2_hit_pages > 0) {
@@ -481,7 +533,11 @@ int CmdLoad(Engine& e, Flags& f) {
   j.Str("cmd", "load")
       .Num("pages", pages)
       .Num("hits", mr.l2_hit_pages)
-      .Num("l3_hits", mr.l3_hit_pages)
+      .Num("first_hits", first_match.results[0].l2_hit_pages)
+      .Num("l3_hits", first_match.results[0].l3_hit_pages)
+      .Num("prefetch_pages", first_match.results[0].prefetch_pages)
+      .Str("prefetch_state", prefetching ? kc::OpStateName(prefetched.state) : "NONE")
+      .Obj("prefetch_final", StatusCounts(prefetched))
       .Num("pin_id", mr.pin_id)
       .Str("match_error", m.status.ok() ? "" : m.status.ToString())
       .Num("loaded", lo.loaded)
@@ -652,6 +708,22 @@ int main(int argc, char** argv) {
   e.page_size = static_cast<uint32_t>(f.U64("--page-size", 16));
   e.op_wait = absl::Milliseconds(f.U64("--wait-ms", 10000));
   e.layer_signals = !f.Bool("--no-layer-signals");
+  {
+    static const std::map<std::string, kc::WritePolicy> kWrite = {
+        {"default", kc::WritePolicy::kUnspecified},
+        {"write_through", kc::WritePolicy::kWriteThrough},
+        {"write_through_selective", kc::WritePolicy::kWriteThroughSelective},
+        {"write_back", kc::WritePolicy::kWriteBack},
+        {"l2_only", kc::WritePolicy::kL2Only}};
+    const std::string wp = f.Str("--write-policy", "default");
+    auto it = kWrite.find(wp);
+    if (it == kWrite.end()) {
+      std::fprintf(stderr, "--write-policy: '%s' is not default, write_through, "
+                   "write_through_selective, write_back or l2_only\n", wp.c_str());
+      return kExitUsage;
+    }
+    e.write_policy = it->second;
+  }
   const std::string layout = f.Str("--layout", "mha");
   const std::string arrangement = f.Str("--arrangement", "layer");
   kc::SimEngineOptions so;

@@ -93,11 +93,12 @@ def test_healthz_and_readyz(daemon):
     assert http_get(daemon.http, "/nope")[0] == 404
 
 
-def test_unimplemented_rpc_answers_unimplemented(daemon):
+def test_prefetch_from_an_unknown_session_is_refused(daemon):
     stub = cache_service_pb2_grpc.CacheServiceStub(channel(daemon.socket))
     with pytest.raises(grpc.RpcError) as err:
-        stub.Prefetch(cache_service_pb2.PrefetchRequest(), timeout=5)
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        stub.Prefetch(cache_service_pb2.PrefetchRequest(session_id=77), timeout=5)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "session_id 77" in err.value.details()
 
 
 def test_mutating_admin_rpc_refused_on_engine_socket(daemon):
