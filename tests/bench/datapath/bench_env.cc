@@ -47,6 +47,33 @@ client::OpResult WaitTerminal(client::Session& session, client::OpResult op, abs
   return op;
 }
 
+absl::StatusOr<uint64_t> CacheAndPin(client::Session& session,
+                                     const std::vector<core::PageKey>& keys) {
+  client::MatchSequence ms;
+  ms.keys = keys;
+  client::MatchOptions pin;
+  pin.pin = true;
+  client::MatchReply m = session.Match({ms}, pin);
+  if (m.results[0].l2_hit_pages != keys.size()) {
+    if (m.results[0].pin_id != 0) session.Release({m.results[0].pin_id});
+    client::BackupSequence bs;
+    bs.keys = keys;
+    const std::vector<uint32_t> blocks = BlockRange(0, keys.size());
+    bs.blocks = blocks;
+    WaitTerminal(session, session.Backup({bs}), absl::Seconds(60));
+    m = session.Match({ms}, pin);
+  }
+  const client::MatchResult& r = m.results[0];
+  if (r.l2_hit_pages != keys.size() || r.pin_id == 0) {
+    if (r.pin_id != 0) session.Release({r.pin_id});
+    return absl::InternalError(absl::StrCat("after Backup ", r.l2_hit_pages, "/", keys.size(),
+                                            " pages hit, pin ", r.pin_id, " ",
+                                            m.status.ToString()));
+  }
+  session.KeepPinsAlive({r.pin_id});
+  return r.pin_id;
+}
+
 std::vector<uint32_t> BlockRange(uint32_t first, size_t n) {
   std::vector<uint32_t> v(n);
   for (size_t i = 0; i < n; ++i) v[i] = first + static_cast<uint32_t>(i);

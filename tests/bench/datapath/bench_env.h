@@ -89,6 +89,12 @@ class DatapathEnv {
 
 // Waits until the op is terminal or `wait` passes (WaitOps, retried after transport errors).
 client::OpResult WaitTerminal(client::Session& session, client::OpResult op, absl::Duration wait);
+// Makes every page of `keys` (a chain from page 0) an L2 hit for `session`'s namespace: Backs
+// them up from blocks 0.. (their bytes do not matter) unless they hit already, then pins them with
+// a Match and keeps the pin alive, so that other benchmarks' Backups cannot evict them. Returns
+// the pin id; Release it when done.
+absl::StatusOr<uint64_t> CacheAndPin(client::Session& session,
+                                     const std::vector<core::PageKey>& keys);
 // first, first + 1, ..., first + n - 1.
 std::vector<uint32_t> BlockRange(uint32_t first, size_t n);
 

@@ -132,32 +132,30 @@ EngineSpec SpecOf(Workload w, bool first) {
   return spec;
 }
 
-// Makes every page of the prompt an L2 hit, through the first rank.
-absl::Status CachePrompt(SimEngineRank& rank, const std::vector<uint32_t>& tokens) {
-  client::Session& s = *rank.session;
-  const std::vector<core::PageKey> keys = s.ComputeKeys(tokens);
-  client::BackupSequence bs;
-  bs.keys = keys;
-  const std::vector<uint32_t> blocks = BlockRange(0, kMatchPages);
-  bs.blocks = blocks;
-  WaitTerminal(s, s.Backup({bs}), kOpWait);
-  client::MatchSequence ms;
-  ms.keys = keys;
-  const uint32_t hits = s.Match({ms}).results[0].l2_hit_pages;
-  if (hits != kMatchPages) {
-    return absl::InternalError(absl::StrCat("prompt: ", hits, "/", kMatchPages, " pages cached"));
-  }
-  return absl::OkStatus();
-}
-
 PhaseResult RunPhase(DatapathEnv* env, Workload w, int clients, absl::Duration duration,
                      const std::vector<uint32_t>& tokens) {
   PhaseResult out;
   std::vector<std::unique_ptr<Worker>> workers;
+  // The first rank caches the prompt and pins it (CacheAndPin) until the phase ends.
+  uint64_t pin = 0;
+  client::Session* pinner = nullptr;
+  struct Unpin {
+    client::Session** s;
+    uint64_t* id;
+    ~Unpin() {
+      if (*s != nullptr) (*s)->Release({*id});
+    }
+  } unpin{&pinner, &pin};
   for (int i = 0; i < clients; ++i) {
     absl::StatusOr<SimEngineRank> rank = env->RegisterEngine(SpecOf(w, i == 0));
     if (rank.ok() && i == 0 && w == Workload::kMatch) {
-      if (absl::Status s = CachePrompt(*rank, tokens); !s.ok()) rank = s;
+      absl::StatusOr<uint64_t> p = CacheAndPin(*rank->session, rank->session->ComputeKeys(tokens));
+      if (!p.ok()) {
+        out.error = p.status().ToString();
+        return out;
+      }
+      pin = *p;
+      pinner = rank->session.get();
     }
     if (!rank.ok()) {
       out.error = rank.status().ToString();
