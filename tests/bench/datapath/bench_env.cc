@@ -99,19 +99,24 @@ absl::StatusOr<std::unique_ptr<DatapathEnv>> DatapathEnv::Start(EnvOptions optio
 
   // The no-op server first: it is the benchmark binary itself, spawned before this process has
   // any gRPC thread.
-  absl::StatusOr<ChildProcess> noop = ChildProcess::Spawn(
-      {env->options_.self, absl::StrCat(kNoopServerFlag, env->noop_socket_)},
-      env->dir_ + "/noop.log");
+  absl::StatusOr<ChildProcess> noop =
+      ChildProcess::Spawn({env->options_.self, absl::StrCat(kNoopServerFlag, env->noop_socket_)},
+                          env->dir_ + "/noop.log");
   if (!noop.ok()) return noop.status();
   env->noop_.emplace(*std::move(noop));
 
   std::vector<std::string> argv = {
       env->options_.kvcellard,
-      "--set", absl::StrCat("listen.unix_socket=", env->daemon_socket_),
-      "--set", absl::StrCat("listen.admin_socket=", env->dir_, "/kvcellard-admin.sock"),
-      "--set", "http.address=127.0.0.1:0",
-      "--set", absl::StrCat("pool.capacity=", env->options_.pool_bytes >> 20, "MiB"),
-      "--set", "device.kind=sim",
+      "--set",
+      absl::StrCat("listen.unix_socket=", env->daemon_socket_),
+      "--set",
+      absl::StrCat("listen.admin_socket=", env->dir_, "/kvcellard-admin.sock"),
+      "--set",
+      "http.address=127.0.0.1:0",
+      "--set",
+      absl::StrCat("pool.capacity=", env->options_.pool_bytes >> 20, "MiB"),
+      "--set",
+      "device.kind=sim",
   };
   for (const std::string& s : env->options_.extra_sets) {
     argv.push_back("--set");
@@ -176,13 +181,13 @@ absl::StatusOr<SimEngineRank> DatapathEnv::RegisterEngine(const EngineSpec& spec
   if (!session.ok()) return session.status();
   rank.session = *std::move(session);
   if (!rank.session->WaitUntilActive(absl::Seconds(5))) {
-    return absl::UnavailableError(absl::StrCat(
-        "session not active: ", client::SessionStateName(rank.session->state())));
+    return absl::UnavailableError(
+        absl::StrCat("session not active: ", client::SessionStateName(rank.session->state())));
   }
   if (rank.session->info().page_object_bytes != rank.sim->page_bytes()) {
     return absl::InternalError(absl::StrCat("daemon page_object_bytes ",
-                                            rank.session->info().page_object_bytes, " != ",
-                                            rank.sim->page_bytes()));
+                                            rank.session->info().page_object_bytes,
+                                            " != ", rank.sim->page_bytes()));
   }
   return rank;
 }

@@ -28,10 +28,10 @@
 namespace kvcellar::bench {
 
 struct EnvOptions {
-  std::string kvcellard;     // Path of the daemon binary.
-  std::string self;          // Path of this benchmark binary (runs the no-op server).
+  std::string kvcellard;  // Path of the daemon binary.
+  std::string self;       // Path of this benchmark binary (runs the no-op server).
   uint64_t pool_bytes = 1ull << 30;
-  bool keep_dir = false;     // Keep the temp dir (logs) after the run.
+  bool keep_dir = false;                // Keep the temp dir (logs) after the run.
   std::vector<std::string> extra_sets;  // More --set key=value for kvcellard.
 };
 

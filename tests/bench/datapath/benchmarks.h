@@ -14,7 +14,7 @@ struct BenchConfig {
   // Bytes one Load or Backup moves (pages = this / page object bytes, at least 1).
   uint64_t batch_bytes = 64ull << 20;
   // Timed ops per Load/Backup case (fixed, so setup runs once per case).
-  int copy_iterations = 20;
+  int copy_iterations = 30;
   // Timed Match calls per page size (each case and baseline that many times, interleaved).
   int match_iterations = 2000;
   // Seconds each phase (1 client, N clients) of a throughput case runs.

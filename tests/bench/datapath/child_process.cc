@@ -79,9 +79,8 @@ absl::Status ChildProcess::WaitForLogLine(absl::string_view needle, absl::Durati
           absl::StrCat("child exited before logging '", needle, "':\n", LogTail()));
     }
     if (absl::Now() > deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("no log line '", needle, "' in ", absl::FormatDuration(timeout), ":\n",
-                       LogTail()));
+      return absl::DeadlineExceededError(absl::StrCat(
+          "no log line '", needle, "' in ", absl::FormatDuration(timeout), ":\n", LogTail()));
     }
     absl::SleepFor(absl::Milliseconds(10));
   }

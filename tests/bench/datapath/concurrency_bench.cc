@@ -38,10 +38,12 @@ struct PhaseResult {
   std::string error;
 };
 
-// What one client thread does in a loop; returns ops done, adds their latencies and bytes.
+// One client: its engine rank and the loop it runs. Prepare runs on the main thread, Run on the
+// client's own thread; the results are read after that thread is joined.
 class Worker {
  public:
-  Worker(DatapathEnv* env, SimEngineRank rank, Workload w) : env_(env), rank_(std::move(rank)), w_(w) {}
+  Worker(DatapathEnv* env, SimEngineRank rank, Workload w)
+      : env_(env), rank_(std::move(rank)), w_(w) {}
 
   absl::Status Prepare(const std::vector<uint32_t>& tokens) {
     tokens_ = &tokens;
@@ -99,7 +101,8 @@ class Worker {
     client::Session& s = *rank_.session;
     client::OpResult r = WaitTerminal(s, s.Backup({bs}), kOpWait);
     if (r.state == client::OpState::kDone) return absl::OkStatus();
-    return absl::InternalError(absl::StrCat("backup of the load set: ", client::OpStateName(r.state)));
+    return absl::InternalError(
+        absl::StrCat("backup of the load set: ", client::OpStateName(r.state)));
   }
 
   DatapathEnv* env_;
@@ -226,14 +229,12 @@ void RunConcurrent(benchmark::State& state, DatapathEnv* env, Summary* summary,
                                      failures > 0 ? absl::StrCat(", ", failures, " misses") : "");
   if (w == Workload::kMatch) {
     summary->AddThroughput(absl::StrCat("Match 2048 pages, P=16, client hashes", n), "calls/s",
-                           config.clients, one.ops_per_s, many.ops_per_s, many.p50_us,
-                           many.p99_us);
+                           config.clients, one.ops_per_s, many.ops_per_s, many.p50_us, many.p99_us);
   } else {
     state.counters["GBps_1"] = one.gbps;
     state.counters["GBps_N"] = many.gbps;
     summary->AddThroughput(absl::StrCat("Backup+Load 32 x 64 KiB pages per op", n), "ops/s",
-                           config.clients, one.ops_per_s, many.ops_per_s, many.p50_us,
-                           many.p99_us);
+                           config.clients, one.ops_per_s, many.ops_per_s, many.p50_us, many.p99_us);
     summary->AddThroughput(absl::StrCat("  same, bytes moved", n), "MB/s", config.clients,
                            one.gbps * 1e3, many.gbps * 1e3, many.p50_us, many.p99_us);
   }

@@ -32,11 +32,11 @@ constexpr int kLoadWarmup = 3;
 
 struct CopyCase {
   SimEngineRank rank;
-  uint32_t items = 0;             // Pages per op.
-  uint64_t object = 0;            // Bytes per page object.
-  std::vector<uint32_t> src;      // Backup reads these blocks...
-  std::vector<uint32_t> dst;      // ... Load writes these.
-  std::vector<uint8_t> host;      // The memcpy baseline's page-first host pages.
+  uint32_t items = 0;         // Pages per op.
+  uint64_t object = 0;        // Bytes per page object.
+  std::vector<uint32_t> src;  // Backup reads these blocks...
+  std::vector<uint32_t> dst;  // ... Load writes these.
+  std::vector<uint8_t> host;  // The memcpy baseline's page-first host pages.
 };
 
 // The baseline: the same bytes in the same per-(page, layer, buffer) chunks as the daemon copies.
@@ -82,8 +82,8 @@ std::string OpError(const client::OpResult& r, uint32_t want) {
                       " pages: ", r.status.ok() ? r.error_message : r.status.ToString());
 }
 
-void RunCopy(benchmark::State& state, DatapathEnv* env, Summary* summary,
-             const BenchConfig& config, bool load) {
+void RunCopy(benchmark::State& state, DatapathEnv* env, Summary* summary, const BenchConfig& config,
+             bool load) {
   const uint64_t kib = state.range(0);
   const uint32_t layers = static_cast<uint32_t>(state.range(1));
   CopyCase c;
@@ -181,8 +181,8 @@ void RunCopy(benchmark::State& state, DatapathEnv* env, Summary* summary,
   state.counters["kv_GBps"] = kv_gbps;
   state.counters["memcpy_GBps"] = memcpy_gbps;
   state.counters["ratio"] = kv_gbps / memcpy_gbps;
-  summary->AddCopy(absl::StrCat(load ? "Load" : "Backup", " ", kib, " KiB x ", layers,
-                                " layers, ", c.items, " pages/op"),
+  summary->AddCopy(absl::StrCat(load ? "Load" : "Backup", " ", kib, " KiB x ", layers, " layers, ",
+                                c.items, " pages/op"),
                    kv_gbps, memcpy_gbps);
 }
 
@@ -198,7 +198,8 @@ void RegisterCopyBenchmarks(DatapathEnv* env, Summary* summary, const BenchConfi
     }
     b->ArgNames({"object_KiB", "layers"})
         ->Iterations(config.copy_iterations)
-        ->UseManualTime()->Unit(benchmark::kMillisecond);
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
   }
 }
 

@@ -18,7 +18,7 @@
 // Flags (besides Google Benchmark's --benchmark_*):
 //   --kvcellard=PATH                   daemon binary (default: kvcellard next to this binary)
 //   --datapath_batch_mib=N             bytes per Load/Backup op, MiB (default 64)
-//   --datapath_copy_iterations=N       timed ops per Load/Backup case (default 20)
+//   --datapath_copy_iterations=N       timed ops per Load/Backup case (default 30)
 //   --datapath_match_iterations=N      timed Match calls per page size (default 2000)
 //   --datapath_concurrent_seconds=S    seconds per throughput phase (default 2)
 //   --datapath_clients=N               concurrent clients (default 8)
@@ -66,7 +66,8 @@ bool ParseFlags(int* argc, char** argv, kb::EnvOptions* env, kb::BenchConfig* co
     auto number = [&](const char* name, double* d) {
       std::string v;
       if (!value(name, &v)) return false;
-      if (!absl::SimpleAtod(v, d) || *d <= 0) *error = absl::StrCat(name, ": '", v, "' is not a positive number");
+      if (!absl::SimpleAtod(v, d) || *d <= 0)
+        *error = absl::StrCat(name, ": '", v, "' is not a positive number");
       return true;
     };
     std::string v;

@@ -131,8 +131,12 @@ void RunMatch(benchmark::State& state, DatapathEnv* env, Summary* summary, uint3
   Samples match, daemon_hash, base, base_tokens, noop_call, sha256, chain, match_keys, composite;
   uint64_t misses = 0, daemon_misses = 0;
   auto all = [&](bool record) {
-    const uint32_t hit = match.Time([&] { return session.Match({by_tokens}).results[0].l2_hit_pages; });
-    base.Time([&] { sha(); return RawMatch(noop, req_keys); });
+    const uint32_t hit =
+        match.Time([&] { return session.Match({by_tokens}).results[0].l2_hit_pages; });
+    base.Time([&] {
+      sha();
+      return RawMatch(noop, req_keys);
+    });
     match_keys.Time([&] { return session.Match({by_keys}).results[0].l2_hit_pages; });
     noop_call.Time([&] { return RawMatch(noop, req_keys); });
     chain.Time([&] { return session.ComputeKeys(tokens).size(); });
@@ -144,7 +148,10 @@ void RunMatch(benchmark::State& state, DatapathEnv* env, Summary* summary, uint3
     });
     sha256.Time(sha);
     const uint32_t dhit = daemon_hash.Time([&] { return RawMatch(daemon, req_tokens); });
-    base_tokens.Time([&] { sha(); return RawMatch(noop, req_tokens); });
+    base_tokens.Time([&] {
+      sha();
+      return RawMatch(noop, req_tokens);
+    });
     if (hit != kPages) ++misses;
     if (dhit != kPages) ++daemon_misses;
     if (!record) {
@@ -190,8 +197,8 @@ void RunMatch(benchmark::State& state, DatapathEnv* env, Summary* summary, uint3
   summary->AddBreakdown(p, "  client key chain alone", chain.P50(), chain.P99());
   summary->AddBreakdown(p, "  Match with precomputed keys (RPC + lookup)", match_keys.P50(),
                         match_keys.P99());
-  summary->AddBreakdown(p, "  key chain, then Match with those keys, back to back",
-                        composite.P50(), composite.P99());
+  summary->AddBreakdown(p, "  key chain, then Match with those keys, back to back", composite.P50(),
+                        composite.P99());
   summary->AddBreakdown(p, "baseline (total)", b50, b99);
   summary->AddBreakdown(p, "  SHA-256 of the tokens alone", sha256.P50(), sha256.P99());
   summary->AddBreakdown(p, "  no-op call with the keys request alone", noop_call.P50(),

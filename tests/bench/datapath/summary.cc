@@ -16,8 +16,8 @@ double Quantile(std::vector<double>* samples, double q) {
 
 void Summary::AddCopy(std::string name, double kvcellar_gbps, double memcpy_gbps) {
   absl::MutexLock lock(&mu_);
-  copy_.push_back(absl::StrFormat("| %s | %.2f | %.2f | %.2fx |", name, kvcellar_gbps,
-                                  memcpy_gbps, kvcellar_gbps / memcpy_gbps));
+  copy_.push_back(absl::StrFormat("| %s | %.2f | %.2f | %.2fx |", name, kvcellar_gbps, memcpy_gbps,
+                                  kvcellar_gbps / memcpy_gbps));
 }
 
 void Summary::AddLatency(std::string name, std::string baseline, double p50_us, double p99_us,
@@ -50,14 +50,16 @@ void Summary::Print(std::FILE* out) const {
     std::fprintf(out, "\n%s\n\n%s\n%s\n", title, header, rule);
     for (const std::string& r : rows) std::fprintf(out, "%s\n", r.c_str());
   };
-  table("Load/Backup end to end (RPC + copy + WaitOps) vs memcpy of the same bytes, same "
-        "per-layer chunks (goal >= 0.8x)",
-        "| case | kvcellar GB/s | memcpy GB/s | ratio |", "|---|---|---|---|", copy_);
-  table("Match latency vs no-op gRPC call with the same request bytes + SHA-256 of the same "
-        "tokens (goal p50 <= 1.25x)",
-        "| case | kvcellar p50 / p99 us | baseline | baseline p50 / p99 us | p50 ratio | p99 "
-        "ratio |",
-        "|---|---|---|---|---|---|", latency_);
+  table(
+      "Load/Backup end to end (RPC + copy + WaitOps) vs memcpy of the same bytes, same "
+      "per-layer chunks (goal >= 0.8x)",
+      "| case | kvcellar GB/s | memcpy GB/s | ratio |", "|---|---|---|---|", copy_);
+  table(
+      "Match latency vs no-op gRPC call with the same request bytes + SHA-256 of the same "
+      "tokens (goal p50 <= 1.25x)",
+      "| case | kvcellar p50 / p99 us | baseline | baseline p50 / p99 us | p50 ratio | p99 "
+      "ratio |",
+      "|---|---|---|---|---|---|", latency_);
   table("Where Match time goes (each part timed alone, interleaved with the above)",
         "| case | part | p50 us | p99 us |", "|---|---|---|---|", breakdown_);
   table("Throughput, 1 client vs N concurrent clients (each its own Client, channel, session)",
