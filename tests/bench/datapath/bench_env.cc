@@ -40,7 +40,6 @@ client::OpResult WaitTerminal(client::Session& session, client::OpResult op, abs
   while (!op.terminal() && absl::Now() < deadline) {
     client::WaitOptions w;
     w.timeout = std::min(absl::Seconds(1), deadline - absl::Now());
-    w.omit_page_status = true;
     op = session.WaitOps({op.ref}, w)[0];
     if (!op.terminal() && !op.status.ok()) absl::SleepFor(absl::Milliseconds(20));
   }
@@ -149,6 +148,7 @@ DatapathEnv::~DatapathEnv() {
 absl::StatusOr<std::unique_ptr<client::Client>> DatapathEnv::Connect() const {
   client::ClientOptions co;
   co.addr = daemon_socket_;
+  co.rpc_timeout = options_.rpc_timeout;
   return client::Client::Connect(co);
 }
 
