@@ -29,6 +29,7 @@ absl::StatusOr<ChildProcess> ChildProcess::Spawn(const std::vector<std::string>&
   if (log_fd < 0) {
     return absl::InternalError(absl::StrCat("open ", log_path, ": ", std::strerror(errno)));
   }
+  const std::string exec_failed = absl::StrCat("cannot execute ", argv[0], "\n");
   const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
   if (pid < 0) {
@@ -41,6 +42,7 @@ absl::StatusOr<ChildProcess> ChildProcess::Spawn(const std::vector<std::string>&
     ::dup2(log_fd, STDOUT_FILENO);
     ::dup2(log_fd, STDERR_FILENO);
     ::execv(args[0], args.data());
+    [[maybe_unused]] ssize_t n = ::write(STDERR_FILENO, exec_failed.data(), exec_failed.size());
     ::_exit(127);
   }
   ::close(log_fd);
