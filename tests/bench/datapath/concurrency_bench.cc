@@ -6,8 +6,9 @@
 //   match2048      Session::Match with the token ids of a 2048-page prompt at page size 16 (every
 //                  page an L2 hit; the client hashes its keys): Match calls per second.
 //   load_backup    per loop, Backup 32 fresh pages and WaitOps, then Load 32 pages backed up
-//                  and pinned before (as after a Match with pin) and WaitOps; page objects of 64 KiB over 32 layers (2 MiB per op).
-//                  Ops (Backup or Load, each to DONE) per second, and GB/s.
+//                  and pinned before (as after a Match with pin) and WaitOps; page objects of
+//                  64 KiB over 32 layers (2 MiB per op). Ops (Backup or Load, each to DONE) per
+//                  second, and GB/s.
 #include <thread>
 #include <vector>
 
