@@ -1,0 +1,71 @@
+#include "tests/bench/datapath/summary.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_format.h"
+
+namespace kvcellar::bench {
+
+double Quantile(std::vector<double>* samples, double q) {
+  if (samples->empty()) return 0;
+  std::sort(samples->begin(), samples->end());
+  const size_t rank = static_cast<size_t>(std::ceil(q * samples->size()));
+  return (*samples)[std::min(samples->size() - 1, rank == 0 ? 0 : rank - 1)];
+}
+
+void Summary::AddCopy(std::string name, double kvcellar_gbps, double memcpy_gbps) {
+  absl::MutexLock lock(&mu_);
+  copy_.push_back(absl::StrFormat("| %s | %.2f | %.2f | %.2fx |", name, kvcellar_gbps, memcpy_gbps,
+                                  kvcellar_gbps / memcpy_gbps));
+}
+
+void Summary::AddLatency(std::string name, std::string baseline, double p50_us, double p99_us,
+                         double base_p50_us, double base_p99_us) {
+  absl::MutexLock lock(&mu_);
+  latency_.push_back(absl::StrFormat("| %s | %.0f / %.0f | %s | %.0f / %.0f | %.2fx | %.2fx |",
+                                     name, p50_us, p99_us, baseline, base_p50_us, base_p99_us,
+                                     p50_us / base_p50_us, p99_us / base_p99_us));
+}
+
+void Summary::AddBreakdown(std::string name, std::string part, double p50_us, double p99_us) {
+  absl::MutexLock lock(&mu_);
+  breakdown_.push_back(absl::StrFormat("| %s | %s | %.0f | %.0f |", name, part, p50_us, p99_us));
+}
+
+void Summary::AddThroughput(std::string name, std::string unit, int clients, double one,
+                            double many, double many_p50_us, double many_p99_us) {
+  absl::MutexLock lock(&mu_);
+  throughput_.push_back(absl::StrFormat("| %s | %.0f %s | %.0f %s | %.2fx | %.0f / %.0f |", name,
+                                        one, unit, many, unit, many / one, many_p50_us,
+                                        many_p99_us));
+  (void)clients;
+}
+
+void Summary::Print(std::FILE* out) const {
+  absl::MutexLock lock(&mu_);
+  auto table = [out](const char* title, const char* header, const char* rule,
+                     const std::vector<std::string>& rows) {
+    if (rows.empty()) return;
+    std::fprintf(out, "\n%s\n\n%s\n%s\n", title, header, rule);
+    for (const std::string& r : rows) std::fprintf(out, "%s\n", r.c_str());
+  };
+  table(
+      "Load/Backup end to end (RPC + copy + WaitOps) vs memcpy of the same bytes, same "
+      "per-layer chunks (goal >= 0.8x)",
+      "| case | kvcellar GB/s | memcpy GB/s | ratio |", "|---|---|---|---|", copy_);
+  table(
+      "Match latency vs no-op gRPC call with the same request bytes + SHA-256 of the same "
+      "tokens (goal p50 <= 1.25x)",
+      "| case | kvcellar p50 / p99 us | baseline | baseline p50 / p99 us | p50 ratio | p99 "
+      "ratio |",
+      "|---|---|---|---|---|---|", latency_);
+  table("Where Match time goes (each part timed alone, interleaved with the above)",
+        "| case | part | p50 us | p99 us |", "|---|---|---|---|", breakdown_);
+  table("Throughput, 1 client vs N concurrent clients (each its own Client, channel, session)",
+        "| case | 1 client | N clients | N / 1 | N-client latency p50 / p99 us |",
+        "|---|---|---|---|---|", throughput_);
+  std::fflush(out);
+}
+
+}  // namespace kvcellar::bench
