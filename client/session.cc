@@ -224,6 +224,7 @@ absl::Status SessionImpl::TryRegister(bool first) {
       info_.max_batch_sequences = resp.limits().max_batch_sequences();
       info_.max_wait_ms = resp.limits().max_wait_ms();
       info_.daemon_version = resp.daemon_version();
+      info_.l3_tier_names.assign(resp.l3_tier_names().begin(), resp.l3_tier_names().end());
       last_renewal_ = now;
       backoff_.Reset();
       if (resp.ns_digest() != ns_digest_.AsBytes()) {
@@ -625,6 +626,10 @@ MatchReply SessionImpl::Match(absl::Span<const MatchSequence> sequences,
     res.l2_hit_pages = std::min(pr.l2_hit_pages(), res.total_pages);
     res.l3_hit_pages = std::min(pr.l3_hit_pages(), res.total_pages - res.l2_hit_pages);
     res.prefetch_pages = pr.prefetch_pages();
+    if (res.l3_hit_pages > 0) {
+      res.l3_hit_pages_by_tier.assign(pr.l3_hit_pages_by_tier().begin(),
+                                      pr.l3_hit_pages_by_tier().end());
+    }
     res.pin_id = pr.pin_id();
     hits += res.l2_hit_pages;
   }
