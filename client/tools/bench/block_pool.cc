@@ -13,14 +13,13 @@ BlockPool::BlockPool(uint32_t num_blocks) : usable_(num_blocks) {
 absl::StatusOr<std::vector<uint32_t>> BlockPool::Acquire(uint32_t n) {
   absl::MutexLock lock(&mu_);
   // Blocks quarantined while waiting can make n unreachable: wake up for that too.
-  auto ready = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return free_.size() >= n || n > usable_;
-  };
+  auto ready = [this, n]()
+                   ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return free_.size() >= n || n > usable_; };
   mu_.Await(absl::Condition(&ready));
   if (n > usable_) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "a request needs ", n, " engine blocks but only ", usable_, " are usable (",
-        quarantined_, " quarantined after ops whose outcome stayed unknown)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("a request needs ", n, " engine blocks but only ", usable_, " are usable (",
+                     quarantined_, " quarantined after ops whose outcome stayed unknown)"));
   }
   std::vector<uint32_t> out(free_.end() - n, free_.end());
   free_.resize(free_.size() - n);

@@ -31,7 +31,7 @@ class Timer {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<EngineGroup>> EngineGroup::Create(EngineGroupOptions options,
-                                                                  Stats* stats) {
+                                                                 Stats* stats) {
   std::unique_ptr<EngineGroup> g(new EngineGroup(std::move(options), stats));
   const EngineGroupOptions& o = g->options_;
   const ModelShape& shape = o.shape;
@@ -85,10 +85,10 @@ absl::StatusOr<std::unique_ptr<EngineGroup>> EngineGroup::Create(EngineGroupOpti
     }
     rank.session = *std::move(session);
     if (!rank.session->WaitUntilActive(o.register_wait)) {
-      return absl::UnavailableError(absl::StrCat(
-          "cannot reach kvcellard at ", o.addr, ": rank ", r, " not registered after ",
-          absl::FormatDuration(o.register_wait), " (session ",
-          kc::SessionStateName(rank.session->state()), ")"));
+      return absl::UnavailableError(
+          absl::StrCat("cannot reach kvcellard at ", o.addr, ": rank ", r, " not registered after ",
+                       absl::FormatDuration(o.register_wait), " (session ",
+                       kc::SessionStateName(rank.session->state()), ")"));
     }
     const kc::SessionInfo info = rank.session->info();
     if (info.page_object_bytes != shape.ObjectBytes()) {
@@ -130,8 +130,7 @@ kc::OpResult EngineGroup::Wait(kc::Session& session, kc::OpResult op) {
   return op;
 }
 
-absl::StatusOr<RequestResult> EngineGroup::Run(uint64_t step_id,
-                                               absl::Span<const uint32_t> tokens,
+absl::StatusOr<RequestResult> EngineGroup::Run(uint64_t step_id, absl::Span<const uint32_t> tokens,
                                                uint64_t prompt_tokens) {
   const ModelShape& shape = options_.shape;
   const uint32_t p = shape.page_size;
@@ -218,8 +217,8 @@ absl::StatusOr<RequestResult> EngineGroup::Run(uint64_t step_id,
         const uint64_t bad =
             r.sim->CountMismatches(blocks[k], options_.kv_seed, keys[k], r.shard, &why);
         if (bad > 0 && out.first_mismatch.empty()) {
-          out.first_mismatch = absl::StrCat("rank ", i, " page ", k, " key ", keys[k].Hex(),
-                                            ": ", why);
+          out.first_mismatch =
+              absl::StrCat("rank ", i, " page ", k, " key ", keys[k].Hex(), ": ", why);
         }
         out.mismatched_bytes += bad;
       }

@@ -53,8 +53,8 @@ absl::Status Flags::Parse(int argc, char** argv, const std::vector<std::string>&
       values_[name] = arg.substr(eq + 1);
       continue;
     }
-    const bool optional = std::find(optional_value.begin(), optional_value.end(), name) !=
-                          optional_value.end();
+    const bool optional =
+        std::find(optional_value.begin(), optional_value.end(), name) != optional_value.end();
     const bool has_next = i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0;
     if (has_next) {
       values_[name] = argv[++i];

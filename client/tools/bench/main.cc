@@ -89,8 +89,10 @@ struct Config {
 
 void DefineFlags(Flags& f) {
   f.Section("daemon");
-  f.Define("--socket", "", "daemon socket path or HOST:PORT\n(default: kvcellarctl's, " +
-                                core::DefaultSocketPath() + ")", "PATH");
+  f.Define("--socket", "",
+           "daemon socket path or HOST:PORT\n(default: kvcellarctl's, " +
+               core::DefaultSocketPath() + ")",
+           "PATH");
   f.Define("--rpc-timeout-ms", "2000", "deadline of each RPC");
   f.Define("--op-timeout-ms", "30000", "longest wait for a Load, Backup or prefetch op");
   f.Section("workload");
@@ -113,8 +115,10 @@ void DefineFlags(Flags& f) {
   f.Section("engine");
   f.Define("--gpu-blocks", "", "KV blocks per rank (default: --parallel x the largest request)");
   f.Define("--model", "kvcellar-bench", "namespace model id", "ID");
-  f.Define("--revision", "", "namespace revision (default: fresh per run, so runs start cold;\n"
-                             "give one to reuse and re-verify an earlier run's pages)", "REV");
+  f.Define("--revision", "",
+           "namespace revision (default: fresh per run, so runs start cold;\n"
+           "give one to reuse and re-verify an earlier run's pages)",
+           "REV");
   f.Section("output");
   f.Define("--json", "", "print the summary as JSON on stdout, or write it to FILE", "[FILE]");
   f.DefineBool("--no-progress", "no progress line on stderr");
@@ -200,7 +204,8 @@ double MemcpyGbPerS() {
   std::vector<char> a(kBytes, 1), b(kBytes, 2);
   std::memcpy(b.data(), a.data(), kBytes);  // Fault both in.
   const absl::Time start = absl::Now();
-  for (int i = 0; i < kCopies; ++i) std::memcpy((i % 2 ? a : b).data(), (i % 2 ? b : a).data(), kBytes);
+  for (int i = 0; i < kCopies; ++i)
+    std::memcpy((i % 2 ? a : b).data(), (i % 2 ? b : a).data(), kBytes);
   const double s = absl::ToDoubleSeconds(absl::Now() - start);
   return s > 0 ? kCopies * static_cast<double>(kBytes) / s / 1e9 : 0;
 }
@@ -302,11 +307,10 @@ int Main(int argc, char** argv) {
   info.total_prompt_tokens = workload.TotalPromptTokens();
   info.best_case_hit_tokens = workload.TotalBestCaseHitTokens();
   info.distinct_pages = workload.DistinctPages();
-  info.footprint_ratio = info.l2_capacity == 0
-                             ? 0
-                             : static_cast<double>(info.distinct_pages) *
-                                   static_cast<double>(c.shape.L2BytesPerPage()) /
-                                   static_cast<double>(info.l2_capacity);
+  info.footprint_ratio = info.l2_capacity == 0 ? 0
+                                               : static_cast<double>(info.distinct_pages) *
+                                                     static_cast<double>(c.shape.L2BytesPerPage()) /
+                                                     static_cast<double>(info.l2_capacity);
   const uint64_t max_pages = workload.MaxPagesPerRequest();
   if (c.gpu_blocks == 0) {
     c.gpu_blocks = static_cast<uint32_t>(std::max<uint64_t>(1, max_pages * c.parallel));
@@ -366,8 +370,7 @@ int Main(int argc, char** argv) {
       uint64_t step = 0;
       while (scheduler.Next(&client, &round, &step)) {
         const std::vector<uint32_t> tokens = workload.Tokens(client, round);
-        absl::StatusOr<RequestResult> r =
-            (*group)->Run(step, tokens, workload.PromptTokens(round));
+        absl::StatusOr<RequestResult> r = (*group)->Run(step, tokens, workload.PromptTokens(round));
         if (!r.ok()) {
           scheduler.Stop(std::string(r.status().message()));
           return;
@@ -426,6 +429,13 @@ int Main(int argc, char** argv) {
                  static_cast<unsigned long long>(snap.sum.mismatched_bytes),
                  snap.sum.first_mismatch.c_str());
     return kExitMismatch;
+  }
+  if (snap.sum.degraded_calls > 0 || info.client.rpcs_failed > 0) {
+    std::fprintf(stderr,
+                 "kvcellar-bench: note: %llu calls were answered as misses without the daemon "
+                 "(%llu RPCs failed): the hit rate measures an unhealthy daemon\n",
+                 static_cast<unsigned long long>(snap.sum.degraded_calls),
+                 static_cast<unsigned long long>(info.client.rpcs_failed));
   }
   if (const std::string e = scheduler.error(); !e.empty()) {
     std::fprintf(stderr, "kvcellar-bench: stopped after %llu of %llu requests: %s\n",

@@ -86,27 +86,25 @@ std::string SummaryText(const RunInfo& info, const Stats::Snapshot& s,
       "kvcellar-bench: %llu requests (%u clients x %u rounds, %u new + %u output tokens per round, "
       "%u in parallel%s) in %.1f s",
       s.requests, w.clients, w.rounds, w.new_tokens, w.output_tokens, info.parallel,
-      w.system_prompt_tokens > 0 ? absl::StrCat(", ", w.system_prompt_tokens,
-                                                " shared system prompt tokens")
-                                 : "",
+      w.system_prompt_tokens > 0
+          ? absl::StrCat(", ", w.system_prompt_tokens, " shared system prompt tokens")
+          : "",
       info.wall_s));
   line(absl::StrFormat("daemon:     %s at %s, L2 %s (%s in use at start), L3 %s",
                        info.daemon_version, info.socket, HumanBytes(info.l2_capacity),
                        HumanBytes(info.l2_used_at_start),
                        info.l3_tiers.empty() ? "none" : absl::StrJoin(info.l3_tiers, ", ")));
   line(absl::StrFormat("model:      %s; %s/token, %s page objects%s", info.shape.Describe(),
-                       HumanBytes(info.shape.BytesPerToken()),
-                       HumanBytes(info.shape.ObjectBytes()),
+                       HumanBytes(info.shape.BytesPerToken()), HumanBytes(info.shape.ObjectBytes()),
                        info.auto_scaled ? " (scaled to L2)" : ""));
   line(absl::StrFormat(
-      "footprint:  %llu distinct pages = %s = %.2f of L2 (target --fill %.2f)",
-      info.distinct_pages,
+      "footprint:  %llu distinct pages = %s = %.2f of L2 (target --fill %.2f)", info.distinct_pages,
       HumanBytes(static_cast<double>(info.distinct_pages) * info.shape.L2BytesPerPage()),
       info.footprint_ratio, info.fill));
   line("");
   line("hit rate (share of prompt tokens served by the cache):");
-  line(absl::StrFormat("  best case (unbounded cache)   %6.2f%%", Pct(r.best_case_hit_tokens,
-                                                                          r.prompt_tokens)));
+  line(absl::StrFormat("  best case (unbounded cache)   %6.2f%%",
+                       Pct(r.best_case_hit_tokens, r.prompt_tokens)));
   line(absl::StrFormat("  measured (loaded, verified)   %6.2f%%",
                        Pct(r.loaded_tokens, r.prompt_tokens)));
   line(absl::StrFormat("    L2 (Match)                  %6.2f%%",
@@ -135,10 +133,10 @@ std::string SummaryText(const RunInfo& info, const Stats::Snapshot& s,
   for (const auto& [k, v] : r.backup_status) statuses.push_back(absl::StrCat(k, " ", v));
   line(absl::StrFormat("backup:     %llu page objects sent: %s", r.backup_pages,
                        statuses.empty() ? "-" : absl::StrJoin(statuses, ", ")));
-  line(absl::StrFormat("verified:   %s loaded, %llu mismatched bytes%s", HumanBytes(r.verified_bytes),
-                       r.mismatched_bytes,
-                       r.first_mismatch.empty() ? "" : absl::StrCat(" (first: ", r.first_mismatch,
-                                                                    ")")));
+  line(absl::StrFormat(
+      "verified:   %s loaded, %llu mismatched bytes%s", HumanBytes(r.verified_bytes),
+      r.mismatched_bytes,
+      r.first_mismatch.empty() ? "" : absl::StrCat(" (first: ", r.first_mismatch, ")")));
   line(absl::StrFormat(
       "misses:     %llu degraded calls, %llu loads and %llu backups not done, %llu blocks "
       "quarantined, %llu RPCs failed",
@@ -185,10 +183,11 @@ std::string SummaryJson(const RunInfo& info, const Stats::Snapshot& s,
       .Str("version", info.daemon_version)
       .Num("l2_capacity_bytes", info.l2_capacity)
       .Num("l2_used_at_start_bytes", info.l2_used_at_start)
-      .Raw("l3_tiers", absl::StrCat("[", absl::StrJoin(info.l3_tiers, ", ",
-                                                        [](std::string* out, const std::string& t) {
-                                                          out->append(Json::Quote(t));
-                                                        }),
+      .Raw("l3_tiers", absl::StrCat("[",
+                                    absl::StrJoin(info.l3_tiers, ", ",
+                                                  [](std::string* out, const std::string& t) {
+                                                    out->append(Json::Quote(t));
+                                                  }),
                                     "]"));
   Json footprint;
   footprint.Num("distinct_pages", info.distinct_pages)
@@ -234,8 +233,10 @@ std::string SummaryJson(const RunInfo& info, const Stats::Snapshot& s,
   for (int i = 0; i < kNumTimed; ++i) {
     const Stats::Latency& l = latencies[i];
     Json one;
-    one.Num("count", l.count).Real("p50_us", l.p50_us).Real("p99_us", l.p99_us).Real("max_us",
-                                                                                      l.max_us);
+    one.Num("count", l.count)
+        .Real("p50_us", l.p50_us)
+        .Real("p99_us", l.p99_us)
+        .Real("max_us", l.max_us);
     lat.Obj(TimedName(static_cast<Timed>(i)), one);
   }
   Json top;

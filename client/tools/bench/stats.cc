@@ -7,14 +7,22 @@ namespace kvcellar::bench {
 
 const char* TimedName(Timed t) {
   switch (t) {
-    case Timed::kMatch: return "Match";
-    case Timed::kLoad: return "Load";
-    case Timed::kBackup: return "Backup";
-    case Timed::kWaitOps: return "WaitOps";
-    case Timed::kRelease: return "Release";
-    case Timed::kLoadOp: return "load op";
-    case Timed::kBackupOp: return "backup op";
-    case Timed::kRequest: return "request";
+    case Timed::kMatch:
+      return "Match";
+    case Timed::kLoad:
+      return "Load";
+    case Timed::kBackup:
+      return "Backup";
+    case Timed::kWaitOps:
+      return "WaitOps";
+    case Timed::kRelease:
+      return "Release";
+    case Timed::kLoadOp:
+      return "load op";
+    case Timed::kBackupOp:
+      return "backup op";
+    case Timed::kRequest:
+      return "request";
   }
   return "?";
 }

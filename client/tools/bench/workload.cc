@@ -22,8 +22,8 @@ void AppendStream(uint64_t seed, uint64_t stream, uint64_t n, std::vector<uint32
 }  // namespace
 
 uint64_t Workload::PromptTokens(uint32_t round) const {
-  return spec_.system_prompt_tokens +
-         uint64_t{round} * (spec_.new_tokens + spec_.output_tokens) + spec_.new_tokens;
+  return spec_.system_prompt_tokens + uint64_t{round} * (spec_.new_tokens + spec_.output_tokens) +
+         spec_.new_tokens;
 }
 
 uint64_t Workload::ComputedTokens(uint32_t round) const {
