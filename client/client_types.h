@@ -100,10 +100,10 @@ struct SessionInfo {
   uint32_t max_batch_sequences = 0;
   uint32_t max_wait_ms = 0;
   std::string daemon_version;
-  core::PageKey ns_digest;  // Computed locally; equal to the daemon's when usable.
-  // The daemon's L3 tiers in lookup order (index i = MatchResult's per-tier counts), and the
-  // policies its UNSPECIFIED means.
+  // The daemon's L3 tiers in lookup order; MatchResult::l3_hit_pages_by_tier is indexed alike.
   std::vector<std::string> l3_tier_names;
+  core::PageKey ns_digest;  // Computed locally; equal to the daemon's when usable.
+  // The policies the daemon's UNSPECIFIED means.
   uint32_t default_write_policy = 0;     // WritePolicy value.
   uint32_t default_prefetch_policy = 0;  // PrefetchPolicy value.
 };
@@ -230,6 +230,9 @@ struct MatchOptions {
 struct MatchResult {
   uint32_t l2_hit_pages = 0;  // From num_computed_pages.
   uint32_t l3_hit_pages = 0;
+  // l3_hit_pages split by the first L3 tier holding each page (SessionInfo::l3_tier_names
+  // order); empty when l3_hit_pages is 0.
+  std::vector<uint32_t> l3_hit_pages_by_tier;
   uint32_t total_pages = 0;
   uint32_t prefetch_pages = 0;
   uint64_t pin_id = 0;

@@ -219,7 +219,6 @@ absl::Status SessionImpl::TryRegister(bool first) {
       info_.num_shards = resp.num_shards();
       info_.is_shard_writer = resp.is_shard_writer();
       info_.page_object_bytes = resp.page_object_bytes();
-      info_.l3_tier_names.assign(resp.l3_tier_names().begin(), resp.l3_tier_names().end());
       info_.default_write_policy = static_cast<uint32_t>(resp.default_write_policy());
       info_.default_prefetch_policy = static_cast<uint32_t>(resp.default_prefetch_policy());
       info_.api_revision = resp.api_revision();
@@ -227,6 +226,7 @@ absl::Status SessionImpl::TryRegister(bool first) {
       info_.max_batch_sequences = resp.limits().max_batch_sequences();
       info_.max_wait_ms = resp.limits().max_wait_ms();
       info_.daemon_version = resp.daemon_version();
+      info_.l3_tier_names.assign(resp.l3_tier_names().begin(), resp.l3_tier_names().end());
       last_renewal_ = now;
       backoff_.Reset();
       if (resp.ns_digest() != ns_digest_.AsBytes()) {
@@ -628,6 +628,10 @@ MatchReply SessionImpl::Match(absl::Span<const MatchSequence> sequences,
     res.l2_hit_pages = std::min(pr.l2_hit_pages(), res.total_pages);
     res.l3_hit_pages = std::min(pr.l3_hit_pages(), res.total_pages - res.l2_hit_pages);
     res.prefetch_pages = pr.prefetch_pages();
+    if (res.l3_hit_pages > 0) {
+      res.l3_hit_pages_by_tier.assign(pr.l3_hit_pages_by_tier().begin(),
+                                      pr.l3_hit_pages_by_tier().end());
+    }
     res.pin_id = pr.pin_id();
     hits += res.l2_hit_pages;
   }
