@@ -95,7 +95,8 @@ CacheServiceImpl::CacheServiceImpl(CacheServiceOptions options)
           &metrics_),
       ops_(&metrics_, absl::Milliseconds(limits_.op_result_retention_ms)),
       mover_(options.device, &l2_, &pins_, &ops_, &pump_, &metrics_, &limits_),
-      matcher_(&pins_, &ops_, &metrics_, &limits_) {
+      matcher_(&pins_, &ops_, &metrics_, &limits_),
+      admin_(&namespaces_, &sessions_, &pins_, &l2_, &metrics_, absl::Now()) {
   AddCollectors();
   housekeeper_ = std::thread([this] { HousekeeperLoop(); });
 }
@@ -232,6 +233,7 @@ void CacheServiceImpl::Housekeep() {
   }
   ops_.Prune(now);
   matcher_.Prune(now);
+  l2_.ReapDoomed();  // Pages an admin Clear doomed whose copies have ended.
   l2_.EnforceWatermarks();
 }
 

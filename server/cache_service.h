@@ -14,13 +14,15 @@
 //   Matcher            group-consistent lookups and the step memo           matcher.h
 //   L2Space            pool slots, eviction on a full pool, watermarks      l2_space.h
 //   SimSignalPump      SIM engines' layer and ready counters                 sim_signal_pump.h
+//   CacheAdmin         AdminService listings, stats, Evict and Clear         cache_admin.h
 //
 // Threads: RPCs on gRPC's callback threads, concurrently; no handler blocks except
 // UnregisterEngine (for its drain, at most ServerLimits.max_wait_ms). Owned threads: the op
 // completion thread (OpTable), the SIM signal pump, and the housekeeper, which every
 // housekeeping_interval reaps sessions whose lease lapsed (their ops cancelled, pins dropped,
-// mappings closed), expires pin leases, forgets old op results and memoized Match answers, and
-// evicts L2 down to the low watermark when the pool is above the high one.
+// mappings closed), expires pin leases, forgets old op results and memoized Match answers, frees
+// pages an admin Clear doomed once their copies ended, and evicts L2 down to the low watermark
+// when the pool is above the high one.
 //
 // Not implemented: Prefetch answers UNIMPLEMENTED, since there is no L3 tier to prefetch from yet;
 // Match reports no L3 hits and starts no prefetch whatever the policy. Write policies are
@@ -40,6 +42,7 @@
 #include "core/host_pool.h"
 #include "gpu/device_backend.h"
 #include "kvcellar/v1/cache_service.grpc.pb.h"
+#include "server/cache_admin.h"
 #include "server/cache_limits.h"
 #include "server/cache_metrics.h"
 #include "server/config.h"
@@ -116,6 +119,8 @@ class CacheServiceImpl final : public kvcellar::v1::CacheService::CallbackServic
   const CacheLimits& limits() const { return limits_; }
   // For tests and admin tools: the namespaces and their indexes.
   NamespaceRegistry& namespaces() { return namespaces_; }
+  // The AdminService's view of the cache (listings, statistics, Evict, Clear).
+  CacheAdmin& admin() { return admin_; }
 
   // Runs one housekeeping pass now (tests; the housekeeper thread runs it periodically).
   void Housekeep();
@@ -166,6 +171,7 @@ class CacheServiceImpl final : public kvcellar::v1::CacheService::CallbackServic
   SimSignalPump pump_;
   DeviceMover mover_;
   Matcher matcher_;
+  CacheAdmin admin_;
 
   absl::Mutex housekeeper_mu_;
   bool stop_ ABSL_GUARDED_BY(housekeeper_mu_) = false;

@@ -106,8 +106,11 @@ absl::Status Daemon::StartListeners() {
   }
   cache_service_ = std::make_unique<CacheServiceImpl>(std::move(cache_options));
   auto info = [this] { return Info(); };
-  engine_admin_service_ = std::make_unique<AdminServiceImpl>(info, config_, /*allow_mutations=*/false);
-  admin_service_ = std::make_unique<AdminServiceImpl>(info, config_, /*allow_mutations=*/true);
+  // No L3 tier is wired into the daemon yet: the admin services get no L3Admin (nullptr).
+  engine_admin_service_ = std::make_unique<AdminServiceImpl>(
+      info, config_, /*allow_mutations=*/false, &cache_service_->admin(), /*l3=*/nullptr);
+  admin_service_ = std::make_unique<AdminServiceImpl>(
+      info, config_, /*allow_mutations=*/true, &cache_service_->admin(), /*l3=*/nullptr);
 
   unix_socket_ = ResolveUnixSocketPath(config_);
   admin_socket_ = ResolveAdminSocketPath(config_);

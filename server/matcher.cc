@@ -137,11 +137,17 @@ void Matcher::Compute(const SessionInfo& session, const v1::MatchRequest& reques
     if (pin_id != 0 && m->pinned_pages > 0) {
       pins_->Add(pin_id, session.instance_id, session.ns,
                  std::vector<core::PageKey>(lookup.begin(), lookup.begin() + m->l2_pages),
-                 session.tp_size, lease, deadline);
+                 session.tp_size, lease, deadline, session.id);
       result->set_pin_id(pin_id);
     }
   }
   metrics_->CountMatch(hits, lookups - hits, page_size);
+  NamespaceCounters& c = ns.counters();
+  NamespaceCounters::Add(c.match_calls, 1);
+  NamespaceCounters::Add(c.match_sequences, static_cast<uint64_t>(request.sequences_size()));
+  NamespaceCounters::Add(c.lookup_pages, lookups);
+  NamespaceCounters::Add(c.l2_hit_pages, hits);
+  c.Touch();
 }
 
 size_t Matcher::Prune(absl::Time now) {
