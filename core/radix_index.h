@@ -330,7 +330,8 @@ class RadixIndex {
   // and its copies dropped by ReapDoomed once it is no longer busy, so no slot a copy still uses
   // is ever handed back. busy_pages counts the doomed pages. dry_run changes nothing; it appends
   // the objects that would go (their slots are still in use: the caller must not free them) and
-  // counts as the real call would.
+  // counts as the real call would after the caller revoked the Match pins: pinned pages count as
+  // removed, pages with a write in flight as busy.
   RemoveCounts ClearScope(const std::optional<PageKey>& subtree, bool dry_run,
                           std::vector<ReleasedObject>* released) ABSL_LOCKS_EXCLUDED(mu_);
   // Drops the copies of doomed pages that are no longer busy into `released`. Returns pages.
