@@ -88,6 +88,9 @@ struct RadixIndex::Node {
   uint32_t pins = 0;         // Sum of the counts in pinned_[pin_slot].
   uint32_t pin_slot = 0;     // Index of this page's record in pinned_; meaningful iff pins > 0.
   uint16_t l3_copies = 0;    // (shard, tier) copies.
+  // Cleared by an admin while busy: invisible to Match, its copies dropped by ReapDoomed once
+  // the copy using it ends. Fits in the node's tail padding.
+  bool doomed = false;
 
   ShardState* shards() {
     return reinterpret_cast<ShardState*>(reinterpret_cast<char*>(this) + sizeof(Node));
@@ -397,7 +400,7 @@ absl::StatusOr<MatchResult> RadixIndex::Match(absl::Span<const PageKey> keys,
   // L2: every needed shard committed.
   size_t i = 0;
   Node* n = keys.empty() ? nullptr : Find(keys[0]);
-  while (n != nullptr && (n->resident & need) == need) {
+  while (n != nullptr && (n->resident & need) == need && !n->doomed) {
     scratch_.push_back(n);
     if (++i == keys.size()) {
       n = nullptr;  // Whole query in L2: nothing left for L3.
@@ -409,7 +412,7 @@ absl::StatusOr<MatchResult> RadixIndex::Match(absl::Span<const PageKey> keys,
 
   // L3, from the first page that missed L2: each tier's run of pages it holds every shard of.
   uint32_t active = (1u << l3_tiers_) - 1;
-  while (n != nullptr && active != 0) {
+  while (n != nullptr && active != 0 && !n->doomed) {
     uint32_t have = active;
     for (ShardMask m = need; m != 0; m &= m - 1) have &= n->shards()[LowBit(m)].l3_tiers;
     active = have;
@@ -694,7 +697,10 @@ size_t RadixIndex::EvictOne(std::vector<ReleasedObject>* evicted) {
   const Candidates candidates;
   EvictionHook* h = policy_->PickVictim(candidates);
   if (h == nullptr) return 0;
-  Node* n = Node::FromHook(h);
+  return EvictNode(Node::FromHook(h), evicted);
+}
+
+size_t RadixIndex::EvictNode(Node* n, std::vector<ReleasedObject>* evicted) {
   size_t objects = 0;
   ShardState* shards = n->shards();
   for (ShardMask m = n->resident; m != 0; m &= m - 1) {
@@ -704,6 +710,7 @@ size_t RadixIndex::EvictOne(std::vector<ReleasedObject>* evicted) {
     ++objects;
   }
   n->resident = 0;
+  n->doomed = false;  // Its L2 copies are gone; a later write makes it visible again.
   counters_.l2_objects -= objects;
   --counters_.l2_pages;
   ++counters_.evicted_pages;
@@ -772,6 +779,7 @@ void RadixIndex::DropCopies(Node* n, std::vector<ReleasedObject>* released) {
     shards[s] = ShardState{};
   }
   n->l3_copies = 0;
+  n->doomed = false;
   if (n->resident != 0) {
     n->resident = 0;
     --counters_.l2_pages;
@@ -848,6 +856,204 @@ RemoveCounts RadixIndex::Clear(std::vector<ReleasedObject>* released) {
   }
   for (Node* root : roots) RemoveSubtreeLocked(root, released, &counts);
   return counts;
+}
+
+// --- Admin scope -------------------------------------------------------------------------------
+
+void RadixIndex::ScopeNodesLocked(const std::optional<PageKey>& subtree,
+                                  std::vector<Node*>* order) const {
+  std::vector<Node*> stack;
+  if (subtree.has_value()) {
+    if (Node* root = Find(*subtree); root != nullptr) stack.push_back(root);
+  } else {
+    for (Node* n : nodes_) {
+      if (n->parent == nullptr) stack.push_back(n);
+    }
+  }
+  // Pre-order: every node before its descendants. Iterative: chains can be 100k pages deep.
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    order->push_back(n);
+    for (Node* c = n->first_child; c != nullptr; c = c->next_sibling) stack.push_back(c);
+  }
+}
+
+ScopeUsage RadixIndex::Usage(const std::optional<PageKey>& subtree) const {
+  ScopeUsage usage;
+  absl::ReaderMutexLock lock(&mu_);
+  std::vector<Node*> order;
+  ScopeNodesLocked(subtree, &order);
+  for (const Node* n : order) {
+    if (n->resident == 0) continue;
+    ++usage.l2_pages;
+    usage.l2_objects += static_cast<uint64_t>(std::popcount(n->resident));
+  }
+  return usage;
+}
+
+std::vector<PageKey> RadixIndex::ScopeKeys(const std::optional<PageKey>& subtree) const {
+  absl::ReaderMutexLock lock(&mu_);
+  std::vector<Node*> order;
+  ScopeNodesLocked(subtree, &order);
+  std::vector<PageKey> keys;
+  keys.reserve(order.size());
+  for (const Node* n : order) keys.push_back(n->key);
+  return keys;
+}
+
+AdminEvictResult RadixIndex::EvictScope(const std::optional<PageKey>& subtree,
+                                        uint64_t max_objects, bool dry_run,
+                                        std::vector<ReleasedObject>* evicted) {
+  AdminEvictResult result;
+  absl::MutexLock lock(&mu_);
+  std::vector<Node*> order;
+  ScopeNodesLocked(subtree, &order);
+  for (const Node* n : order) {
+    if (!n->HoldsL2() || !n->Busy()) continue;
+    if (n->pins != 0) {
+      ++result.skipped_pinned_pages;
+    } else {
+      ++result.skipped_in_flight_pages;
+    }
+  }
+  const auto done = [&] { return max_objects != 0 && result.objects >= max_objects; };
+
+  if (dry_run) {
+    // What the real run would take: pages that become evictable once their L2 children are gone
+    // (children before parents: reverse pre-order). With a target, the policy picks which; every
+    // page of a namespace has the same size, so the count is the same whichever it picks.
+    absl::flat_hash_set<const Node*> blocked;  // Holds L2 that will stay.
+    for (auto it = order.rbegin(); it != order.rend(); ++it) {
+      const Node* n = *it;
+      if (!n->HoldsL2()) continue;
+      bool stays = n->resident == 0 || n->Busy();
+      for (const Node* c = n->first_child; c != nullptr && !stays; c = c->next_sibling) {
+        stays = blocked.contains(c);
+      }
+      if (stays) {
+        blocked.insert(n);
+      } else if (!done()) {
+        ++result.pages;
+        result.objects += static_cast<uint64_t>(std::popcount(n->resident));
+      }
+    }
+    return result;
+  }
+
+  // The policy's own order (PickVictim), restricted to the scope. Out-of-scope pages it offers
+  // are refused, which parks them; they are unparked afterwards, back at the tail in their order,
+  // so the next ordinary eviction sees the queue as it was.
+  class ScopedCandidates final : public EvictionCandidates {
+   public:
+    ScopedCandidates(const absl::flat_hash_set<const Node*>* scope, std::vector<Node*>* refused)
+        : scope_(scope), refused_(refused) {}
+    bool Evictable(const EvictionHook& hook) const override {
+      const Node* n = Node::FromHook(&hook);
+      if (!n->Evictable()) return false;
+      if (scope_ == nullptr || scope_->contains(n)) return true;
+      refused_->push_back(const_cast<Node*>(n));
+      return false;
+    }
+    uint64_t Fingerprint(const EvictionHook& hook) const override {
+      return KeyFingerprint(Node::FromHook(&hook)->key);
+    }
+
+   private:
+    const absl::flat_hash_set<const Node*>* scope_;
+    std::vector<Node*>* refused_;
+  };
+  absl::flat_hash_set<const Node*> scope;
+  if (subtree.has_value()) {
+    if (order.empty()) return result;
+    scope.insert(order.begin(), order.end());
+  }
+  std::vector<Node*> refused;
+  const ScopedCandidates candidates(subtree.has_value() ? &scope : nullptr, &refused);
+  while (!done()) {
+    EvictionHook* h = policy_->PickVictim(candidates);
+    if (h == nullptr) break;
+    ++result.pages;
+    result.objects += EvictNode(Node::FromHook(h), evicted);
+  }
+  for (auto it = refused.rbegin(); it != refused.rend(); ++it) policy_->OnEligible(&(*it)->hook);
+  return result;
+}
+
+RemoveCounts RadixIndex::ClearScope(const std::optional<PageKey>& subtree, bool dry_run,
+                                    std::vector<ReleasedObject>* released) {
+  RemoveCounts counts;
+  absl::MutexLock lock(&mu_);
+  std::vector<Node*> order;
+  ScopeNodesLocked(subtree, &order);
+  if (subtree.has_value() && order.empty()) {
+    counts.missing_keys = 1;
+    return counts;
+  }
+  if (dry_run) {
+    for (const Node* n : order) {
+      if (n->Empty()) continue;
+      // The real call runs after the caller revoked the Match pins, so a pinned page counts as
+      // removed; only a write in flight is sure to defer it (a Load's copy pin, which the dry
+      // run cannot tell from a Match pin, is short-lived).
+      if (n->writing != 0) {
+        ++counts.busy_pages;
+        continue;
+      }
+      ++counts.removed_pages;
+      for (int s = 0; s < shards_per_page_; ++s) {
+        const ShardState& st = n->shards()[s];
+        if (((n->resident | n->writing) >> s) & 1 || st.l3_tiers != 0) {
+          released->push_back({n->key, static_cast<uint16_t>(s), st.slot, st.l3_tiers});
+        }
+      }
+    }
+    return counts;
+  }
+  // Doom the busy pages first (RemoveSubtreeLocked leaves them as they are).
+  for (Node* n : order) {
+    if (n->Busy() && !n->Empty() && !n->doomed) {
+      n->doomed = true;
+      doomed_.push_back(n->key);
+    }
+  }
+  Node* above = subtree.has_value() ? order.front()->parent : nullptr;
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    Node* n = *it;
+    if (n->Busy()) {
+      counts.busy_pages += !n->Empty();
+      continue;
+    }
+    if (!n->Empty()) ++counts.removed_pages;
+    DropCopies(n, released);
+    if (n->first_child == nullptr) FreeNode(n);
+  }
+  if (above != nullptr) CollectUpwards(above);
+  return counts;
+}
+
+size_t RadixIndex::ReapDoomed(std::vector<ReleasedObject>* released) {
+  absl::MutexLock lock(&mu_);
+  size_t reaped = 0;
+  size_t kept = 0;
+  for (const PageKey& key : doomed_) {
+    Node* n = Find(key);
+    if (n == nullptr || !n->doomed) continue;  // Evicted or removed meanwhile.
+    if (n->Busy()) {
+      doomed_[kept++] = key;
+      continue;
+    }
+    DropCopies(n, released);  // Clears `doomed`.
+    ++reaped;
+    CollectUpwards(n);
+  }
+  doomed_.resize(kept);
+  return reaped;
+}
+
+size_t RadixIndex::DoomedPages() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return doomed_.size();
 }
 
 // --- Queries -----------------------------------------------------------------------------------

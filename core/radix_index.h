@@ -169,6 +169,20 @@ struct RemoveCounts {
   size_t missing_keys = 0;   // Not indexed.
 };
 
+// Admin usage of a scope (the whole index or one subtree): committed L2 only.
+struct ScopeUsage {
+  uint64_t l2_pages = 0;
+  uint64_t l2_objects = 0;
+};
+
+// What EvictScope evicted (or, dry, would evict), and the pages in scope it had to leave.
+struct AdminEvictResult {
+  uint64_t pages = 0;
+  uint64_t objects = 0;
+  uint64_t skipped_pinned_pages = 0;     // Holding L2 and pinned (a Match pin or a Load's copy).
+  uint64_t skipped_in_flight_pages = 0;  // Holding L2, unpinned, a write in flight.
+};
+
 enum class L2State : uint8_t { kAbsent, kWriting, kResident };
 
 struct ShardInfo {
@@ -294,6 +308,37 @@ class RadixIndex {
   // Every page. Busy pages (and so their ancestors) stay.
   RemoveCounts Clear(std::vector<ReleasedObject>* released) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Admin operations on a scope: `subtree` is a page and everything below it, nullopt the whole
+  // index. A subtree root that is not indexed is an empty scope.
+  //
+  // Committed L2 pages and objects in scope.
+  ScopeUsage Usage(const std::optional<PageKey>& subtree) const ABSL_LOCKS_EXCLUDED(mu_);
+  // The keys of every page in scope, tombstones included.
+  std::vector<PageKey> ScopeKeys(const std::optional<PageKey>& subtree) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Evicts L2 pages in scope in the policy's order (PickVictim, the path every eviction takes),
+  // leaf first and never busy pages, until `max_objects` objects are gone (0: every eligible
+  // page), appending them to `evicted`. Out-of-scope pages the policy offers are refused and put
+  // back where they were. dry_run changes nothing and appends nothing: it counts the pages that
+  // would become evictable, children before parents.
+  AdminEvictResult EvictScope(const std::optional<PageKey>& subtree, uint64_t max_objects,
+                              bool dry_run, std::vector<ReleasedObject>* evicted)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Admin Clear: drops every copy of every page in scope into `released` (as RemoveSubtree).
+  // A busy page (a write in flight, or pinned: by now only copies in flight hold pins, the caller
+  // revoked the Match pins) is doomed instead: invisible to Match from now on, left in place,
+  // and its copies dropped by ReapDoomed once it is no longer busy, so no slot a copy still uses
+  // is ever handed back. busy_pages counts the doomed pages. dry_run changes nothing; it appends
+  // the objects that would go (their slots are still in use: the caller must not free them) and
+  // counts as the real call would after the caller revoked the Match pins: pinned pages count as
+  // removed, pages with a write in flight as busy.
+  RemoveCounts ClearScope(const std::optional<PageKey>& subtree, bool dry_run,
+                          std::vector<ReleasedObject>* released) ABSL_LOCKS_EXCLUDED(mu_);
+  // Drops the copies of doomed pages that are no longer busy into `released`. Returns pages.
+  size_t ReapDoomed(std::vector<ReleasedObject>* released) ABSL_LOCKS_EXCLUDED(mu_);
+  // Doomed pages not reaped yet.
+  size_t DoomedPages() const ABSL_LOCKS_EXCLUDED(mu_);
+
   // The committed L2 slot of `shard` for each key, invalid where absent (what Load copies from).
   // Returns the number of valid slots.
   size_t GetL2Slots(absl::Span<const PageKey> keys, uint16_t shard, absl::Span<SlotRef> slots) const
@@ -376,6 +421,12 @@ class RadixIndex {
   size_t DropPinsWhere(Pred pred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Evicts the policy's next victim; returns its object count, 0 when none is evictable.
   size_t EvictOne(std::vector<ReleasedObject>* evicted) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Evicts n, a victim the policy just returned (so no longer tracked). Returns its objects.
+  size_t EvictNode(Node* n, std::vector<ReleasedObject>* evicted)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Appends the nodes of a scope (see Usage) in pre-order: each before its descendants.
+  void ScopeNodesLocked(const std::optional<PageKey>& subtree, std::vector<Node*>* order) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   uint64_t EvictBytesLocked(uint64_t bytes, std::vector<ReleasedObject>* evicted)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops every copy of n (not busy) into `released`.
@@ -409,6 +460,8 @@ class RadixIndex {
   // Match's list of L2-hit nodes, kept to touch and pin them after the walk (reused: no
   // allocation per call once grown).
   std::vector<Node*> scratch_ ABSL_GUARDED_BY(mu_);
+  // Keys of doomed pages (ClearScope) not reaped yet.
+  std::vector<PageKey> doomed_ ABSL_GUARDED_BY(mu_);
   // Counters behind Stats.
   RadixIndexStats counters_ ABSL_GUARDED_BY(mu_);
 };

@@ -2,9 +2,12 @@
 
 #include <unistd.h>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "core/log.h"
 #include "server/build_info.h"
 #include "server/cache_limits.h"
+#include "server/status_util.h"
 
 namespace kvcellar::server {
 namespace {
@@ -58,8 +61,27 @@ std::string Hostname() {
 }  // namespace
 
 AdminServiceImpl::AdminServiceImpl(std::function<DaemonInfo()> info, const Config& config,
-                                   bool allow_mutations)
-    : info_(std::move(info)), config_(config), allow_mutations_(allow_mutations) {}
+                                   bool allow_mutations, CacheAdmin* cache, L3Admin* l3)
+    : info_(std::move(info)),
+      config_(config),
+      allow_mutations_(allow_mutations),
+      cache_(cache),
+      l3_(l3) {}
+
+absl::Status AdminServiceImpl::CheckAccess(const grpc::CallbackServerContext* context,
+                                           absl::string_view method, bool mutates) const {
+  if (mutates && !MayMutate(context)) {
+    return CacheError(absl::StatusCode::kPermissionDenied, v1::ERROR_REASON_ADMIN_REQUIRED, "",
+                      absl::StrCat(method,
+                                   " changes the cache: call it on the admin socket "
+                                   "(listen.admin_socket) or over mutual TLS"));
+  }
+  if (cache_ == nullptr) {
+    return CacheError(absl::StatusCode::kUnavailable, v1::ERROR_REASON_NOT_READY, "",
+                      "the cache service is not running");
+  }
+  return absl::OkStatus();
+}
 
 bool AdminServiceImpl::MayMutate(const grpc::CallbackServerContext* context) const {
   return allow_mutations_ || HasVerifiedClientCertificate(context);
@@ -116,26 +138,57 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetConfig(grpc::CallbackServerContex
   return Finish(context, grpc::Status::OK);
 }
 
+grpc::ServerUnaryReactor* AdminServiceImpl::ListEngines(grpc::CallbackServerContext* context,
+                                                        const v1::ListEnginesRequest* request,
+                                                        v1::ListEnginesResponse* response) {
+  absl::Status s = CheckAccess(context, "ListEngines", /*mutates=*/false);
+  if (s.ok()) s = cache_->ListEngines(*request, response);
+  return Finish(context, ToGrpcStatus(s, context));
+}
+
+grpc::ServerUnaryReactor* AdminServiceImpl::ListNamespaces(
+    grpc::CallbackServerContext* context, const v1::ListNamespacesRequest* request,
+    v1::ListNamespacesResponse* response) {
+  absl::Status s = CheckAccess(context, "ListNamespaces", /*mutates=*/false);
+  if (s.ok()) s = cache_->ListNamespaces(*request, l3_, response);
+  return Finish(context, ToGrpcStatus(s, context));
+}
+
+grpc::ServerUnaryReactor* AdminServiceImpl::GetStats(grpc::CallbackServerContext* context,
+                                                     const v1::GetStatsRequest* request,
+                                                     v1::GetStatsResponse* response) {
+  absl::Status s = CheckAccess(context, "GetStats", /*mutates=*/false);
+  if (s.ok()) s = cache_->GetStats(*request, response);
+  return Finish(context, ToGrpcStatus(s, context));
+}
+
 grpc::ServerUnaryReactor* AdminServiceImpl::Evict(grpc::CallbackServerContext* context,
                                                   const v1::EvictRequest* request,
                                                   v1::EvictResponse* response) {
-  if (!MayMutate(context)) {
-    return Finish(context, grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                                        "Evict changes the cache: call it on the admin socket "
-                                        "(listen.admin_socket) or over mutual TLS"));
+  absl::Status s = CheckAccess(context, "Evict", /*mutates=*/true);
+  if (s.ok()) s = cache_->Evict(*request, l3_, response);
+  if (s.ok()) {
+    KVLOG(Info, "admin evict",
+          {{"dry_run", request->dry_run()},
+           {"target_bytes", request->target_bytes()},
+           {"evicted_bytes", response->evicted_size() > 0 ? response->evicted(0).bytes() : 0}});
   }
-  return Finish(context, grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "Evict is not implemented yet"));
+  return Finish(context, ToGrpcStatus(s, context));
 }
 
 grpc::ServerUnaryReactor* AdminServiceImpl::Clear(grpc::CallbackServerContext* context,
                                                   const v1::ClearRequest* request,
                                                   v1::ClearResponse* response) {
-  if (!MayMutate(context)) {
-    return Finish(context, grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                                        "Clear changes the cache: call it on the admin socket "
-                                        "(listen.admin_socket) or over mutual TLS"));
+  absl::Status s = CheckAccess(context, "Clear", /*mutates=*/true);
+  if (s.ok()) s = cache_->Clear(*request, l3_, response);
+  if (s.ok()) {
+    KVLOG(Info, "admin clear",
+          {{"dry_run", request->dry_run()},
+           {"removed_bytes", response->removed_size() > 0 ? response->removed(0).bytes() : 0},
+           {"pins_revoked", response->pins_revoked()},
+           {"deferred_pages", response->deferred_pages()}});
   }
-  return Finish(context, grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "Clear is not implemented yet"));
+  return Finish(context, ToGrpcStatus(s, context));
 }
 
 }  // namespace kvcellar::server

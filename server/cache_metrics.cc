@@ -118,7 +118,7 @@ CacheMetrics::CacheMetrics(MetricsRegistry* registry) : registry_(registry) {
   CounterFamily* evicted_pages =
       Family(registry, "kvcellar_evicted_pages_total",
              "Pages evicted from L2, by reason: pool_full (a Backup found no free slot), watermark "
-             "(the pool passed pool.high_watermark).",
+             "(the pool passed pool.high_watermark), admin (AdminService.Evict).",
              {"reason"});
   CounterFamily* evicted_bytes = Family(registry, "kvcellar_evicted_bytes_total",
                                         "L2 slot bytes freed by eviction, by reason.", {"reason"});
@@ -126,6 +126,48 @@ CacheMetrics::CacheMetrics(MetricsRegistry* registry) : registry_(registry) {
   evicted_pages_[1] = Series(evicted_pages, {"watermark"});
   evicted_bytes_[0] = Series(evicted_bytes, {"pool_full"});
   evicted_bytes_[1] = Series(evicted_bytes, {"watermark"});
+  evicted_pages_[2] = Series(evicted_pages, {"admin"});
+  evicted_bytes_[2] = Series(evicted_bytes, {"admin"});
+  cleared_objects_ = Series(Family(registry, "kvcellar_cleared_objects_total",
+                                   "L2 page objects removed by AdminService.Clear.", {}),
+                            {});
+  pins_revoked_ = Series(Family(registry, "kvcellar_pins_revoked_total",
+                                "Match pins revoked by AdminService.Clear.", {}),
+                         {});
+}
+
+CacheCountersSnapshot CacheMetrics::Snapshot() const {
+  const auto v = [](const Counter* c) { return static_cast<uint64_t>(c->Value()); };
+  CacheCountersSnapshot out;
+  out.match_requests = v(match_requests_);
+  out.l2_hit_pages = v(l2_hit_pages_);
+  out.l2_miss_pages = v(l2_miss_pages_);
+  out.l2_hit_tokens = v(l2_hit_tokens_);
+  out.l2_miss_tokens = v(l2_miss_tokens_);
+  out.h2d_bytes = v(h2d_bytes_);
+  out.d2h_bytes = v(d2h_bytes_);
+  out.l3_hit_pages = v(l3_hit_pages_);
+  out.l3_hit_tokens = v(l3_hit_tokens_);
+  out.l3_miss_pages = v(l3_miss_pages_);
+  out.l3_miss_tokens = v(l3_miss_tokens_);
+  out.l2_to_l3_bytes = v(l2_to_l3_);
+  out.l3_to_l2_bytes = v(l3_to_l2_);
+  static_assert(kKinds == std::tuple_size_v<decltype(out.ops)>);
+  for (int k = 0; k < kKinds; ++k) {
+    for (int o = 0; o < kOutcomes; ++o) out.ops[k][o] = v(ops_[k][o]);
+    for (int s = 0; s < kStatuses; ++s) {
+      if (pages_[k][s] != &Discard()) out.pages[k][s] = v(pages_[k][s]);
+    }
+  }
+  out.session_lease_expiries = v(session_lease_expiries_);
+  out.pin_lease_expiries = v(pin_lease_expiries_);
+  out.pins_revoked = v(pins_revoked_);
+  for (int r = 0; r < kEvictReasons; ++r) {
+    out.evicted_pages += v(evicted_pages_[r]);
+    out.evicted_bytes += v(evicted_bytes_[r]);
+  }
+  out.cleared_objects = v(cleared_objects_);
+  return out;
 }
 
 CacheMetrics::~CacheMetrics() { RemoveCollectors(); }

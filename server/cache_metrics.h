@@ -15,7 +15,9 @@
 //   statuses (ok, miss, ...) kvcellar_session_lease_expiries_total                  sessions ended
 //   by an expired lease kvcellar_pin_lease_expiries_total                      pins ended by an
 //   expired lease kvcellar_evicted_pages_total{reason}                   L2 evictions:
-//   pool_full|watermark kvcellar_evicted_bytes_total{reason}                   their slot bytes
+//   pool_full|watermark|admin kvcellar_evicted_bytes_total{reason}             their slot bytes
+//   kvcellar_cleared_objects_total                         L2 objects removed by admin Clear
+//   kvcellar_pins_revoked_total                            pins revoked by admin Clear
 //
 // Threads: every method may be called from any thread.
 #ifndef KVCELLAR_SERVER_CACHE_METRICS_H_
@@ -32,7 +34,35 @@
 
 namespace kvcellar::server {
 
-enum class EvictReason { kPoolFull = 0, kWatermark = 1 };
+enum class EvictReason { kPoolFull = 0, kWatermark = 1, kAdmin = 2 };
+inline constexpr int kEvictReasons = 3;
+
+// The counters' values at one moment (AdminService.GetStats), read series by series.
+struct CacheCountersSnapshot {
+  uint64_t match_requests = 0;
+  uint64_t l2_hit_pages = 0;
+  uint64_t l2_miss_pages = 0;
+  uint64_t l2_hit_tokens = 0;
+  uint64_t l2_miss_tokens = 0;
+  uint64_t h2d_bytes = 0;  // Load.
+  uint64_t d2h_bytes = 0;  // Backup.
+  uint64_t l3_hit_pages = 0;
+  uint64_t l3_hit_tokens = 0;
+  uint64_t l3_miss_pages = 0;  // Missed in L2 and every L3 tier (counted only with L3 tiers).
+  uint64_t l3_miss_tokens = 0;
+  uint64_t l2_to_l3_bytes = 0;
+  uint64_t l3_to_l2_bytes = 0;
+  // [kind: 0 load, 1 backup, 2 prefetch][outcome: 0 done, 1 failed, 2 cancelled].
+  std::array<std::array<uint64_t, 3>, 3> ops{};
+  // [kind][PageStatus number].
+  std::array<std::array<uint64_t, v1::PageStatus_ARRAYSIZE>, 3> pages{};
+  uint64_t session_lease_expiries = 0;
+  uint64_t pin_lease_expiries = 0;
+  uint64_t pins_revoked = 0;
+  uint64_t evicted_pages = 0;  // All reasons.
+  uint64_t evicted_bytes = 0;
+  uint64_t cleared_objects = 0;
+};
 
 class CacheMetrics {
  public:
@@ -57,6 +87,10 @@ class CacheMetrics {
   void CountSessionLeaseExpiry() { session_lease_expiries_->Increment(); }
   void CountPinLeaseExpiries(uint64_t n) { pin_lease_expiries_->Add(n); }
   void CountEviction(EvictReason reason, uint64_t pages, uint64_t bytes);
+  void CountCleared(uint64_t objects) { cleared_objects_->Add(objects); }
+  void CountPinsRevoked(uint64_t n) { pins_revoked_->Add(n); }
+
+  CacheCountersSnapshot Snapshot() const;
 
   // ---- L3 ----
   // Creates the per-tier series (names in lookup order). Call once, before the first count.
@@ -94,8 +128,10 @@ class CacheMetrics {
   std::array<std::array<Counter*, kStatuses>, kKinds> pages_{};
   Counter* session_lease_expiries_ = nullptr;
   Counter* pin_lease_expiries_ = nullptr;
-  std::array<Counter*, 2> evicted_pages_{};
-  std::array<Counter*, 2> evicted_bytes_{};
+  std::array<Counter*, kEvictReasons> evicted_pages_{};
+  std::array<Counter*, kEvictReasons> evicted_bytes_{};
+  Counter* cleared_objects_ = nullptr;
+  Counter* pins_revoked_ = nullptr;
   Counter* l3_hit_pages_ = nullptr;
   Counter* l3_miss_pages_ = nullptr;
   Counter* l3_hit_tokens_ = nullptr;

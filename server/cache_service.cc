@@ -102,7 +102,8 @@ CacheServiceImpl::CacheServiceImpl(CacheServiceOptions options)
       mover_(options.device, &l2_, &pins_, &ops_, &pump_, &metrics_, &limits_, &writer_),
       matcher_(&pins_, &ops_, &metrics_, &limits_,
                MatcherL3{l3_, &prefetcher_, &writer_,
-                         absl::Milliseconds(config_.storage.max_lookup_ms)}) {
+                         absl::Milliseconds(config_.storage.max_lookup_ms)}),
+      admin_(&namespaces_, &sessions_, &pins_, &l2_, &metrics_, absl::Now()) {
   metrics_.SetL3Tiers(l3_->names());
   l2_.set_eviction_observer(&writer_);
   if (!l3_->empty()) metrics_.AddCollector([this](MetricWriter& out) { l3_->Collect(out); });
@@ -243,6 +244,7 @@ void CacheServiceImpl::Housekeep() {
   }
   ops_.Prune(now);
   matcher_.Prune(now);
+  l2_.ReapDoomed();  // Pages an admin Clear doomed whose copies have ended.
   l2_.EnforceWatermarks();
 }
 

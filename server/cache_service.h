@@ -16,13 +16,15 @@
 //   SimSignalPump      SIM engines' layer and ready counters                 sim_signal_pump.h
 //   L3Writer           L2 -> L3 writes under the write policies              l3_writer.h
 //   L3Prefetcher       L3 -> L2 prefetch ops                                 l3_prefetcher.h
+//   CacheAdmin         AdminService listings, stats, Evict and Clear         cache_admin.h
 //
 // Threads: RPCs on gRPC's callback threads, concurrently; no handler blocks except
 // UnregisterEngine (for its drain, at most ServerLimits.max_wait_ms). Owned threads: the op
 // completion thread (OpTable), the SIM signal pump, and the housekeeper, which every
 // housekeeping_interval reaps sessions whose lease lapsed (their ops cancelled, pins dropped,
-// mappings closed), expires pin leases, forgets old op results and memoized Match answers, and
-// evicts L2 down to the low watermark when the pool is above the high one.
+// mappings closed), expires pin leases, forgets old op results and memoized Match answers, frees
+// pages an admin Clear doomed once their copies ended, and evicts L2 down to the low watermark
+// when the pool is above the high one.
 //
 // Without L3 tiers (storage.tiers = ""), Match reports no L3 hits, Prefetch answers an op whose
 // pages are ALREADY_PRESENT or MISS, and every page stays in L2 only.
@@ -41,6 +43,7 @@
 #include "core/host_pool.h"
 #include "gpu/device_backend.h"
 #include "kvcellar/v1/cache_service.grpc.pb.h"
+#include "server/cache_admin.h"
 #include "server/cache_limits.h"
 #include "server/cache_metrics.h"
 #include "server/config.h"
@@ -128,6 +131,8 @@ class CacheServiceImpl final : public kvcellar::v1::CacheService::CallbackServic
   // For tests: the L3 writer and prefetcher (idle without L3 tiers).
   L3Writer& l3_writer() { return writer_; }
   L3Prefetcher& l3_prefetcher() { return prefetcher_; }
+  // The AdminService's view of the cache (listings, statistics, Evict, Clear).
+  CacheAdmin& admin() { return admin_; }
 
   // Runs one housekeeping pass now (tests; the housekeeper thread runs it periodically).
   void Housekeep();
@@ -183,6 +188,7 @@ class CacheServiceImpl final : public kvcellar::v1::CacheService::CallbackServic
   L3Prefetcher prefetcher_;
   DeviceMover mover_;
   Matcher matcher_;
+  CacheAdmin admin_;
 
   absl::Mutex housekeeper_mu_;
   bool stop_ ABSL_GUARDED_BY(housekeeper_mu_) = false;

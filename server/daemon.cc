@@ -59,6 +59,7 @@ Daemon::~Daemon() {
   // and the pool everything that copies into it.
   engine_server_.reset();
   admin_server_.reset();
+  l3_admin_.reset();
   cache_service_.reset();
   if (device_ != nullptr) {
     for (void* chunk : registered_chunks_) {
@@ -109,9 +110,15 @@ absl::Status Daemon::StartListeners() {
     cache_options.daemon_epoch = info_.epoch;
   }
   cache_service_ = std::make_unique<CacheServiceImpl>(std::move(cache_options));
+  if (!l3_->empty()) {
+    l3_admin_ = std::make_unique<L3TierAdmin>(l3_.get(), &cache_service_->namespaces());
+  }
   auto info = [this] { return Info(); };
-  engine_admin_service_ = std::make_unique<AdminServiceImpl>(info, config_, /*allow_mutations=*/false);
-  admin_service_ = std::make_unique<AdminServiceImpl>(info, config_, /*allow_mutations=*/true);
+  // Without L3 tiers the admin services get no L3Admin (nullptr): TIER_L3 reports nothing.
+  engine_admin_service_ = std::make_unique<AdminServiceImpl>(
+      info, config_, /*allow_mutations=*/false, &cache_service_->admin(), l3_admin_.get());
+  admin_service_ = std::make_unique<AdminServiceImpl>(
+      info, config_, /*allow_mutations=*/true, &cache_service_->admin(), l3_admin_.get());
 
   unix_socket_ = ResolveUnixSocketPath(config_);
   admin_socket_ = ResolveAdminSocketPath(config_);

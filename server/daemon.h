@@ -24,6 +24,7 @@
 #include "core/host_pool.h"
 #include "gpu/device_backend.h"
 #include "server/config.h"
+#include "server/l3_tier_admin.h"
 #include "server/l3_tiers.h"
 #include "server/daemon_info.h"
 
@@ -71,6 +72,7 @@ class Daemon {
   // pool (whose slots their I/O reads and writes).
   std::unique_ptr<L3Tiers> l3_;
   std::unique_ptr<CacheServiceImpl> cache_service_;
+  std::unique_ptr<L3TierAdmin> l3_admin_;  // nullptr without L3 tiers.
   std::unique_ptr<AdminServiceImpl> engine_admin_service_;  // Read-only RPCs.
   std::unique_ptr<AdminServiceImpl> admin_service_;         // All RPCs.
   std::unique_ptr<grpc::Server> engine_server_;

@@ -223,6 +223,7 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Load(const std::shared_pt
   const SessionInfo& info = session->info();
   Namespace& ns = *info.ns;
   core::RadixIndex* index = ns.index();  // Set: the worker's registration fixed the geometry.
+  ns.counters().Touch();
   std::optional<uint32_t> slot;
   if (request.signal_layers()) slot = request.completion_slot();
   absl::StatusOr<StartedOp> started =
@@ -334,6 +335,7 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Backup(
   const SessionInfo& info = session->info();
   Namespace& ns = *info.ns;
   core::RadixIndex* index = ns.index();
+  ns.counters().Touch();
   absl::StatusOr<StartedOp> started =
       StartOp(*session, request.sequences(), v1::OP_KIND_BACKUP, std::nullopt, "", *ops_,
               limits_->max_inflight_ops);

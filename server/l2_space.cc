@@ -78,7 +78,65 @@ uint64_t L2Space::EvictFrom(Namespace& ns, uint64_t bytes, EvictReason reason) {
     if (i == 0 || evicted[i].key != evicted[i - 1].key) ++pages;
   }
   metrics_->CountEviction(reason, pages, freed);
+  NamespaceCounters::Add(ns.counters().evicted_objects, evicted.size());
+  NamespaceCounters::Add(ns.counters().evicted_bytes, freed);
   return freed;
+}
+
+core::AdminEvictResult L2Space::EvictScope(Namespace& ns,
+                                           const std::optional<core::PageKey>& subtree,
+                                           uint64_t max_objects, bool dry_run) {
+  core::RadixIndex* index = ns.index();
+  if (index == nullptr) return {};
+  std::vector<core::ReleasedObject> evicted;
+  core::AdminEvictResult result = index->EvictScope(subtree, max_objects, dry_run, &evicted);
+  if (evicted.empty()) return result;
+  FreeReleased(evicted);
+  const uint64_t bytes = evicted.size() * ns.slot_bytes();
+  metrics_->CountEviction(EvictReason::kAdmin, result.pages, bytes);
+  NamespaceCounters::Add(ns.counters().evicted_objects, evicted.size());
+  NamespaceCounters::Add(ns.counters().evicted_bytes, bytes);
+  return result;
+}
+
+core::RemoveCounts L2Space::ClearScope(Namespace& ns, const std::optional<core::PageKey>& subtree,
+                                       bool dry_run, std::vector<core::ReleasedObject>* removed) {
+  core::RadixIndex* index = ns.index();
+  if (index == nullptr) return {};
+  std::vector<core::ReleasedObject> released;
+  core::RemoveCounts counts = index->ClearScope(subtree, dry_run, &released);
+  if (!dry_run) {
+    uint64_t l2_objects = 0;
+    for (const core::ReleasedObject& r : released) {
+      if (!r.slot.valid()) continue;
+      Free(r.slot);
+      ++l2_objects;
+    }
+    metrics_->CountCleared(l2_objects);
+    NamespaceCounters::Add(ns.counters().cleared_objects, l2_objects);
+  }
+  if (removed != nullptr) removed->insert(removed->end(), released.begin(), released.end());
+  return counts;
+}
+
+size_t L2Space::ReapDoomed() {
+  size_t pages = 0;
+  for (const std::shared_ptr<Namespace>& ns : namespaces_->Snapshot()) {
+    core::RadixIndex* index = ns->index();
+    if (index == nullptr || index->DoomedPages() == 0) continue;
+    std::vector<core::ReleasedObject> released;
+    pages += index->ReapDoomed(&released);
+    if (released.empty()) continue;
+    uint64_t l2_objects = 0;
+    for (const core::ReleasedObject& r : released) {
+      if (!r.slot.valid()) continue;
+      Free(r.slot);
+      ++l2_objects;
+    }
+    metrics_->CountCleared(l2_objects);
+    NamespaceCounters::Add(ns->counters().cleared_objects, l2_objects);
+  }
+  return pages;
 }
 
 uint64_t L2Space::UsedBytes() const {

@@ -18,6 +18,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <optional>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -61,6 +63,18 @@ class L2Space {
   void set_eviction_observer(L2EvictionObserver* observer) {
     observer_.store(observer, std::memory_order_release);
   }
+  // AdminService.Evict on one namespace: RadixIndex::EvictScope (the policy's order, leaf first,
+  // never busy pages), then the slots go back to the pool and the eviction is counted as every
+  // eviction is. `max_objects` 0: everything eligible.
+  core::AdminEvictResult EvictScope(Namespace& ns, const std::optional<core::PageKey>& subtree,
+                                    uint64_t max_objects, bool dry_run);
+  // AdminService.Clear on one namespace: RadixIndex::ClearScope, slots freed, counted. Busy pages
+  // are doomed and freed later by ReapDoomed. With dry_run nothing changes; `removed` (optional)
+  // receives the objects that went or would go.
+  core::RemoveCounts ClearScope(Namespace& ns, const std::optional<core::PageKey>& subtree,
+                                bool dry_run, std::vector<core::ReleasedObject>* removed);
+  // Frees the pages Clear doomed whose copies have ended (the housekeeper). Returns pages.
+  size_t ReapDoomed();
 
   // Bytes of slots in use (slot capacity, not object bytes), summed over size classes.
   uint64_t UsedBytes() const;

@@ -153,7 +153,7 @@ void Matcher::Compute(const SessionInfo& session, const v1::MatchRequest& reques
     if (pin_id != 0 && m->pinned_pages > 0) {
       pins_->Add(pin_id, session.instance_id, session.ns,
                  std::vector<core::PageKey>(lookup.begin(), lookup.begin() + l2), session.tp_size,
-                 lease, deadline);
+                 lease, deadline, session.id);
       result->set_pin_id(pin_id);
       pinned = true;
     }
@@ -218,6 +218,15 @@ void Matcher::Compute(const SessionInfo& session, const v1::MatchRequest& reques
     }
   }
   metrics_->CountMatch(hits, lookups - hits, page_size);
+  NamespaceCounters& c = ns.counters();
+  NamespaceCounters::Add(c.match_calls, 1);
+  NamespaceCounters::Add(c.match_sequences, static_cast<uint64_t>(request.sequences_size()));
+  NamespaceCounters::Add(c.lookup_pages, lookups);
+  NamespaceCounters::Add(c.l2_hit_pages, hits);
+  uint64_t l3_hits = 0;
+  for (uint32_t h : l3_hits_by_tier) l3_hits += h;
+  NamespaceCounters::Add(c.l3_hit_pages, l3_hits);
+  c.Touch();
   if (num_tiers == 0) return;
   metrics_->CountL3Match(absl::MakeConstSpan(l3_hits_by_tier.data(), num_tiers), l3_misses,
                          page_size);

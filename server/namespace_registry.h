@@ -37,6 +37,7 @@
 #include "core/page_key.h"
 #include "core/radix_index.h"
 #include "gpu/kv_layout.h"
+#include "server/namespace_counters.h"
 
 namespace kvcellar::server {
 
@@ -74,6 +75,9 @@ class Namespace {
   // slot. Nothing changes on error.
   absl::Status AdoptLayout(const gpu::KvLayout& layout);
 
+  // Lookups, hits and churn of this namespace since daemon start.
+  NamespaceCounters& counters() const { return counters_; }
+
  private:
   struct Geometry {
     uint32_t layers = 0;
@@ -95,6 +99,7 @@ class Namespace {
   std::atomic<core::RadixIndex*> index_{nullptr};
   std::atomic<uint64_t> object_bytes_{0};
   std::atomic<uint64_t> slot_bytes_{0};
+  mutable NamespaceCounters counters_;
 };
 
 class NamespaceRegistry {

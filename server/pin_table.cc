@@ -10,9 +10,10 @@ void PinTable::Unpin(uint64_t id, const Pin& pin) {
 
 void PinTable::Add(uint64_t id, const std::string& instance_id, std::shared_ptr<Namespace> ns,
                    std::vector<core::PageKey> keys, uint32_t holds, absl::Duration lease,
-                   absl::Time deadline) {
+                   absl::Time deadline, uint64_t session_id) {
   Pin pin;
   pin.instance_id = instance_id;
+  pin.session_id = session_id;
   pin.ns = std::move(ns);
   pin.keys = std::move(keys);
   pin.held.assign(holds, true);
@@ -21,6 +22,35 @@ void PinTable::Add(uint64_t id, const std::string& instance_id, std::shared_ptr<
   pin.deadline = deadline;
   absl::MutexLock lock(&mu_);
   pins_.emplace(id, std::move(pin));
+}
+
+size_t PinTable::Revoke(
+    absl::FunctionRef<bool(const Namespace& ns, absl::Span<const core::PageKey> keys)> revoke) {
+  std::vector<std::pair<uint64_t, Pin>> ended;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = pins_.begin(); it != pins_.end();) {
+      if (revoke(*it->second.ns, it->second.keys)) {
+        ended.emplace_back(it->first, std::move(it->second));
+        pins_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (const auto& [id, pin] : ended) Unpin(id, pin);
+  return ended.size();
+}
+
+absl::flat_hash_map<uint64_t, PinTable::Usage> PinTable::UsageBySession() const {
+  absl::flat_hash_map<uint64_t, Usage> usage;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, pin] : pins_) {
+    Usage& u = usage[pin.session_id];
+    ++u.pins;
+    u.pages += pin.keys.size();
+  }
+  return usage;
 }
 
 bool PinTable::DropHold(uint64_t id, const std::string& instance_id, uint32_t rank) {

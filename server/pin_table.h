@@ -24,6 +24,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
@@ -40,7 +41,7 @@ class PinTable {
   // `id` and deadline now + lease. `holds` is the number of ranks that must each release it.
   void Add(uint64_t id, const std::string& instance_id, std::shared_ptr<Namespace> ns,
            std::vector<core::PageKey> keys, uint32_t holds, absl::Duration lease,
-           absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
+           absl::Time deadline, uint64_t session_id = 0) ABSL_LOCKS_EXCLUDED(mu_);
 
   // A prefetch landed `keys` under pin `id`: pins them in the index until the pin's deadline and
   // adds them to the pin (renewals cover them). Returns false, pinning nothing, when the pin has
@@ -63,11 +64,26 @@ class PinTable {
   // A worker of the instance ended: drops its rank's holds. Returns the pins that ended.
   size_t DropRankHolds(const std::string& instance_id, uint32_t rank) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Admin Clear: ends every pin for which `revoke(namespace, keys)` is true, unpinning its pages
+  // (called under the table's lock: keep it cheap and call no index). Returns how many; their
+  // later Loads miss and Heartbeat reports them unknown.
+  size_t Revoke(
+      absl::FunctionRef<bool(const Namespace& ns, absl::Span<const core::PageKey> keys)> revoke)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Live pins and the pages under them, by the session whose Match created them (ListEngines).
+  struct Usage {
+    uint32_t pins = 0;
+    uint64_t pages = 0;
+  };
+  absl::flat_hash_map<uint64_t, Usage> UsageBySession() const ABSL_LOCKS_EXCLUDED(mu_);
+
   size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Pin {
     std::string instance_id;
+    uint64_t session_id = 0;  // The session whose Match created it; 0: unknown.
     std::shared_ptr<Namespace> ns;
     std::vector<core::PageKey> keys;
     std::vector<bool> held;  // Per rank.

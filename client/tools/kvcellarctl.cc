@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -16,22 +17,32 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 #include "client/channel.h"
+#include "client/tools/ctl_common.h"
 #include "core/runtime_paths.h"
-#include "google/protobuf/util/json_util.h"
 #include "grpcpp/client_context.h"
 #include "kvcellar/v1/admin_service.grpc.pb.h"
 
 namespace {
 
 namespace v1 = ::kvcellar::v1;
+namespace ctl = ::kvcellar::ctl;
 
 constexpr char kUsage[] =
     "usage: kvcellarctl [--addr ADDR] [--timeout-ms N] [--json]\n"
     "                   [--ca FILE [--cert FILE --key FILE] [--server-name NAME]] COMMAND\n"
     "\n"
     "commands:\n"
-    "  status     version, uptime, listeners, readiness and config digest\n"
-    "  config     the effective configuration (YAML, secrets redacted)\n"
+    "  status      version, uptime, listeners, readiness and config digest\n"
+    "  config      the effective configuration (YAML, secrets redacted)\n"
+    "  engines     registered sessions [--instance ID] [--namespace HEX] [--tenant T]\n"
+    "  namespaces  namespaces with usage and hit rates [--tenant T]\n"
+    "  stats       counters [--per-namespace] [--namespace HEX]\n"
+    "  evict       evict cold pages (admin socket): scope, --tier, --target-bytes N, --dry-run\n"
+    "  clear       remove every page in scope (admin socket): scope, --tier, --yes, --dry-run\n"
+    "\n"
+    "scope (evict, clear; all given must match): --namespace HEX (ns_digest), --tenant T\n"
+    "  (\"\" is the empty tenant), --subtree HEX (a page key and everything below it)\n"
+    "  --tier l2|l3     repeatable (default l2); --l3-backend NAME repeatable\n"
     "\n"
     "  --addr ADDR      socket path or HOST:PORT (default: the daemon's default socket)\n"
     "  --timeout-ms N   give up after N ms (default 3000)\n"
@@ -39,13 +50,7 @@ constexpr char kUsage[] =
     "  --ca FILE        TLS: trust this CA for a HOST:PORT address\n"
     "  --cert, --key    mutual TLS: client certificate and key\n";
 
-struct Options {
-  std::string addr;
-  int64_t timeout_ms = 3000;
-  bool json = false;
-  kvcellar::client::ChannelOptions channel;
-  std::string command;
-};
+using kvcellar::ctl::Options;
 
 int Usage(const std::string& error) {
   std::fprintf(stderr, "kvcellarctl: %s\n%s", error.c_str(), kUsage);
@@ -72,64 +77,18 @@ std::string SecurityName(v1::ListenerSecurity security) {
   }
 }
 
-std::string HumanDuration(uint64_t ms) {
-  absl::Duration d = absl::Milliseconds(static_cast<int64_t>(ms));
-  int64_t s = absl::ToInt64Seconds(d);
-  if (s < 60) return absl::StrFormat("%.1fs", absl::ToDoubleSeconds(d));
-  if (s < 3600) return absl::StrFormat("%dm%02ds", s / 60, s % 60);
-  if (s < 86400) return absl::StrFormat("%dh%02dm", s / 3600, (s / 60) % 60);
-  return absl::StrFormat("%dd%02dh", s / 86400, (s / 3600) % 24);
-}
-
-std::string HumanBytes(uint64_t bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(bytes);
-  int u = 0;
-  while (v >= 1024 && u < 4) {
-    v /= 1024;
-    ++u;
-  }
-  return u == 0 ? absl::StrCat(bytes, " B") : absl::StrFormat("%.1f %s", v, units[u]);
-}
-
-int PrintJson(const google::protobuf::Message& message) {
-  std::string out;
-  google::protobuf::util::JsonPrintOptions options;
-  options.add_whitespace = true;
-  options.preserve_proto_field_names = true;
-  auto status = google::protobuf::util::MessageToJsonString(message, &out, options);
-  if (!status.ok()) {
-    std::fprintf(stderr, "kvcellarctl: cannot format JSON: %s\n", status.ToString().c_str());
-    return 1;
-  }
-  std::fputs(out.c_str(), stdout);
-  return 0;
-}
-
-// Reports a failed RPC in words an operator can act on.
-int RpcFailed(const Options& options, const grpc::Status& status) {
-  if (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
-      status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-    std::fprintf(stderr, "kvcellarctl: cannot reach kvcellard at %s: %s\n", options.addr.c_str(),
-                 status.error_message().c_str());
-  } else {
-    std::fprintf(stderr, "kvcellarctl: %s: %s\n", options.addr.c_str(),
-                 status.error_message().c_str());
-  }
-  return 1;
-}
-
-void SetDeadline(const Options& options, grpc::ClientContext* context) {
-  context->set_deadline(std::chrono::system_clock::now() +
-                        std::chrono::milliseconds(options.timeout_ms));
-}
+using kvcellar::ctl::HumanBytes;
+using kvcellar::ctl::HumanDuration;
+using kvcellar::ctl::PrintJson;
+using kvcellar::ctl::RpcFailed;
+using kvcellar::ctl::SetDeadline;
 
 int Status(const Options& options, v1::AdminService::Stub& stub) {
   grpc::ClientContext context;
   SetDeadline(options, &context);
   v1::GetStatusResponse reply;
   grpc::Status status = stub.GetStatus(&context, v1::GetStatusRequest(), &reply);
-  if (!status.ok()) return RpcFailed(options, status);
+  if (!status.ok()) return RpcFailed(options, context, status);
   if (options.json) return PrintJson(reply);
   std::printf("kvcellard %s (commit %s, %s, cuda %s) on %s\n", reply.version().c_str(),
               reply.git_commit().c_str(), reply.build_type().c_str(),
@@ -159,7 +118,7 @@ int Config(const Options& options, v1::AdminService::Stub& stub) {
   SetDeadline(options, &context);
   v1::GetConfigResponse reply;
   grpc::Status status = stub.GetConfig(&context, v1::GetConfigRequest(), &reply);
-  if (!status.ok()) return RpcFailed(options, status);
+  if (!status.ok()) return RpcFailed(options, context, status);
   if (options.json) return PrintJson(reply);
   std::printf("# digest %s%s\n%s", reply.config_digest().c_str(),
               reply.config_file().empty() ? ""
@@ -186,8 +145,11 @@ int main(int argc, char** argv) {
       std::fputs(kUsage, stdout);
       return 0;
     }
-    if (arg == "--json") {
-      options.json = true;
+    if (arg == "--json" || arg == "--dry-run" || arg == "--yes" || arg == "--per-namespace") {
+      (arg == "--json"     ? options.json
+       : arg == "--dry-run" ? options.dry_run
+       : arg == "--yes"     ? options.yes
+                            : options.per_namespace) = true;
       continue;
     }
     auto take_value = [&](std::string* out) -> bool {
@@ -201,6 +163,42 @@ int main(int argc, char** argv) {
     };
     if (auto it = string_flags.find(name); it != string_flags.end()) {
       if (!take_value(it->second)) return Usage(absl::StrCat(name, " needs a value"));
+      continue;
+    }
+    if (name == "--instance" || name == "--tenant" || name == "--l3-backend") {
+      std::string v;
+      if (!take_value(&v)) return Usage(absl::StrCat(name, " needs a value"));
+      if (name == "--instance") options.instance = v;
+      if (name == "--tenant") options.tenant = v;
+      if (name == "--l3-backend") options.l3_backends.push_back(v);
+      continue;
+    }
+    if (name == "--namespace" || name == "--subtree") {
+      std::string v;
+      if (!take_value(&v)) return Usage(absl::StrCat(name, " needs a value"));
+      std::optional<std::string> key = ctl::KeyFromHex(v);
+      if (!key.has_value()) {
+        return Usage(absl::StrCat(name, " wants 64 hex digits (32 bytes), got '", v, "'"));
+      }
+      (name == "--namespace" ? options.ns_digest : options.subtree_key) = *key;
+      continue;
+    }
+    if (name == "--tier") {
+      std::string v;
+      if (!take_value(&v)) return Usage("--tier needs a value");
+      std::optional<v1::Tier> tier = ctl::ParseTier(v);
+      if (!tier.has_value()) return Usage(absl::StrCat("--tier wants l2 or l3, got '", v, "'"));
+      options.tiers.push_back(*tier);
+      continue;
+    }
+    if (name == "--target-bytes") {
+      std::string v;
+      if (!take_value(&v)) return Usage("--target-bytes needs a value");
+      char* end = nullptr;
+      options.target_bytes = std::strtoull(v.c_str(), &end, 10);
+      if (v.empty() || *end != '\0' || v[0] == '-') {
+        return Usage(absl::StrCat("--target-bytes must be a non-negative integer, got '", v, "'"));
+      }
       continue;
     }
     if (name == "--timeout-ms") {
@@ -220,7 +218,10 @@ int main(int argc, char** argv) {
   if (options.command.empty()) return Usage("no command given");
 
   using Command = std::function<int(const Options&, v1::AdminService::Stub&)>;
-  const std::map<std::string, Command> commands = {{"status", Status}, {"config", Config}};
+  const std::map<std::string, Command> commands = {
+      {"status", Status},          {"config", Config},         {"engines", ctl::Engines},
+      {"namespaces", ctl::Namespaces}, {"stats", ctl::Stats}, {"evict", ctl::Evict},
+      {"clear", ctl::Clear}};
   auto command = commands.find(options.command);
   if (command == commands.end()) {
     return Usage(absl::StrCat("unknown command '", options.command, "'"));

@@ -748,5 +748,81 @@ TEST(RadixIndexConcurrencyTest, ConcurrentMatchInsertEvictKeepInvariants) {
   EXPECT_EQ(index.Stats().pins, 0u);
 }
 
+// --- Admin scope (AdminService Evict / Clear) ----------------------------------------------------
+
+TEST_P(RadixIndexTest, EvictScopeTakesOnlyTheSubtreeLeafFirstAndRestoresTheRest) {
+  auto index = Make();
+  const std::vector<PageKey> a = Chain(100, 5);
+  const std::vector<PageKey> b = Chain(200, 3);
+  Put(*index, a);
+  Put(*index, b);
+  // Dry run: the whole subtree of a[2] (three pages), nothing changes.
+  std::vector<ReleasedObject> evicted;
+  AdminEvictResult dry = index->EvictScope(a[2], 0, /*dry_run=*/true, &evicted);
+  EXPECT_EQ(dry.pages, 3u);
+  EXPECT_TRUE(evicted.empty());
+  EXPECT_EQ(index->Usage(std::nullopt).l2_pages, 8u);
+  // Two objects from the subtree of a[1]: the chain's last two pages, never b.
+  AdminEvictResult r = index->EvictScope(a[1], 2, /*dry_run=*/false, &evicted);
+  EXPECT_EQ(r.pages, 2u);
+  ASSERT_EQ(evicted.size(), 2u);
+  EXPECT_EQ(MatchOk(*index, a).l2_pages, 3u);
+  EXPECT_EQ(MatchOk(*index, b).l2_pages, 3u);
+  EXPECT_TRUE(index->CheckInvariants().ok()) << index->CheckInvariants();
+  // The pages the policy was refused are still evictable by ordinary eviction.
+  EXPECT_EQ(index->EvictPages(100, &evicted), 6u);
+  EXPECT_EQ(index->Usage(std::nullopt).l2_pages, 0u);
+  EXPECT_TRUE(index->CheckInvariants().ok()) << index->CheckInvariants();
+}
+
+TEST_P(RadixIndexTest, EvictScopeSkipsPinnedAndInFlightPages) {
+  auto index = Make();
+  const std::vector<PageKey> a = Chain(300, 3);
+  Put(*index, a);
+  MatchOk(*index, {a[0]}, 1, PinLease{7, kT0 + absl::Hours(1)});
+  ASSERT_TRUE(index->BeginWrite(Write(Key(400), a[2], 0)).ok());  // A child in flight.
+  std::vector<ReleasedObject> evicted;
+  AdminEvictResult r = index->EvictScope(std::nullopt, 0, false, &evicted);
+  EXPECT_EQ(r.skipped_pinned_pages, 1u);
+  EXPECT_EQ(r.skipped_in_flight_pages, 1u);
+  EXPECT_EQ(r.pages, 0u);  // a[2] has a child writing L2, a[1] then a[2], a[0] is pinned.
+  EXPECT_TRUE(index->CheckInvariants().ok()) << index->CheckInvariants();
+}
+
+TEST_P(RadixIndexTest, ClearScopeDoomsBusyPagesAndReapsThemWhenTheCopyEnds) {
+  auto index = Make();
+  const std::vector<PageKey> a = Chain(500, 4);
+  Put(*index, a);
+  // A Load's copy pins a[0..1]; a write of a child of a[3] is in flight.
+  MatchOk(*index, {a[0], a[1]}, 1, PinLease{9, kT0 + absl::Hours(1)});
+  WriteRequest child = Write(Key(600), a[3], 0);
+  ASSERT_TRUE(index->BeginWrite(child).ok());
+  std::vector<ReleasedObject> released;
+  RemoveCounts c = index->ClearScope(std::nullopt, /*dry_run=*/false, &released);
+  EXPECT_EQ(c.removed_pages, 2u);  // a[2], a[3]
+  EXPECT_EQ(c.busy_pages, 3u);     // a[0], a[1] pinned; the child in flight.
+  EXPECT_EQ(released.size(), 2u);
+  EXPECT_EQ(index->DoomedPages(), 3u);
+  // Doomed pages are invisible at once, though their slots are still held.
+  EXPECT_EQ(MatchOk(*index, a).l2_pages, 0u);
+  ASSERT_TRUE(index->Commit({Key(600), 0}).ok());
+  EXPECT_EQ(MatchOk(*index, {Key(600)}).l2_pages, 0u);
+  // Nothing is reaped while the pin holds; the committed child goes now.
+  released.clear();
+  EXPECT_EQ(index->ReapDoomed(&released), 1u);
+  ASSERT_EQ(released.size(), 1u);
+  EXPECT_EQ(released[0].slot, child.slot);
+  EXPECT_EQ(index->ReleaseOwner(9), 2u);
+  released.clear();
+  EXPECT_EQ(index->ReapDoomed(&released), 2u);
+  EXPECT_EQ(released.size(), 2u);
+  EXPECT_EQ(index->DoomedPages(), 0u);
+  EXPECT_EQ(index->Stats().pages, 0u);
+  EXPECT_TRUE(index->CheckInvariants().ok()) << index->CheckInvariants();
+  // A page written again after the clear is visible.
+  Put(*index, {a[0]});
+  EXPECT_EQ(MatchOk(*index, {a[0]}).l2_pages, 1u);
+}
+
 }  // namespace
 }  // namespace kvcellar::core
