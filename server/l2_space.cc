@@ -105,18 +105,20 @@ core::RemoveCounts L2Space::ClearScope(Namespace& ns, const std::optional<core::
   if (index == nullptr) return {};
   std::vector<core::ReleasedObject> released;
   core::RemoveCounts counts = index->ClearScope(subtree, dry_run, &released);
-  if (!dry_run) {
-    uint64_t l2_objects = 0;
-    for (const core::ReleasedObject& r : released) {
-      if (!r.slot.valid()) continue;
-      Free(r.slot);
-      ++l2_objects;
-    }
-    metrics_->CountCleared(l2_objects);
-    NamespaceCounters::Add(ns.counters().cleared_objects, l2_objects);
-  }
+  if (!dry_run) FreeCleared(ns, released);
   if (removed != nullptr) removed->insert(removed->end(), released.begin(), released.end());
   return counts;
+}
+
+void L2Space::FreeCleared(Namespace& ns, absl::Span<const core::ReleasedObject> released) {
+  uint64_t l2_objects = 0;
+  for (const core::ReleasedObject& r : released) {
+    if (!r.slot.valid()) continue;
+    Free(r.slot);
+    ++l2_objects;
+  }
+  metrics_->CountCleared(l2_objects);
+  NamespaceCounters::Add(ns.counters().cleared_objects, l2_objects);
 }
 
 size_t L2Space::ReapDoomed() {
@@ -127,14 +129,7 @@ size_t L2Space::ReapDoomed() {
     std::vector<core::ReleasedObject> released;
     pages += index->ReapDoomed(&released);
     if (released.empty()) continue;
-    uint64_t l2_objects = 0;
-    for (const core::ReleasedObject& r : released) {
-      if (!r.slot.valid()) continue;
-      Free(r.slot);
-      ++l2_objects;
-    }
-    metrics_->CountCleared(l2_objects);
-    NamespaceCounters::Add(ns->counters().cleared_objects, l2_objects);
+    FreeCleared(*ns, released);
   }
   return pages;
 }

@@ -81,6 +81,8 @@ class L2Space {
   core::HostPool* pool() const { return pool_; }
 
  private:
+  // Frees the valid slots of objects an admin Clear removed and counts them as cleared.
+  void FreeCleared(Namespace& ns, absl::Span<const core::ReleasedObject> released);
   // Evicts about `bytes` from `ns`, frees the slots and counts them. Returns bytes freed.
   uint64_t EvictFrom(Namespace& ns, uint64_t bytes, EvictReason reason);
 

@@ -29,10 +29,15 @@ std::vector<size_t> L3TierAdmin::TiersIn(const L3Scope& scope) const {
   return out;
 }
 
-absl::StatusOr<std::vector<L3BackendUsage>> L3TierAdmin::Usage(const L3Scope& scope) {
-  const std::vector<size_t> tiers = TiersIn(scope);
+std::vector<L3BackendUsage> L3TierAdmin::ZeroUsage(const std::vector<size_t>& tiers) const {
   std::vector<L3BackendUsage> out;
   for (size_t t : tiers) out.push_back({tiers_->tier(t).spec.name, 0, 0, 0});
+  return out;
+}
+
+absl::StatusOr<std::vector<L3BackendUsage>> L3TierAdmin::Usage(const L3Scope& scope) {
+  const std::vector<size_t> tiers = TiersIn(scope);
+  std::vector<L3BackendUsage> out = ZeroUsage(tiers);
   std::shared_ptr<Namespace> ns = Find(*namespaces_, scope.ns_digest);
   core::RadixIndex* index = ns != nullptr ? ns->index() : nullptr;
   if (index == nullptr) return out;
@@ -65,8 +70,7 @@ absl::StatusOr<std::vector<L3BackendUsage>> L3TierAdmin::Remove(const L3Scope& s
                                                                uint64_t target_bytes,
                                                                bool dry_run) {
   const std::vector<size_t> tiers = TiersIn(scope);
-  std::vector<L3BackendUsage> out;
-  for (size_t t : tiers) out.push_back({tiers_->tier(t).spec.name, 0, 0, 0});
+  std::vector<L3BackendUsage> out = ZeroUsage(tiers);
   std::shared_ptr<Namespace> ns = Find(*namespaces_, scope.ns_digest);
   core::RadixIndex* index = ns != nullptr ? ns->index() : nullptr;
   if (index == nullptr) return out;

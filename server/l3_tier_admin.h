@@ -40,6 +40,8 @@ class L3TierAdmin final : public L3Admin {
                                                     bool dry_run);
   // Tier indexes the scope names (all when it names none), in lookup order.
   std::vector<size_t> TiersIn(const L3Scope& scope) const;
+  // One empty entry per tier, named.
+  std::vector<L3BackendUsage> ZeroUsage(const std::vector<size_t>& tiers) const;
 
   L3Tiers* const tiers_;
   NamespaceRegistry* const namespaces_;

@@ -8,6 +8,24 @@ void PinTable::Unpin(uint64_t id, const Pin& pin) {
   if (core::RadixIndex* index = pin.ns->index(); index != nullptr) index->ReleaseOwner(id);
 }
 
+template <typename Pred>
+size_t PinTable::EndWhere(Pred pred) {
+  std::vector<std::pair<uint64_t, Pin>> ended;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = pins_.begin(); it != pins_.end();) {
+      if (pred(it->second)) {
+        ended.emplace_back(it->first, std::move(it->second));
+        pins_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (const auto& [id, pin] : ended) Unpin(id, pin);
+  return ended.size();
+}
+
 void PinTable::Add(uint64_t id, const std::string& instance_id, std::shared_ptr<Namespace> ns,
                    std::vector<core::PageKey> keys, uint32_t holds, absl::Duration lease,
                    absl::Time deadline, uint64_t session_id) {
@@ -26,20 +44,7 @@ void PinTable::Add(uint64_t id, const std::string& instance_id, std::shared_ptr<
 
 size_t PinTable::Revoke(
     absl::FunctionRef<bool(const Namespace& ns, absl::Span<const core::PageKey> keys)> revoke) {
-  std::vector<std::pair<uint64_t, Pin>> ended;
-  {
-    absl::MutexLock lock(&mu_);
-    for (auto it = pins_.begin(); it != pins_.end();) {
-      if (revoke(*it->second.ns, it->second.keys)) {
-        ended.emplace_back(it->first, std::move(it->second));
-        pins_.erase(it++);
-      } else {
-        ++it;
-      }
-    }
-  }
-  for (const auto& [id, pin] : ended) Unpin(id, pin);
-  return ended.size();
+  return EndWhere([&](const Pin& pin) { return revoke(*pin.ns, pin.keys); });
 }
 
 absl::flat_hash_map<uint64_t, PinTable::Usage> PinTable::UsageBySession() const {
@@ -145,58 +150,20 @@ std::vector<uint64_t> PinTable::Renew(absl::Span<const uint64_t> ids,
 }
 
 size_t PinTable::ExpireDue(absl::Time now) {
-  std::vector<std::pair<uint64_t, Pin>> ended;
-  {
-    absl::MutexLock lock(&mu_);
-    for (auto it = pins_.begin(); it != pins_.end();) {
-      if (it->second.deadline <= now) {
-        ended.emplace_back(it->first, std::move(it->second));
-        pins_.erase(it++);
-      } else {
-        ++it;
-      }
-    }
-  }
-  for (const auto& [id, pin] : ended) Unpin(id, pin);
-  return ended.size();
+  return EndWhere([&](const Pin& pin) { return pin.deadline <= now; });
 }
 
 size_t PinTable::ReleaseInstance(const std::string& instance_id) {
-  std::vector<std::pair<uint64_t, Pin>> ended;
-  {
-    absl::MutexLock lock(&mu_);
-    for (auto it = pins_.begin(); it != pins_.end();) {
-      if (it->second.instance_id == instance_id) {
-        ended.emplace_back(it->first, std::move(it->second));
-        pins_.erase(it++);
-      } else {
-        ++it;
-      }
-    }
-  }
-  for (const auto& [id, pin] : ended) Unpin(id, pin);
-  return ended.size();
+  return EndWhere([&](const Pin& pin) { return pin.instance_id == instance_id; });
 }
 
 size_t PinTable::DropRankHolds(const std::string& instance_id, uint32_t rank) {
-  std::vector<std::pair<uint64_t, Pin>> ended;
-  {
-    absl::MutexLock lock(&mu_);
-    for (auto it = pins_.begin(); it != pins_.end();) {
-      Pin& pin = it->second;
-      if (pin.instance_id == instance_id && rank < pin.held.size() && pin.held[rank]) {
-        pin.held[rank] = false;
-        if (--pin.holds_left == 0) {
-          ended.emplace_back(it->first, std::move(pin));
-          pins_.erase(it++);
-          continue;
-        }
-      }
-      ++it;
-    }
-  }
-  for (const auto& [id, pin] : ended) Unpin(id, pin);
-  return ended.size();
+  // Drops the rank's hold on each pin of the instance; a pin ends with its last hold.
+  return EndWhere([&](Pin& pin) {
+    if (pin.instance_id != instance_id || rank >= pin.held.size() || !pin.held[rank]) return false;
+    pin.held[rank] = false;
+    return --pin.holds_left == 0;
+  });
 }
 
 size_t PinTable::size() const {

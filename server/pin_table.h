@@ -93,6 +93,10 @@ class PinTable {
   };
   // Unpins a removed pin's pages in its index (outside the table's lock).
   static void Unpin(uint64_t id, const Pin& pin);
+  // Ends every pin for which pred(pin) is true (pred may change the pin; it runs under the
+  // lock), then unpins them. Returns how many ended.
+  template <typename Pred>
+  size_t EndWhere(Pred pred) ABSL_LOCKS_EXCLUDED(mu_);
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<uint64_t, Pin> pins_ ABSL_GUARDED_BY(mu_);

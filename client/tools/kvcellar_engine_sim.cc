@@ -30,6 +30,7 @@
 #include "absl/time/clock.h"
 #include "client/kvcellar_client.h"
 #include "client/sim_engine.h"
+#include "client/tools/json_object.h"
 #include "core/runtime_paths.h"
 
 namespace {
@@ -194,36 +195,7 @@ class Flags {
 // ---- JSON ------------------------------------------------------------------------------------
 
 // One flat-or-nested JSON object built in insertion order.
-class Json {
- public:
-  Json& Num(absl::string_view k, uint64_t v) { return Raw(k, absl::StrCat(v)); }
-  Json& Double(absl::string_view k, double v) { return Raw(k, absl::StrFormat("%.3f", v)); }
-  Json& Bool(absl::string_view k, bool v) { return Raw(k, v ? "true" : "false"); }
-  Json& Str(absl::string_view k, absl::string_view v) {
-    std::string q = "\"";
-    for (char c : v) {
-      if (c == '"' || c == '\\') {
-        q += '\\';
-        q += c;
-      } else if (static_cast<unsigned char>(c) < 0x20) {
-        q += absl::StrFormat("\\u%04x", c);
-      } else {
-        q += c;
-      }
-    }
-    q += '"';
-    return Raw(k, q);
-  }
-  Json& Obj(absl::string_view k, const Json& j) { return Raw(k, j.Dump()); }
-  Json& Raw(absl::string_view k, absl::string_view v) {
-    fields_.push_back(absl::StrCat("\"", k, "\": ", v));
-    return *this;
-  }
-  std::string Dump() const { return absl::StrCat("{", absl::StrJoin(fields_, ", "), "}"); }
-
- private:
-  std::vector<std::string> fields_;
-};
+using Json = ::kvcellar::tools::JsonObject;
 
 Json StatusCounts(const kc::OpResult& r) {
   std::map<std::string, uint64_t> counts;

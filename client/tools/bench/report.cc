@@ -1,4 +1,5 @@
 #include "client/tools/bench/report.h"
+#include "client/tools/json_object.h"
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -20,36 +21,7 @@ std::string HumanCount(double v) {
 }
 
 // One JSON object built in insertion order.
-class Json {
- public:
-  Json& Num(absl::string_view k, uint64_t v) { return Raw(k, absl::StrCat(v)); }
-  Json& Real(absl::string_view k, double v) { return Raw(k, absl::StrFormat("%.6g", v)); }
-  Json& Str(absl::string_view k, absl::string_view v) { return Raw(k, Quote(v)); }
-  Json& Obj(absl::string_view k, const Json& j) { return Raw(k, j.Dump()); }
-  Json& Raw(absl::string_view k, absl::string_view v) {
-    fields_.push_back(absl::StrCat(Quote(k), ": ", v));
-    return *this;
-  }
-  std::string Dump() const { return absl::StrCat("{", absl::StrJoin(fields_, ", "), "}"); }
-
-  static std::string Quote(absl::string_view v) {
-    std::string q = "\"";
-    for (char c : v) {
-      if (c == '"' || c == '\\') {
-        q += '\\';
-        q += c;
-      } else if (static_cast<unsigned char>(c) < 0x20) {
-        q += absl::StrFormat("\\u%04x", c);
-      } else {
-        q += c;
-      }
-    }
-    return q + "\"";
-  }
-
- private:
-  std::vector<std::string> fields_;
-};
+using Json = ::kvcellar::tools::JsonObject;
 
 }  // namespace
 
