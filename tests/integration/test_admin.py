@@ -211,3 +211,57 @@ def test_engine_socket_serves_reads_and_refuses_changes(cache_daemon):
     refused = ctl(cache_daemon, "evict", admin_socket=False)
     assert refused.returncode == 1 and "ADMIN_REQUIRED" in refused.stderr
     assert stub.Evict(pb.EvictRequest(tiers=[L2]), timeout=5).evicted[0].pages == 0
+
+
+def test_admin_rpcs_through_reflection_alone(cache_daemon):
+    """What grpcurl does: no generated stubs, only descriptors fetched through reflection."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+    from grpc_stubs import reflection_pb2, reflection_pb2_grpc
+
+    backup(cache_daemon.socket, tokens_seed=71, pages=3)
+
+    def described(sock):
+        stub = reflection_pb2_grpc.ServerReflectionStub(grpc.insecure_channel(f"unix:{sock}"))
+        req = reflection_pb2.ServerReflectionRequest(
+            file_containing_symbol="kvcellar.v1.AdminService")
+        reply = next(iter(stub.ServerReflectionInfo(iter([req]), timeout=5)))
+        pool = descriptor_pool.DescriptorPool()
+        files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+                 for b in reply.file_descriptor_response.file_descriptor_proto]
+        added = set()
+        while len(added) < len(files):  # Dependencies before the files that import them.
+            for f in files:
+                if f.name not in added and all(d in added for d in f.dependency):
+                    pool.Add(f)
+                    added.add(f.name)
+        factory = message_factory.MessageFactory(pool)
+        service = pool.FindServiceByName("kvcellar.v1.AdminService")
+
+        def call(method, sock_path, **fields):
+            m = service.FindMethodByName(method)
+            req_cls = factory.GetPrototype(m.input_type)
+            resp_cls = factory.GetPrototype(m.output_type)
+            rpc = grpc.insecure_channel(f"unix:{sock_path}").unary_unary(
+                f"/kvcellar.v1.AdminService/{method}",
+                request_serializer=lambda msg: msg.SerializeToString(),
+                response_deserializer=resp_cls.FromString)
+            return rpc(req_cls(**fields), timeout=10)
+        return call, pool
+
+    call, pool = described(cache_daemon.admin_socket)
+    listed = call("ListNamespaces", cache_daemon.admin_socket)
+    assert any(n.spec.model_id == "m1" for n in listed.namespaces)
+    stats = call("GetStats", cache_daemon.admin_socket)
+    assert stats.totals.match.calls >= 0
+    config = call("GetConfig", cache_daemon.admin_socket)
+    assert "pool:" in config.yaml
+    l2 = pool.FindEnumTypeByName("kvcellar.v1.Tier").values_by_name["TIER_L2"].number
+    with pytest.raises(grpc.RpcError) as err:
+        call("Clear", cache_daemon.admin_socket, tiers=[l2])
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    cleared = call("Clear", cache_daemon.admin_socket, tiers=[l2], confirm=True)
+    assert sum(u.pages for u in cleared.removed) >= 3, cleared
+    # The same call on the engine socket is refused: not an admin identity.
+    with pytest.raises(grpc.RpcError) as err:
+        call("Evict", cache_daemon.socket, tiers=[l2])
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
