@@ -30,6 +30,7 @@
 #include "kvcellar/v1/cache_service.grpc.pb.h"
 #include "server/cache_service.h"
 #include "server/config.h"
+#include "server/l3_tiers.h"
 #include "server/metrics.h"
 #include "server/sim_counter_channel.h"
 #include "server/status_util.h"
@@ -209,6 +210,8 @@ struct HarnessOptions {
   double high_watermark = 0.95;
   double low_watermark = 0.90;
   absl::Duration housekeeping_interval = absl::Milliseconds(10);
+  // storage.* (L3): tiers "" = none.
+  StorageConfig storage = DefaultConfig().storage;
 };
 
 class CacheHarness {
@@ -234,11 +237,16 @@ class CacheHarness {
     config.server.max_batch_pages = o.max_batch_pages;
     config.pool.high_watermark = o.high_watermark;
     config.pool.low_watermark = o.low_watermark;
+    config.storage = o.storage;
+    absl::StatusOr<std::unique_ptr<L3Tiers>> l3 = L3Tiers::Open(o.storage);
+    EXPECT_TRUE(l3.ok()) << l3.status();
+    if (l3.ok()) l3_ = *std::move(l3);
     CacheServiceOptions options;
     options.config = config;
     options.pool = pool_.get();
     options.device = device_.get();
     options.daemon_epoch = 42;
+    options.l3 = l3_.get();
     options.metrics = &registry_;
     options.housekeeping_interval = o.housekeeping_interval;
     service_ = std::make_unique<CacheServiceImpl>(std::move(options));
@@ -259,6 +267,7 @@ class CacheHarness {
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     server_.reset();
     service_.reset();
+    l3_.reset();
     device_.reset();
     pool_.reset();
     ::unlink(socket_.c_str());
@@ -266,6 +275,7 @@ class CacheHarness {
 
   CacheServiceImpl& service() { return *service_; }
   core::HostPool& pool() { return *pool_; }
+  L3Tiers& l3() { return *l3_; }
   MetricsRegistry& registry() { return registry_; }
 
 #define KVC_RPC(Name, Req, Resp)                                                   \
@@ -279,6 +289,7 @@ class CacheHarness {
   KVC_RPC(Heartbeat, HeartbeatRequest, HeartbeatResponse)
   KVC_RPC(UnregisterEngine, UnregisterEngineRequest, UnregisterEngineResponse)
   KVC_RPC(Match, MatchRequest, MatchResponse)
+  KVC_RPC(Prefetch, PrefetchRequest, PrefetchResponse)
   KVC_RPC(Load, LoadRequest, LoadResponse)
   KVC_RPC(Backup, BackupRequest, BackupResponse)
   KVC_RPC(WaitOps, WaitOpsRequest, WaitOpsResponse)
@@ -403,6 +414,7 @@ class CacheHarness {
   MetricsRegistry registry_;
   std::unique_ptr<core::HostPool> pool_;
   std::unique_ptr<gpu::SimDevice> device_;
+  std::unique_ptr<L3Tiers> l3_;
   std::unique_ptr<CacheServiceImpl> service_;
   std::string socket_;
   std::unique_ptr<grpc::Server> server_;
