@@ -8,6 +8,7 @@
 #include "absl/time/clock.h"
 #include "core/log.h"
 #include "server/build_info.h"
+#include "server/namespace_metrics.h"
 #include "server/request_validation.h"
 #include "server/status_util.h"
 
@@ -165,6 +166,10 @@ void CacheServiceImpl::AddCollectors() {
                  inflight, in_flight);
     out.AddGauge("kvcellar_l2_pinned_pages", "L2 pages pinned by a Match or a copy.", pinned);
     out.AddGauge("kvcellar_l2_bytes", "Pool slot bytes held by L2 objects.", bytes);
+  });
+  metrics_.AddCollector([this, cap = static_cast<size_t>(config_.http.max_namespace_series)](
+                            MetricWriter& out) {
+    CollectNamespaceMetrics(namespaces_.Snapshot(), cap, out);
   });
 }
 
