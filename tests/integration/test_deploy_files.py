@@ -891,15 +891,22 @@ def test_grafana_dashboard_is_well_formed():
     for needle in ("rate(kvcellar_rpc_requests_total", "histogram_quantile(0.99",
                    "kvcellar_rpc_duration_seconds_bucket", "kvcellar_pool_capacity_bytes",
                    "kvcellar_pool_used_bytes", "process_cpu_seconds_total",
-                   "process_resident_memory_bytes", "kvcellar_build_info"):
+                   "process_resident_memory_bytes", "kvcellar_build_info",
+                   # The tiers: hit ratio per tier, bandwidth per direction, L3 errors per backend
+                   # and reason, prefetch outcomes, pool use per size class, namespaces.
+                   "kvcellar_match_l3_tier_tokens_total", "kvcellar_transfer_duration_seconds_sum",
+                   "sum by (tier, backend, reason) (rate(kvcellar_l3_errors_total",
+                   "kvcellar_l3_writes_total", "kvcellar_prefetch_pages_total",
+                   "kvcellar_pool_class_capacity_bytes", "kvcellar_l3_evicted_objects_total",
+                   "kvcellar_namespace_hit_tokens_total", "kvcellar_session_lease_expiries_total"):
         assert needle in exprs, needle
 
 
 # ---- Against a running daemon ----------------------------------------------------------------
 
-def test_referenced_metrics_are_exported(daemon_factory):
-    d = daemon_factory(args=["--set", "device.kind=sim"])
-    drive_traffic(d)
+def test_referenced_metrics_are_exported(daemon_factory, tmp_path, redis_server):
+    # With L3 tiers: the L3 panels and alerts need their series.
+    d = drive_l3_traffic(daemon_factory, tmp_path, redis_server)
     status, text = http_get(f"http://{d.http}/metrics")
     assert status == 200
     exported = exported_names(text)
