@@ -52,8 +52,7 @@ HistogramFamily* TransferFamily(MetricsRegistry* registry) {
       labels);
   if (!family.ok()) {
     KVLOG(Error, "metric family not registered",
-          {{"name", "kvcellar_transfer_duration_seconds"},
-           {"error", family.status().ToString()}});
+          {{"name", "kvcellar_transfer_duration_seconds"}, {"error", family.status().ToString()}});
     return nullptr;
   }
   return *family;

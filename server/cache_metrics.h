@@ -138,9 +138,9 @@ class CacheMetrics {
   Counter* l3_miss_tokens_ = nullptr;
   Counter* l2_to_l3_ = nullptr;
   Counter* l3_to_l2_ = nullptr;
-  std::vector<Counter*> l3_tier_hit_pages_;                           // Per tier.
-  std::vector<Counter*> l3_tier_hit_tokens_;                          // Per tier.
-  std::vector<Counter*> l3_tier_miss_tokens_;                         // Per tier.
+  std::vector<Counter*> l3_tier_hit_pages_;                          // Per tier.
+  std::vector<Counter*> l3_tier_hit_tokens_;                         // Per tier.
+  std::vector<Counter*> l3_tier_miss_tokens_;                        // Per tier.
   std::vector<std::array<Counter*, kWriteResults>> l3_tier_writes_;  // Per tier.
   std::array<std::array<Counter*, kStatuses>, kPolicies> prefetch_pages_{};
 

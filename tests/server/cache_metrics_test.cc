@@ -22,10 +22,14 @@ TEST(CacheMetricsTest, L3TierTokensCountWhatReachedEachTier) {
   metrics.CountL3Match(hits, 4, 16);
   const std::string text = registry.Scrape();
   // nvme saw all 9 pages (3 hit); redis the 6 that nvme missed (2 hit).
-  EXPECT_THAT(text, HasSubstr("kvcellar_match_l3_tier_tokens_total{tier=\"nvme\",result=\"hit\"} 48"));
-  EXPECT_THAT(text, HasSubstr("kvcellar_match_l3_tier_tokens_total{tier=\"nvme\",result=\"miss\"} 96"));
-  EXPECT_THAT(text, HasSubstr("kvcellar_match_l3_tier_tokens_total{tier=\"redis\",result=\"hit\"} 32"));
-  EXPECT_THAT(text, HasSubstr("kvcellar_match_l3_tier_tokens_total{tier=\"redis\",result=\"miss\"} 64"));
+  EXPECT_THAT(text,
+              HasSubstr("kvcellar_match_l3_tier_tokens_total{tier=\"nvme\",result=\"hit\"} 48"));
+  EXPECT_THAT(text,
+              HasSubstr("kvcellar_match_l3_tier_tokens_total{tier=\"nvme\",result=\"miss\"} 96"));
+  EXPECT_THAT(text,
+              HasSubstr("kvcellar_match_l3_tier_tokens_total{tier=\"redis\",result=\"hit\"} 32"));
+  EXPECT_THAT(text,
+              HasSubstr("kvcellar_match_l3_tier_tokens_total{tier=\"redis\",result=\"miss\"} 64"));
   EXPECT_THAT(text, HasSubstr("kvcellar_match_tokens_total{tier=\"l3\",result=\"hit\"} 80"));
   EXPECT_THAT(text, HasSubstr("kvcellar_match_tokens_total{tier=\"l3\",result=\"miss\"} 64"));
 }
@@ -44,8 +48,10 @@ TEST(CacheMetricsTest, TransferDurationsFollowTheBytesMoved) {
   EXPECT_THAT(text, HasSubstr("kvcellar_transfer_duration_seconds_sum{direction=\"h2d\"} 0.004"));
   EXPECT_THAT(text, HasSubstr("kvcellar_transfer_duration_seconds_count{direction=\"d2h\"} 0"));
   EXPECT_THAT(text, HasSubstr("kvcellar_moved_bytes_total{direction=\"l2_to_l3\"} 1000"));
-  EXPECT_THAT(text, HasSubstr("kvcellar_transfer_duration_seconds_sum{direction=\"l2_to_l3\"} 0.5"));
-  EXPECT_THAT(text, HasSubstr("kvcellar_transfer_duration_seconds_count{direction=\"l3_to_l2\"} 0"));
+  EXPECT_THAT(text,
+              HasSubstr("kvcellar_transfer_duration_seconds_sum{direction=\"l2_to_l3\"} 0.5"));
+  EXPECT_THAT(text,
+              HasSubstr("kvcellar_transfer_duration_seconds_count{direction=\"l3_to_l2\"} 0"));
   EXPECT_THAT(text, Not(HasSubstr("direction=\"d2h\"} 5")));
 }
 
