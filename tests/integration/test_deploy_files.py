@@ -347,9 +347,9 @@ def drive_l3_traffic(daemon_factory, tmp_path, redis, *reader_args):
     """Two daemons sharing L3 tiers (a file tier "nvme", and a Redis tier "redis" when Redis is
     installed). The writer's Backup lands in L2 and every tier (write_through); the reader, whose
     L2 is empty, finds the pages by asking the tiers, prefetches them (wait_complete), loads and
-    verifies them, then makes L2 traffic of its own (drive_traffic). Returns the reader, whose
-    every family then has series: L3 hits per tier, every direction of moved bytes but d2h's
-    L2 -> L3 (the writer's), prefetch outcomes, namespaces."""
+    verifies them, then makes L2 traffic of its own (drive_traffic: a Backup, written through to
+    its tiers too). Returns the reader, whose every family then has series: L3 hits per tier,
+    bytes and transfer durations in every direction, prefetch outcomes, namespaces."""
     tiers = l3_tiers_spec(tmp_path, redis)
     common = ("--set", "device.kind=sim", "--set", f"storage.tiers={tiers}")
     writer = daemon_factory(args=common, name="writer", subdir="writer")
