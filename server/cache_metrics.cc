@@ -1,5 +1,6 @@
 #include "server/cache_metrics.h"
 
+#include <algorithm>
 #include <string>
 
 #include "absl/strings/ascii.h"
@@ -32,6 +33,29 @@ CounterFamily* Family(MetricsRegistry* registry, absl::string_view name, absl::s
 Counter* Series(CounterFamily* family, std::initializer_list<absl::string_view> values) {
   if (family == nullptr) return &Discard();
   return &family->WithLabels(std::vector<absl::string_view>(values));
+}
+
+Histogram& DiscardHistogram() {
+  static Histogram* discard = new Histogram(DefaultLatencyBuckets());
+  return *discard;
+}
+
+// Transfer duration buckets: 25 µs (one page over a local copy) to 10 s (a large prefetch from a
+// remote Redis), the latency buckets' range, so rate(bytes)/rate(seconds) is the bandwidth.
+HistogramFamily* TransferFamily(MetricsRegistry* registry) {
+  const absl::string_view labels[] = {"direction"};
+  absl::StatusOr<HistogramFamily*> family = registry->RegisterHistogram(
+      "kvcellar_transfer_duration_seconds",
+      "Seconds each transfer counted in kvcellar_moved_bytes_total took, by direction: a device "
+      "copy (h2d, d2h) from submission to completion, one tier's L3 put batch (l2_to_l3), one "
+      "prefetch's L3 reads (l3_to_l2).",
+      labels);
+  if (!family.ok()) {
+    KVLOG(Error, "metric family not registered",
+          {{"name", "kvcellar_transfer_duration_seconds"}, {"error", family.status().ToString()}});
+    return nullptr;
+  }
+  return *family;
 }
 
 // "PAGE_STATUS_ALREADY_PRESENT" -> "already_present".
@@ -70,6 +94,12 @@ CacheMetrics::CacheMetrics(MetricsRegistry* registry) : registry_(registry) {
   d2h_bytes_ = Series(moved, {"d2h"});
   l2_to_l3_ = Series(moved, {"l2_to_l3"});
   l3_to_l2_ = Series(moved, {"l3_to_l2"});
+  HistogramFamily* transfer = TransferFamily(registry);
+  const absl::string_view directions[] = {"h2d", "d2h", "l2_to_l3", "l3_to_l2"};
+  for (size_t d = 0; d < transfer_seconds_.size(); ++d) {
+    const absl::string_view label[] = {directions[d]};
+    transfer_seconds_[d] = transfer == nullptr ? &DiscardHistogram() : &transfer->WithLabels(label);
+  }
   l3_hit_pages_ = Series(pages, {"l3", "hit"});
   l3_miss_pages_ = Series(pages, {"l3", "miss"});
   l3_hit_tokens_ = Series(tokens, {"l3", "hit"});
@@ -195,8 +225,17 @@ void CacheMetrics::CountMatch(uint64_t l2_hit_pages, uint64_t l2_miss_pages, uin
   l2_miss_tokens_->Add(l2_miss_pages * page_size);
 }
 
-void CacheMetrics::CountMovedBytes(v1::OpKind kind, uint64_t bytes) {
-  (kind == v1::OP_KIND_BACKUP ? d2h_bytes_ : h2d_bytes_)->Add(bytes);
+void CacheMetrics::CountMovedBytes(v1::OpKind kind, uint64_t bytes, double seconds) {
+  if (bytes == 0) return;
+  const bool d2h = kind == v1::OP_KIND_BACKUP;
+  (d2h ? d2h_bytes_ : h2d_bytes_)->Add(bytes);
+  transfer_seconds_[d2h ? 1 : 0]->Observe(seconds);
+}
+
+void CacheMetrics::CountL3Bytes(bool write, uint64_t bytes, double seconds) {
+  if (bytes == 0) return;
+  (write ? l2_to_l3_ : l3_to_l2_)->Add(bytes);
+  transfer_seconds_[write ? 2 : 3]->Observe(seconds);
 }
 
 void CacheMetrics::CountOp(v1::OpKind kind, v1::OpState state) {
@@ -219,9 +258,16 @@ void CacheMetrics::SetL3Tiers(const std::vector<std::string>& names) {
              "failed it), dropped (storage.max_pending_write_bytes reached), not_resident (the "
              "page left L2 before it could be written).",
              {"tier", "result"});
+  CounterFamily* tokens =
+      Family(registry_, "kvcellar_match_l3_tier_tokens_total",
+             "Tokens Match looked up in each L3 tier (missed in L2 and every earlier tier), by "
+             "result: hit (this tier is the first holding the page) or miss.",
+             {"tier", "result"});
   const absl::string_view results[kWriteResults] = {"ok", "failed", "dropped", "not_resident"};
   for (const std::string& name : names) {
     l3_tier_hit_pages_.push_back(Series(hits, {name}));
+    l3_tier_hit_tokens_.push_back(Series(tokens, {name, "hit"}));
+    l3_tier_miss_tokens_.push_back(Series(tokens, {name, "miss"}));
     std::array<Counter*, kWriteResults> w{};
     for (int r = 0; r < kWriteResults; ++r) w[r] = Series(writes, {name, results[r]});
     l3_tier_writes_.push_back(w);
@@ -231,9 +277,18 @@ void CacheMetrics::SetL3Tiers(const std::vector<std::string>& names) {
 void CacheMetrics::CountL3Match(absl::Span<const uint32_t> hit_pages_by_tier, uint64_t miss_pages,
                                 uint32_t page_size) {
   uint64_t hits = 0;
-  for (size_t t = 0; t < hit_pages_by_tier.size() && t < l3_tier_hit_pages_.size(); ++t) {
+  const size_t tiers = std::min(hit_pages_by_tier.size(), l3_tier_hit_pages_.size());
+  for (size_t t = 0; t < tiers; ++t) {
     l3_tier_hit_pages_[t]->Add(hit_pages_by_tier[t]);
+    l3_tier_hit_tokens_[t]->Add(uint64_t{hit_pages_by_tier[t]} * page_size);
     hits += hit_pages_by_tier[t];
+  }
+  // A page missed tier t when it reached it (missed L2 and every earlier tier) and was not there:
+  // it missed everywhere, or a later tier held it. Walk the tiers backwards, summing later hits.
+  uint64_t later_hits = 0;
+  for (size_t t = tiers; t-- > 0;) {
+    l3_tier_miss_tokens_[t]->Add((miss_pages + later_hits) * page_size);
+    later_hits += hit_pages_by_tier[t];
   }
   l3_hit_pages_->Add(hits);
   l3_hit_tokens_->Add(hits * page_size);

@@ -5,19 +5,14 @@
 // scrape-time collectors added by their owner through AddCollector; they are removed when this
 // object is destroyed, so nothing runs against freed state.
 //
-// Series:
-//   kvcellar_match_requests_total                          Match RPCs answered (memoized too)
-//   kvcellar_match_pages_total{tier,result}                pages looked up: tier=l2|l3,
-//   result=hit|miss kvcellar_match_tokens_total{tier,result}               the same in tokens
-//   (pages x page size) kvcellar_moved_bytes_total{direction}                  h2d (Load), d2h
-//   (Backup) kvcellar_ops_total{kind,outcome}                       terminal ops: load|backup x
-//   done|failed|cancelled kvcellar_op_pages_total{kind,status}                   final per-page
-//   statuses (ok, miss, ...) kvcellar_session_lease_expiries_total                  sessions ended
-//   by an expired lease kvcellar_pin_lease_expiries_total                      pins ended by an
-//   expired lease kvcellar_evicted_pages_total{reason}                   L2 evictions:
-//   pool_full|watermark|admin kvcellar_evicted_bytes_total{reason}             their slot bytes
-//   kvcellar_cleared_objects_total                         L2 objects removed by admin Clear
-//   kvcellar_pins_revoked_total                            pins revoked by admin Clear
+// Series (docs/metrics.md is the catalogue, with labels and meanings):
+//   kvcellar_match_requests_total, kvcellar_match_{pages,tokens}_total{tier,result},
+//   kvcellar_match_l3_tier_pages_total{tier}, kvcellar_match_l3_tier_tokens_total{tier,result},
+//   kvcellar_moved_bytes_total{direction}, kvcellar_transfer_duration_seconds{direction},
+//   kvcellar_ops_total{kind,outcome}, kvcellar_op_pages_total{kind,status},
+//   kvcellar_prefetch_pages_total{policy,status}, kvcellar_l3_writes_total{tier,result},
+//   kvcellar_{session,pin}_lease_expiries_total, kvcellar_evicted_{pages,bytes}_total{reason},
+//   kvcellar_cleared_objects_total, kvcellar_pins_revoked_total.
 //
 // Threads: every method may be called from any thread.
 #ifndef KVCELLAR_SERVER_CACHE_METRICS_H_
@@ -81,7 +76,9 @@ class CacheMetrics {
   void RemoveCollectors();
 
   void CountMatch(uint64_t l2_hit_pages, uint64_t l2_miss_pages, uint32_t page_size);
-  void CountMovedBytes(v1::OpKind kind, uint64_t bytes);
+  // A device copy that finished: h2d for Load, d2h for Backup, `seconds` from submission to
+  // completion (a Backup's includes waiting for the engine's ready signal).
+  void CountMovedBytes(v1::OpKind kind, uint64_t bytes, double seconds);
   void CountOp(v1::OpKind kind, v1::OpState state);
   void CountPages(v1::OpKind kind, v1::PageStatus status, uint64_t pages);
   void CountSessionLeaseExpiry() { session_lease_expiries_->Increment(); }
@@ -99,8 +96,9 @@ class CacheMetrics {
   // in L2 and every L3 tier.
   void CountL3Match(absl::Span<const uint32_t> hit_pages_by_tier, uint64_t miss_pages,
                     uint32_t page_size);
-  // Bytes moved between L2 and L3 (write: L2 -> L3 put; read: L3 -> L2 prefetch).
-  void CountL3Bytes(bool write, uint64_t bytes) { (write ? l2_to_l3_ : l3_to_l2_)->Add(bytes); }
+  // Bytes moved between L2 and L3 (write: one tier's L2 -> L3 put batch; read: one prefetch's
+  // L3 -> L2 reads), and the seconds the transfer took. Nothing is counted when bytes == 0.
+  void CountL3Bytes(bool write, uint64_t bytes, double seconds);
   enum class L3WriteResult { kOk = 0, kFailed, kDropped, kNotResident };
   void CountL3Writes(size_t tier, L3WriteResult result, uint64_t objects);
   // Final page statuses of a prefetch op, by the policy it ran under.
@@ -124,6 +122,8 @@ class CacheMetrics {
   Counter* l2_miss_tokens_ = nullptr;
   Counter* h2d_bytes_ = nullptr;
   Counter* d2h_bytes_ = nullptr;
+  // kvcellar_transfer_duration_seconds by direction: h2d, d2h, l2_to_l3, l3_to_l2.
+  std::array<Histogram*, 4> transfer_seconds_{};
   std::array<std::array<Counter*, kOutcomes>, kKinds> ops_{};
   std::array<std::array<Counter*, kStatuses>, kKinds> pages_{};
   Counter* session_lease_expiries_ = nullptr;
@@ -138,7 +138,9 @@ class CacheMetrics {
   Counter* l3_miss_tokens_ = nullptr;
   Counter* l2_to_l3_ = nullptr;
   Counter* l3_to_l2_ = nullptr;
-  std::vector<Counter*> l3_tier_hit_pages_;                           // Per tier.
+  std::vector<Counter*> l3_tier_hit_pages_;                          // Per tier.
+  std::vector<Counter*> l3_tier_hit_tokens_;                         // Per tier.
+  std::vector<Counter*> l3_tier_miss_tokens_;                        // Per tier.
   std::vector<std::array<Counter*, kWriteResults>> l3_tier_writes_;  // Per tier.
   std::array<std::array<Counter*, kStatuses>, kPolicies> prefetch_pages_{};
 

@@ -8,6 +8,7 @@
 #include "absl/time/clock.h"
 #include "core/log.h"
 #include "server/build_info.h"
+#include "server/namespace_metrics.h"
 #include "server/request_validation.h"
 #include "server/status_util.h"
 
@@ -166,6 +167,10 @@ void CacheServiceImpl::AddCollectors() {
     out.AddGauge("kvcellar_l2_pinned_pages", "L2 pages pinned by a Match or a copy.", pinned);
     out.AddGauge("kvcellar_l2_bytes", "Pool slot bytes held by L2 objects.", bytes);
   });
+  metrics_.AddCollector(
+      [this, cap = static_cast<size_t>(config_.http.max_namespace_series)](MetricWriter& out) {
+        CollectNamespaceMetrics(namespaces_.Snapshot(), cap, out);
+      });
 }
 
 // ---- Helpers ---------------------------------------------------------------------------------

@@ -458,6 +458,10 @@ std::vector<KeySpec> SchemaTable() {
       // http
       StringKey(KVC_FIELD(http, address), "127.0.0.1:9740", CheckHostPort, "host:port, or \"\"",
                 "HTTP listener for /metrics, /healthz and /readyz; \"\" = none."),
+      IntKey(KVC_FIELD(http, max_namespace_series), "64", 0, 10'000,
+             "Distinct (tenant, model) pairs given their own kvcellar_namespace_* series, in "
+             "order of first use; later ones are summed into tenant=\"other\", "
+             "model=\"other\". Bounds the label cardinality."),
       // log
       ChoiceKey(KVC_ENUM(log, level), "info", {"debug", "info", "warn", "error"},
                 "Lowest level of log lines written."),

@@ -64,6 +64,8 @@ struct TlsConfig {
 
 struct HttpConfig {
   std::string address;  // "" = no metrics/health HTTP listener.
+  // Distinct (tenant, model) label pairs with per-namespace series; the rest share "other".
+  int64_t max_namespace_series = 0;
   bool operator==(const HttpConfig&) const = default;
 };
 

@@ -286,6 +286,10 @@ absl::Status Daemon::CreateHostPool() {
       const MetricWriter::Label labels[] = {{"slot_bytes", slot}};
       out.AddGauge("kvcellar_pool_used_bytes", "Bytes of L2 pool slots holding pages, by slot size.",
                    static_cast<double>(c.bytes_used), labels);
+      out.AddGauge("kvcellar_pool_class_capacity_bytes",
+                   "Bytes of pool regions assigned to a size class: its capacity until more "
+                   "free regions are assigned to it.",
+                   static_cast<double>(c.regions * pool->region_bytes()), labels);
       out.AddGauge("kvcellar_pool_slots", "L2 pool slots carved for a size class.",
                    static_cast<double>(c.slots_total), labels);
       out.AddGauge("kvcellar_pool_slots_used", "L2 pool slots in use, by slot size.",

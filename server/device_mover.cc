@@ -1,6 +1,7 @@
 #include "server/device_mover.h"
 
 #include <algorithm>
+#include <chrono>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -58,6 +59,10 @@ PageStatus NotLoadable(const core::RadixIndex& index, const core::PageKey& key,
   return v1::PAGE_STATUS_MISS;
 }
 
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 bool Cancelled(const absl::Status& s) { return s.code() == absl::StatusCode::kCancelled; }
 
 void SetPending(absl::Span<uint8_t> statuses, PageStatus final_status) {
@@ -78,6 +83,7 @@ class LoadCompletion final : public OpCompletion {
   SimSignalPump* pump = nullptr;  // Set when the engine's layer words are signalled.
   CacheMetrics* metrics = nullptr;
   uint64_t bytes = 0;
+  std::chrono::steady_clock::time_point submitted;  // For the transfer's duration.
 
   OpOutcome Complete(const absl::Status& device, OpCancelCause cause,
                      absl::Span<uint8_t> statuses) override {
@@ -86,7 +92,7 @@ class LoadCompletion final : public OpCompletion {
     OpOutcome out;
     if (device.ok()) {
       SetPending(statuses, v1::PAGE_STATUS_OK);
-      if (bytes > 0) metrics->CountMovedBytes(v1::OP_KIND_LOAD, bytes);
+      metrics->CountMovedBytes(v1::OP_KIND_LOAD, bytes, SecondsSince(submitted));
     } else if (cause == OpCancelCause::kSessionEnded || Cancelled(device)) {
       SetPending(statuses, v1::PAGE_STATUS_CANCELLED);
       out = {v1::OP_STATE_CANCELLED,
@@ -119,6 +125,7 @@ class BackupCompletion final : public OpCompletion {
   L3Writer* writer = nullptr;
   v1::WritePolicy write_policy = v1::WRITE_POLICY_UNSPECIFIED;
   uint64_t bytes = 0;
+  std::chrono::steady_clock::time_point submitted;  // For the transfer's duration.
 
   OpOutcome Complete(const absl::Status& device, OpCancelCause cause,
                      absl::Span<uint8_t> statuses) override {
@@ -140,7 +147,7 @@ class BackupCompletion final : public OpCompletion {
                 {{"op_id", op_id}, {"error", committed[k].ToString()}});
         }
       }
-      if (bytes > 0) metrics->CountMovedBytes(v1::OP_KIND_BACKUP, bytes);
+      metrics->CountMovedBytes(v1::OP_KIND_BACKUP, bytes, SecondsSince(submitted));
       // L3 follows the write policy; the op does not wait for it.
       if (writer != nullptr) writer->OnCommitted(*session->info().ns, stored, write_policy);
     } else {
@@ -293,6 +300,7 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Load(const std::shared_pt
     }
   }
 
+  const auto copy_start = std::chrono::steady_clock::now();
   if (!items.empty()) {
     absl::StatusOr<gpu::OpHandle> op =
         device_->SubmitScatter(*session->mapping(), items, gpu::OpSignal{});
@@ -324,6 +332,7 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Load(const std::shared_pt
   completion->pump = signal ? pump_ : nullptr;
   completion->metrics = metrics_;
   completion->bytes = items.size() * ns.object_bytes();
+  completion->submitted = copy_start;
   record->completion = std::move(completion);
   std::shared_ptr<OpRecord> added = ops_->Add(std::move(record));
   session->EndSubmission(/*op_started=*/true);
@@ -494,6 +503,7 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Backup(
   session->ReleaseBlocks(unused_blocks);
 
   uint32_t ready_timeout_ms = 0;
+  const auto copy_start = std::chrono::steady_clock::now();
   if (!items.empty()) {
     absl::StatusOr<gpu::OpHandle> op;
     gpu::EngineMapping* mapping = session->mapping();
@@ -544,6 +554,7 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Backup(
   completion->write_policy = request.write_policy();
   completion->metrics = metrics_;
   completion->bytes = completion->object_page.size() * object_bytes;
+  completion->submitted = copy_start;
   record->completion = std::move(completion);
   std::shared_ptr<OpRecord> added = ops_->Add(std::move(record));
   session->EndSubmission(/*op_started=*/true);

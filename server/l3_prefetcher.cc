@@ -1,6 +1,7 @@
 #include "server/l3_prefetcher.h"
 
 #include <algorithm>
+#include <chrono>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -64,6 +65,8 @@ struct L3Prefetcher::Fetch {
   v1::PrefetchPolicy policy = v1::PREFETCH_POLICY_UNSPECIFIED;
   std::vector<Page> pages;
   uint64_t bytes = 0;  // Reserved in pending_bytes_.
+  // When the reads were issued: the L3 -> L2 transfer's duration ends when they have landed.
+  std::chrono::steady_clock::time_point started;
   std::atomic<int> reads_left{0};
   std::shared_ptr<FetchOp> op = std::make_shared<FetchOp>();
 
@@ -315,6 +318,7 @@ L3Prefetcher::Started L3Prefetcher::Start(const SessionInfo& session,
     ++inflight_;
   }
   // Reads first, then the op: a read that completes at once lands before Add and Add finalizes.
+  fetch->started = std::chrono::steady_clock::now();
   if (batches == 0) {
     Land(*fetch);
   } else {
@@ -407,7 +411,9 @@ void L3Prefetcher::Land(Fetch& fetch) {
     std::vector<absl::Status> st(gone.size());
     index->UpdateL3(gone, absl::MakeSpan(st));
   }
-  metrics_->CountL3Bytes(/*write=*/false, landed_bytes);
+  metrics_->CountL3Bytes(
+      /*write=*/false, landed_bytes,
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - fetch.started).count());
 
   // Final statuses: our reads as above; pages another op was writing, as they stand now.
   absl::flat_hash_map<uint64_t, std::vector<core::PageKey>> pin_keys;

@@ -104,6 +104,21 @@ void L3Tiers::Collect(MetricWriter& out) const {
                        "L3 objects handled by backend operation and final status (ok, not_found, "
                        "rejected, retry, device_error, checksum_error).",
                        static_cast<double>(op.by_status[st]), labels);
+        // The failures again, by backend kind and reason: what an L3 error alert watches.
+        // ok and not_found (a miss) are no errors.
+        const auto status = static_cast<storage::ObjectStatus>(st);
+        if (status == storage::ObjectStatus::kOk || status == storage::ObjectStatus::kNotFound) {
+          continue;
+        }
+        const MetricWriter::Label error_labels[] = {{"tier", t.spec.name},
+                                                    {"backend", kind},
+                                                    {"op", op_name},
+                                                    {"reason", storage::ObjectStatusName(status)}};
+        out.AddCounter("kvcellar_l3_errors_total",
+                       "L3 objects that failed, by tier, backend kind (file, redis, "
+                       "redis-cluster), operation and reason (rejected, retry, device_error, "
+                       "checksum_error).",
+                       static_cast<double>(op.by_status[st]), error_labels);
       }
       const MetricWriter::Label labels[] = {{"tier", t.spec.name}, {"op", op_name}};
       out.AddCounter("kvcellar_l3_batches_total", "L3 backend batches by operation.",

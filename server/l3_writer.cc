@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <chrono>
 #include <limits>
 #include <utility>
 
@@ -279,8 +280,9 @@ void L3Writer::Submit(std::shared_ptr<Job> job) {
   for (size_t t = 0; t < tiers_->size(); ++t) {
     if ((job->tiers >> t & 1) == 0) continue;
     storage::PutRequest request{ns.digest(), items, absl::ZeroDuration()};
+    const auto put_start = std::chrono::steady_clock::now();
     absl::Status s = tiers_->tier(t).backend->Put(
-        request, [this, job, t](storage::BatchResult result) mutable {
+        request, [this, job, t, put_start](storage::BatchResult result) mutable {
           std::vector<core::L3Update> updates;
           uint64_t ok = 0;
           uint64_t bytes = 0;
@@ -296,7 +298,9 @@ void L3Writer::Submit(std::shared_ptr<Job> job) {
           metrics_->CountL3Writes(t, CacheMetrics::L3WriteResult::kOk, ok);
           metrics_->CountL3Writes(t, CacheMetrics::L3WriteResult::kFailed,
                                   result.items.size() - ok);
-          metrics_->CountL3Bytes(/*write=*/true, bytes);
+          metrics_->CountL3Bytes(
+              /*write=*/true, bytes,
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - put_start).count());
           if (job->tiers_left.fetch_sub(1, std::memory_order_acq_rel) == 1) Finish(*job);
         });
     if (!s.ok()) {

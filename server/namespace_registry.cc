@@ -117,6 +117,7 @@ std::shared_ptr<Namespace> NamespaceRegistry::GetOrCreate(const core::NamespaceS
   auto [it, inserted] = by_digest_.try_emplace(digest);
   if (inserted) {
     it->second = std::make_shared<Namespace>(spec, pool_, policy_, l3_tiers_);
+    in_creation_order_.push_back(it->second);
     KVLOG(Info, "namespace created",
           {{"ns_digest", digest.Hex().substr(0, 16)},
            {"tenant", spec.tenant},
@@ -129,10 +130,7 @@ std::shared_ptr<Namespace> NamespaceRegistry::GetOrCreate(const core::NamespaceS
 
 std::vector<std::shared_ptr<Namespace>> NamespaceRegistry::Snapshot() const {
   absl::MutexLock lock(&mu_);
-  std::vector<std::shared_ptr<Namespace>> out;
-  out.reserve(by_digest_.size());
-  for (const auto& [digest, ns] : by_digest_) out.push_back(ns);
-  return out;
+  return in_creation_order_;
 }
 
 size_t NamespaceRegistry::size() const {

@@ -109,7 +109,8 @@ class NamespaceRegistry {
 
   // The namespace of `spec` (which passed Validate()), created on first use.
   std::shared_ptr<Namespace> GetOrCreate(const core::NamespaceSpec& spec) ABSL_LOCKS_EXCLUDED(mu_);
-  // Every namespace, in no particular order.
+  // Every namespace, in the order they were created (namespaces are never removed, so a prefix
+  // of this list never changes: per-namespace metric series rely on it).
   std::vector<std::shared_ptr<Namespace>> Snapshot() const ABSL_LOCKS_EXCLUDED(mu_);
   size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -119,6 +120,7 @@ class NamespaceRegistry {
   const int l3_tiers_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<core::PageKey, std::shared_ptr<Namespace>> by_digest_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<Namespace>> in_creation_order_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvcellar::server

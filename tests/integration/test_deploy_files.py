@@ -30,6 +30,8 @@ import pytest
 import yaml
 
 from conftest import BIN_DIR, KVCELLARCTL, KVCELLARD, SOURCE_DIR, Daemon, run
+from engine_sim import run_engine, wait_until
+from redis_util import REDIS_SERVER, RedisServer
 
 DEPLOY = os.path.join(SOURCE_DIR, "deploy")
 K8S = os.path.join(DEPLOY, "k8s")
@@ -38,6 +40,7 @@ PROM_CONFIG = os.path.join(DEPLOY, "prometheus", "prometheus.yml")
 ALERTS = os.path.join(DEPLOY, "prometheus", "alerts.yml")
 ALERTS_TEST = os.path.join(DEPLOY, "prometheus", "alerts_test.yml")
 DASHBOARD = os.path.join(DEPLOY, "grafana", "kvcellar-dashboard.json")
+METRICS_DOC = os.path.join(SOURCE_DIR, "docs", "metrics.md")
 ENGINE_SIM = os.path.join(BIN_DIR, "kvcellar-engine-sim")
 
 # The job name the rules and the dashboard select on: prometheus.yml's job and the
@@ -315,6 +318,107 @@ def drive_traffic(daemon):
                         "--verify-seed", "1", "--expect-hits", "4")
     assert loaded["hits"] == 4 and loaded["mismatched_bytes"] == 0, loaded
     run([KVCELLARCTL, "--addr", daemon.socket, "status"], check=True, timeout=30)
+
+
+# L3 traffic: 2 layers x (K + V) x 4 KiB = 16 KiB page objects, O_DIRECT-sized.
+L3_GEOMETRY = dict(layers=2, block_bytes=4096, blocks=64, page_size=16, model="metrics-model")
+L3_PAGES = 6
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A Redis server on a Unix socket for an L3 tier, or None where redis-server is missing."""
+    if not os.path.exists(REDIS_SERVER):
+        yield None
+        return
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+def l3_tiers_spec(tmp_path, redis):
+    tiers = f"file:{tmp_path / 'l3'}?name=nvme&shared=true"
+    if redis is not None:
+        tiers += f";redis:{redis.address}?name=redis&prefix=metrics:"
+    return tiers
+
+
+def drive_l3_traffic(daemon_factory, tmp_path, redis, *reader_args):
+    """Two daemons sharing L3 tiers (a file tier "nvme", and a Redis tier "redis" when Redis is
+    installed). The writer's Backup lands in L2 and every tier (write_through); the reader, whose
+    L2 is empty, finds the pages by asking the tiers, prefetches them (wait_complete), loads and
+    verifies them, then makes L2 traffic of its own (drive_traffic: a Backup, written through to
+    its tiers too). Returns the reader, whose every family then has series: L3 hits per tier,
+    bytes and transfer durations in every direction, prefetch outcomes, namespaces."""
+    tiers = l3_tiers_spec(tmp_path, redis)
+    common = ("--set", "device.kind=sim", "--set", f"storage.tiers={tiers}")
+    writer = daemon_factory(args=common, name="writer", subdir="writer")
+    reader = daemon_factory(args=(*common, *reader_args), name="reader", subdir="reader")
+    r = run_engine(writer.socket, "backup", instance="writer", seed=31, tokens_seed=9,
+                   pages=L3_PAGES, **L3_GEOMETRY)
+    assert r.rc == 0 and r["stored"] == L3_PAGES, r.describe()
+    wait_until(lambda: metric_value(writer, "kvcellar_l3_writes_total", tier="nvme",
+                                    result="ok") >= L3_PAGES, timeout=20, what="L3 writes")
+    r = run_engine(reader.socket, "load", instance="reader", verify_seed=31, tokens_seed=9,
+                   pages=L3_PAGES, first_block=0, l3_lookup_ms=1000, prefetch="wait_complete",
+                   pin=True, **L3_GEOMETRY)
+    assert r.rc == 0 and r["mismatched_bytes"] == 0, r.describe()
+    assert r["l3_hits"] == L3_PAGES and r["loaded"] == L3_PAGES, r.describe()
+    drive_traffic(reader)
+    return reader
+
+
+def metric_value(daemon, name, **labels):
+    """The sum of a family's samples whose labels include `labels`, from /metrics."""
+    status, text = http_get(f"http://{daemon.http}/metrics")
+    assert status == 200
+    total = 0.0
+    for family, sample_labels, value in parse_samples(text):
+        if family == name and all(sample_labels.get(k) == v for k, v in labels.items()):
+            total += value
+    return total
+
+
+def parse_samples(metrics_text):
+    """(name, {label: value}, value) for each sample line of a text exposition."""
+    out = []
+    for line in metrics_text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = re.fullmatch(r"([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)", line)
+        assert m, f"unparsed sample line: {line!r}"
+        labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+        out.append((m.group(1), labels, float(m.group(3))))
+    return out
+
+
+def exported_families(metrics_text):
+    """{family name: type} from the # TYPE lines."""
+    return {line.split()[2]: line.split()[3] for line in metrics_text.splitlines()
+            if line.startswith("# TYPE ")}
+
+
+def metrics_catalogue():
+    """{name: (type, {label: allowed values or None})} from the tables of docs/metrics.md: rows
+    whose first cell is a backticked metric name. A label written `label`=a\\|b\\|c lists its
+    values; any other backticked label name in the Labels cell allows any value."""
+    out = {}
+    with open(METRICS_DOC) as f:
+        for line in f:
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+            if len(cells) < 4:
+                continue
+            m = re.fullmatch(r"`((?:kvcellar|process)_\w+)`", cells[0])
+            if not m:
+                continue
+            assert m.group(1) not in out, f"{m.group(1)} listed twice in docs/metrics.md"
+            labels = {}
+            for lm in re.finditer(r"`([a-z_]+)`(=([\w\-]+(?:\\\|[\w\-]+)+))?", cells[2]):
+                if lm.group(1).startswith(("kvcellar_", "process_")):
+                    continue
+                labels[lm.group(1)] = set(lm.group(3).split("\\|")) if lm.group(3) else None
+            out[m.group(1)] = (cells[1], labels)
+    return out
 
 
 def exported_names(metrics_text):
@@ -787,15 +891,22 @@ def test_grafana_dashboard_is_well_formed():
     for needle in ("rate(kvcellar_rpc_requests_total", "histogram_quantile(0.99",
                    "kvcellar_rpc_duration_seconds_bucket", "kvcellar_pool_capacity_bytes",
                    "kvcellar_pool_used_bytes", "process_cpu_seconds_total",
-                   "process_resident_memory_bytes", "kvcellar_build_info"):
+                   "process_resident_memory_bytes", "kvcellar_build_info",
+                   # The tiers: hit ratio per tier, bandwidth per direction, L3 errors per backend
+                   # and reason, prefetch outcomes, pool use per size class, namespaces.
+                   "kvcellar_match_l3_tier_tokens_total", "kvcellar_transfer_duration_seconds_sum",
+                   "sum by (tier, backend, reason) (rate(kvcellar_l3_errors_total",
+                   "kvcellar_l3_writes_total", "kvcellar_prefetch_pages_total",
+                   "kvcellar_pool_class_capacity_bytes", "kvcellar_l3_evicted_objects_total",
+                   "kvcellar_namespace_hit_tokens_total", "kvcellar_session_lease_expiries_total"):
         assert needle in exprs, needle
 
 
 # ---- Against a running daemon ----------------------------------------------------------------
 
-def test_referenced_metrics_are_exported(daemon_factory):
-    d = daemon_factory(args=["--set", "device.kind=sim"])
-    drive_traffic(d)
+def test_referenced_metrics_are_exported(daemon_factory, tmp_path, redis_server):
+    # With L3 tiers: the L3 panels and alerts need their series.
+    d = drive_l3_traffic(daemon_factory, tmp_path, redis_server)
     status, text = http_get(f"http://{d.http}/metrics")
     assert status == 200
     exported = exported_names(text)
@@ -814,6 +925,82 @@ def test_referenced_metrics_are_exported(daemon_factory):
             missing.append(f"{name} ({where})")
     assert not missing, "not exported by kvcellard: " + ", ".join(missing)
     assert any(n.startswith("kvcellar_") for n in referenced)
+
+
+def test_metrics_catalogue_matches_the_daemon(daemon_factory, tmp_path, redis_server):
+    """docs/metrics.md lists every family a daemon with L3 tiers exports after engine traffic,
+    with its type and labels (and, where it lists them, every label value), and nothing it does
+    not export; promtool accepts the scrape."""
+    d = drive_l3_traffic(daemon_factory, tmp_path, redis_server)
+    status, text = http_get(f"http://{d.http}/metrics")
+    assert status == 200
+    catalogue = metrics_catalogue()
+    families = exported_families(text)
+    undocumented = sorted(set(families) - set(catalogue))
+    assert not undocumented, "exported but not in docs/metrics.md: " + ", ".join(undocumented)
+    unexported = sorted(set(catalogue) - set(families))
+    assert not unexported, "in docs/metrics.md but not exported: " + ", ".join(unexported)
+    for name, kind in families.items():
+        assert catalogue[name][0] == kind, f"{name}: exported as {kind}, documented {catalogue[name][0]}"
+    problems = set()
+    for name, labels, _ in parse_samples(text):
+        family = re.sub(r"_(bucket|sum|count)$", "", name) if name not in families else name
+        documented = catalogue[family][1]
+        for label, value in labels.items():
+            if label == "le" and families[family] == "histogram":
+                continue
+            if label not in documented:
+                problems.add(f"{family}: label {label} not documented")
+            elif documented[label] is not None and value not in documented[label]:
+                problems.add(f"{family}: {label}={value!r} not among the documented values")
+    assert not problems, "\n".join(sorted(problems))
+    # The traffic reached every tier and direction the catalogue promises.
+    tiers = {"nvme"} | ({"redis"} if redis_server else set())
+    samples = parse_samples(text)
+    assert {l["tier"] for n, l, _ in samples if n == "kvcellar_l3_used_bytes"} == tiers
+    assert {l["backend"] for n, l, _ in samples if n == "kvcellar_l3_errors_total"} == (
+        {"file", "redis"} if redis_server else {"file"})
+    hit = [v for n, l, v in samples if n == "kvcellar_match_l3_tier_tokens_total"
+           and l == {"tier": "nvme", "result": "hit"}]
+    assert hit == [L3_PAGES * L3_GEOMETRY["page_size"]], hit
+    for direction in ("h2d", "d2h", "l3_to_l2"):
+        [count] = [v for n, l, v in samples if n == "kvcellar_transfer_duration_seconds_count"
+                   and l == {"direction": direction}]
+        assert count >= 1, direction
+    models = {l["model"] for n, l, _ in samples if n == "kvcellar_namespace_lookup_tokens_total"}
+    assert L3_GEOMETRY["model"] in models, models
+    res = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0 and not (res.stdout + res.stderr).strip(), res.stdout + res.stderr
+
+
+def test_namespace_series_are_capped(daemon_factory):
+    """Past http.max_namespace_series (tenant, model) pairs, namespaces share tenant="other",
+    model="other": engines cannot grow the label set without bound."""
+    d = daemon_factory(args=["--set", "device.kind=sim", "--set", "http.max_namespace_series=1"])
+    for model in ("model-a", "model-b", "model-c"):
+        r = run_engine(d.socket, "load", instance=model, model=model, tokens_seed=3, pages=2,
+                       verify_seed=1)
+        assert r.rc in (0, 4), r.describe()  # 4: the expected misses of an empty cache
+    status, text = http_get(f"http://{d.http}/metrics")
+    assert status == 200
+    series = {(l["tenant"], l["model"]): v for n, l, v in parse_samples(text)
+              if n == "kvcellar_namespace_match_requests_total"}
+    assert set(series) == {("", "model-a"), ("other", "other")}, series
+    assert series[("other", "other")] == 2 * series[("", "model-a")] > 0, series
+
+
+def test_dashboard_and_rules_use_documented_metrics():
+    catalogue = metrics_catalogue()
+    undocumented = []
+    for where, expr in dashboard_exprs(dashboard()) + rule_exprs():
+        for name in promql_metric_names(expr):
+            base = re.sub(r"_(bucket|sum|count)$", "", name)
+            if name in EXTERNAL_METRICS or name in catalogue or (
+                    base in catalogue and catalogue[base][0] == "histogram"):
+                continue
+            undocumented.append(f"{name} ({where})")
+    assert not undocumented, "not in docs/metrics.md: " + ", ".join(undocumented)
 
 
 def free_port():
@@ -883,10 +1070,11 @@ class Prometheus:
                 self.proc.wait()
 
 
-def test_prometheus_scrapes_the_daemon(daemon_factory, tmp_path):
+def test_prometheus_scrapes_the_daemon(daemon_factory, tmp_path, redis_server):
     capacity = 128 << 20  # not the harness default, so the comparison means something
-    d = daemon_factory(args=["--set", "device.kind=sim", "--set", f"pool.capacity={capacity}"])
-    drive_traffic(d)
+    # The reader of two daemons sharing L3 tiers, after L3 and L2 traffic.
+    d = drive_l3_traffic(daemon_factory, tmp_path, redis_server,
+                         "--set", f"pool.capacity={capacity}")
     # The shipped configuration, pointed at the test daemon: its kvcellard job with a static
     # target instead of the file list, 1 s intervals, the shipped alert rules.
     config = yaml_docs(PROM_CONFIG)[0]
@@ -910,6 +1098,12 @@ def test_prometheus_scrapes_the_daemon(daemon_factory, tmp_path):
         assert int(cap["value"][1]) == int(daemon_status(d)["pool"]["capacity_bytes"]) == capacity
         [used] = prom.query("sum(kvcellar_pool_used_bytes)")
         assert int(used["value"][1]) > 0, "the Backup's pages are in the pool"
+        # L3 series read back through the query API: what the prefetch moved, per-tier hits.
+        [moved] = prom.query('kvcellar_moved_bytes_total{direction="l3_to_l2"}')
+        assert float(moved["value"][1]) == metric_value(
+            d, "kvcellar_moved_bytes_total", direction="l3_to_l2") > 0
+        [hits] = prom.query('kvcellar_match_l3_tier_tokens_total{tier="nvme",result="hit"}')
+        assert int(hits["value"][1]) == L3_PAGES * L3_GEOMETRY["page_size"]
         # Two scrapes so that rate() has points, then every dashboard query evaluates.
         prom.wait_for("two scrapes", lambda: prom.query(f'count_over_time(up{{job="{JOB}"}}[1m]) >= 3'))
         for where, expr in dashboard_exprs(dashboard()):
