@@ -120,6 +120,8 @@ struct KeySpec {
   bool double_max_open = false;
   std::vector<std::string> choices;  // kChoice
   StringCheck string_check = nullptr;
+  // kString holding a list: the file may give a YAML sequence, joined with this separator.
+  char list_separator = '\0';
   ModeCheck mode_check = nullptr;
   std::string constraint;  // Human-readable; see ConfigKeyInfo.
 };
@@ -418,6 +420,13 @@ KeySpec ModeKey(const char* path, Field<uint32_t> field, const char* default_tex
 
 // Marks a key whose value ConfigToYaml(..., redact_secrets=true) and ConfigDigest() hide (a
 // password, a token; not a path to a key file): Secret(StringKey(...)).
+// A string key whose value is a list: the file may write it as a YAML sequence of strings,
+// which is joined with `separator` (the string form stays the canonical one).
+KeySpec ListKey(KeySpec k, char separator) {
+  k.list_separator = separator;
+  return k;
+}
+
 KeySpec Secret(KeySpec k) {
   k.secret = true;
   return k;
@@ -503,10 +512,11 @@ std::vector<KeySpec> SchemaTable() {
                 "Device backend: cuda, sim (shared memory, no GPU), or auto = cuda when a GPU "
                 "is present, else sim."),
       // storage
-      StringKey(KVC_FIELD(storage, tiers), "", CheckL3Tiers, "tier specs, or \"\"",
+      ListKey(StringKey(KVC_FIELD(storage, tiers), "", CheckL3Tiers, "tier specs, or \"\"",
                 "L3 tiers in lookup order, fastest first, separated by spaces or ';': "
                 "file:/DIR?name=nvme&capacity=500GiB, redis:HOST:PORT?prefix=kvc:, "
-                "redis-cluster:H1:P1,H2:P2 (options in docs/storage.md); \"\" = no L3."),
+                "redis-cluster:H1:P1,H2:P2 (options in docs/storage.md), or a YAML list of "
+                "them; \"\" = no L3."), ' '),
       Secret(StringKey(KVC_FIELD(storage, redis_password), "", nullptr, "",
                        "Password (AUTH) for every redis tier; \"\" = none.")),
       ChoiceKey(KVC_ENUM(storage, write_policy), "write_through",
@@ -895,12 +905,26 @@ class FileLoader {
                                        default_value.empty() ? "\"\"" : default_value, ")"));
       return;
     }
-    if (!value.IsScalar()) {
+    std::string text;
+    if (spec.list_separator != '\0' && value.IsSequence()) {
+      // A list key may also be written as a YAML sequence of scalars: joined into its string.
+      for (const YAML::Node& item : value) {
+        if (!item.IsScalar()) {
+          Error(item.Mark(), absl::StrCat(Quoted(spec.path), " items must be strings, got ",
+                                          NodeKind(item)));
+          return;
+        }
+        if (!text.empty()) text += spec.list_separator;
+        text += item.Scalar();
+      }
+    } else if (!value.IsScalar()) {
       Error(value.Mark(), absl::StrCat(Quoted(spec.path), " expects ", ExpectedValue(spec),
                                        ", got ", NodeKind(value)));
       return;
+    } else {
+      text = value.Scalar();
     }
-    if (absl::Status st = ParseAndStore(spec, value.Scalar(), config_); !st.ok()) {
+    if (absl::Status st = ParseAndStore(spec, text, config_); !st.ok()) {
       Error(value.Mark(), std::string(st.message()));
     }
   }

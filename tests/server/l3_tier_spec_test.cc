@@ -1,5 +1,6 @@
 #include "server/l3_tier_spec.h"
 
+#include <cstdio>
 #include <string>
 
 #include "gmock/gmock.h"
@@ -107,6 +108,44 @@ TEST(L3TierSpecTest, StoragePoliciesParseAndThePasswordIsRedacted) {
   EXPECT_THAT(yaml, Not(HasSubstr("hunter2")));
   EXPECT_THAT(yaml, HasSubstr("redis_password: \"<redacted>\""));
   EXPECT_THAT(ConfigToYaml(*config, /*redact_secrets=*/false), HasSubstr("hunter2"));
+}
+
+}  // namespace
+}  // namespace kvcellar::server
+
+namespace kvcellar::server {
+namespace {
+
+TEST(L3TierSpecTest, TheFileMayListTiersAsAYamlSequence) {
+  const std::string path = ::testing::TempDir() + "/kvc-tiers.yaml";
+  {
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fputs(
+        "storage:\n"
+        "  tiers:\n"
+        "    - \"file:/mnt/nvme/kv?name=nvme&capacity=100GiB\"\n"
+        "    - \"redis-cluster:10.0.0.1:7000,10.0.0.2:7000?name=shared\"\n",
+        f);
+    std::fclose(f);
+  }
+  absl::StatusOr<Config> config = LoadConfig(path, {});
+  ASSERT_TRUE(config.ok()) << config.status();
+  absl::StatusOr<std::vector<L3TierSpec>> specs = ParseL3TierSpecs(config->storage.tiers);
+  ASSERT_TRUE(specs.ok()) << specs.status();
+  ASSERT_EQ(specs->size(), 2u);
+  EXPECT_EQ((*specs)[0].name, "nvme");
+  EXPECT_EQ((*specs)[1].name, "shared");
+  // A bad item is named with its file position and the tier.
+  {
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    std::fputs("storage:\n  tiers:\n    - \"file:/a\"\n    - \"file:rel\"\n", f);
+    std::fclose(f);
+  }
+  config = LoadConfig(path, {});
+  ASSERT_FALSE(config.ok());
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("tier 2 'file:rel'"));
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("kvc-tiers.yaml:"));
 }
 
 }  // namespace
