@@ -118,9 +118,9 @@ absl::StatusOr<core::SlotRef> L2Space::ReleaseRegionFor(uint16_t c, const core::
     }
   }
   if (best == nullptr) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "host pool full: no region of another size class can be released for class ", c, " (",
-        candidates.size(), " candidates, each holding a busy page)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("host pool full: no region of another size class can be released for class ",
+                     c, " (", candidates.size(), " candidates, each holding a busy page)"));
   }
 
   const core::RegionInfo victim = *best;

@@ -56,8 +56,8 @@ class RegionReleaseTest : public ::testing::Test {
   // Backs up prompt `p` (kPromptPages pages) of `engine`; returns the page statuses.
   std::vector<int> BackupPrompt(TestEngine& engine, const v1::NamespaceSpec& spec, uint32_t p) {
     const auto keys = CacheHarness::Keys(spec, Tokens(p, kPromptPages));
-    v1::BackupResponse b = h_.Backup(engine.session, keys, 0, kPromptPages,
-                                     Blocks(0, kPromptPages));
+    v1::BackupResponse b =
+        h_.Backup(engine.session, keys, 0, kPromptPages, Blocks(0, kPromptPages));
     v1::OpResult done = h_.Wait(engine.session, b.op().op_id());
     return done.sequences_size() == 1 ? Statuses(done.sequences(0)) : std::vector<int>{};
   }
