@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <cerrno>
 #include <climits>
 #include <cstring>
@@ -395,13 +396,13 @@ absl::StatusOr<uint16_t> HostPool::ClassFor(uint64_t object_bytes) const {
   return static_cast<uint16_t>(it - slot_sizes_.begin());
 }
 
-absl::StatusOr<SlotRef> HostPool::Allocate(uint64_t object_bytes) {
+absl::StatusOr<SlotRef> HostPool::Allocate(uint64_t object_bytes, const SlotOwner& owner) {
   absl::StatusOr<uint16_t> c = ClassFor(object_bytes);
   if (!c.ok()) return c.status();
-  return AllocateInClass(*c);
+  return AllocateInClass(*c, owner);
 }
 
-absl::StatusOr<SlotRef> HostPool::AllocateInClass(uint16_t c) {
+absl::StatusOr<SlotRef> HostPool::AllocateInClass(uint16_t c, const SlotOwner& owner) {
   if (c >= slot_sizes_.size()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "host pool size class ", c, " out of range; the pool has ", slot_sizes_.size()));
@@ -420,6 +421,7 @@ absl::StatusOr<SlotRef> HostPool::AllocateInClass(uint16_t c) {
   Region& g = regions_[r];
   const uint32_t index = g.free_top > 0 ? g.free_stack[--g.free_top] : g.bump++;
   g.allocated[index >> 6] |= uint64_t{1} << (index & 63);
+  g.owners[index] = owner;
   if (++g.used == sc.slots_per_region) UnlinkPartial(sc, r);
   ++sc.slots_used;
   return SlotRef{c, static_cast<uint16_t>(r), index};
@@ -465,9 +467,9 @@ absl::Status HostPool::Free(SlotRef ref) {
   const bool was_full = g.used == sc.slots_per_region;
   --g.used;
   if (g.used == 0) {
-    if (!was_full) UnlinkPartial(sc, ref.region);
+    if (!was_full && !g.draining) UnlinkPartial(sc, ref.region);
     ReturnRegion(sc, ref.region);
-  } else if (was_full) {
+  } else if (was_full && !g.draining) {
     PushPartial(sc, ref.region);
   }
   return absl::OkStatus();
@@ -496,6 +498,7 @@ uint32_t HostPool::TakeFreeRegion(SizeClass& sc, uint16_t c) {
     // held before. Bounded by region_count * (slots of the smallest class used).
     g.free_stack = std::make_unique<uint32_t[]>(n);
     g.allocated = std::make_unique<uint64_t[]>((n + 63) / 64);  // Zeroed.
+    g.owners = std::make_unique<SlotOwner[]>(n);
     g.capacity = n;
   }
   g.used = 0;
@@ -513,6 +516,10 @@ void HostPool::ReturnRegion(SizeClass& sc, uint32_t r) {
   g.owner.store(kNoClass, std::memory_order_relaxed);
   g.free_top = 0;
   g.bump = 0;
+  if (g.draining) {
+    g.draining = false;
+    draining_.fetch_sub(1, std::memory_order_relaxed);
+  }
   --sc.regions;
   MutexLock lock(&free_mu_);
   free_regions_.push_back(r);  // Never reallocates: reserved to region_count_.
@@ -573,5 +580,79 @@ uint32_t HostPool::FreeRegions() const {
   MutexLock lock(&free_mu_);
   return static_cast<uint32_t>(free_regions_.size());
 }
+
+std::vector<RegionInfo> HostPool::RegionInfos() const {
+  std::vector<RegionInfo> out;
+  for (size_t c = 0; c < slot_sizes_.size(); ++c) {
+    const SizeClass& sc = classes_[c];
+    MutexLock lock(&sc.mu);
+    if (sc.regions == 0) continue;
+    // A region's owner changes only under the mutex of the class it leaves or joins, so the
+    // regions reading `c` here are exactly c's.
+    for (uint32_t r = 0; r < region_count_; ++r) {
+      const Region& g = regions_[r];
+      if (g.owner.load(std::memory_order_relaxed) != c) continue;
+      out.push_back({r, static_cast<uint16_t>(c), g.used, sc.slots_per_region, g.draining});
+    }
+  }
+  return out;
+}
+
+absl::Status HostPool::RegionSlots(uint32_t r, uint16_t size_class,
+                                   std::vector<OwnedSlot>* slots) const {
+  if (r >= region_count_ || size_class >= slot_sizes_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("host pool: region ", r, " of class ",
+                                                   size_class, " is out of range"));
+  }
+  const SizeClass& sc = classes_[size_class];
+  MutexLock lock(&sc.mu);
+  const Region& g = regions_[r];
+  if (g.owner.load(std::memory_order_relaxed) != size_class) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("host pool: region ", r, " is not in class ", size_class));
+  }
+  const uint32_t words = (sc.slots_per_region + 63) / 64;
+  for (uint32_t w = 0; w < words; ++w) {
+    for (uint64_t bits = g.allocated[w]; bits != 0; bits &= bits - 1) {
+      const uint32_t i = w * 64 + static_cast<uint32_t>(std::countr_zero(bits));
+      slots->push_back({SlotRef{size_class, static_cast<uint16_t>(r), i}, g.owners[i]});
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HostPool::DrainRegion(uint32_t r, uint16_t size_class) {
+  if (r >= region_count_ || size_class >= slot_sizes_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("host pool: region ", r, " of class ",
+                                                   size_class, " is out of range"));
+  }
+  SizeClass& sc = classes_[size_class];
+  MutexLock lock(&sc.mu);
+  Region& g = regions_[r];
+  if (g.owner.load(std::memory_order_relaxed) != size_class) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("host pool: region ", r, " is not in class ", size_class));
+  }
+  if (g.draining) return absl::OkStatus();
+  // An assigned region always holds a slot (an empty one returns at once), so it is on the
+  // partial list exactly when it is not full.
+  if (g.used < sc.slots_per_region) UnlinkPartial(sc, r);
+  g.draining = true;
+  draining_.fetch_add(1, std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+void HostPool::UndrainRegion(uint32_t r, uint16_t size_class) {
+  if (r >= region_count_ || size_class >= slot_sizes_.size()) return;
+  SizeClass& sc = classes_[size_class];
+  MutexLock lock(&sc.mu);
+  Region& g = regions_[r];
+  if (g.owner.load(std::memory_order_relaxed) != size_class || !g.draining) return;
+  g.draining = false;
+  draining_.fetch_sub(1, std::memory_order_relaxed);
+  if (g.used < sc.slots_per_region) PushPartial(sc, r);
+}
+
+uint32_t HostPool::DrainingRegions() const { return draining_.load(std::memory_order_relaxed); }
 
 }  // namespace kvcellar::core

@@ -23,6 +23,15 @@
 // the records whose checksum verifies (never trusting a torn write) and frees the rest. That is
 // not implemented yet.
 //
+// Owners and region release. Whoever allocates a slot may say whose object it holds (SlotOwner:
+// namespace id, page key, shard). The pool stores that record with the slot and never reads it; it
+// is what lets the server find the pages living in one region, evict exactly them and so move the
+// region to another size class (server/l2_space.h, "region release", after CacheLib's slab
+// release). Cost: 40 bytes per slot, allocated with a region's other per-slot arrays the first
+// time a class uses it: at most 40 / 64 KiB = 0.06% of the pool with the default classes (the
+// smallest is 64 KiB), 1% with a 4 KiB class. A region being released is *draining*: no slot of
+// it is handed out any more, and once its last slot is freed it returns to the free list.
+//
 // Threading: every method may be called from any thread. Allocate, Free and Owns lock the mutex of
 // one size class, plus the free-region mutex when a region changes hands (order: class mutex,
 // then free-region mutex). ClassFor, Address, SlotBytes and the geometry accessors lock nothing.
@@ -42,6 +51,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "core/page_key.h"
 #include "core/slot_ref.h"
 
 namespace kvcellar::core {
@@ -100,6 +110,28 @@ struct HostPoolOptions {
   bool unlink_on_destroy = false;
 };
 
+// Whose object a slot holds, recorded at Allocate. `ns` 0 means no owner was given.
+struct SlotOwner {
+  PageKey key;
+  uint32_t ns = 0;
+  uint16_t shard = 0;
+};
+
+// One allocated slot of a region and its owner record.
+struct OwnedSlot {
+  SlotRef slot;
+  SlotOwner owner;
+};
+
+// A region's state at one moment (RegionInfos).
+struct RegionInfo {
+  uint32_t region = 0;
+  uint16_t size_class = 0;
+  uint32_t used = 0;
+  uint32_t slots_per_region = 0;
+  bool draining = false;
+};
+
 struct SizeClassStats {
   uint16_t size_class = 0;
   uint64_t slot_bytes = 0;
@@ -138,8 +170,10 @@ class HostPool {
 
   // A free slot of ClassFor(object_bytes). ResourceExhausted when that class has no free slot
   // and the pool has no free region: the caller evicts and retries.
-  absl::StatusOr<SlotRef> Allocate(uint64_t object_bytes);
-  absl::StatusOr<SlotRef> AllocateInClass(uint16_t size_class);
+  // `owner` is stored with the slot (see "Owners" above); without one the slot's record is empty,
+  // and region release cannot tell whose it is.
+  absl::StatusOr<SlotRef> Allocate(uint64_t object_bytes, const SlotOwner& owner = {});
+  absl::StatusOr<SlotRef> AllocateInClass(uint16_t size_class, const SlotOwner& owner = {});
 
   // Returns a slot. A ref that names no slot of this pool is InvalidArgument; a slot that is not
   // currently allocated (double free, or a stale ref into a region that has since changed hands)
@@ -166,6 +200,23 @@ class HostPool {
 
   std::vector<SizeClassStats> Stats() const;
   uint32_t FreeRegions() const;
+
+  // Region release. Every assigned region (free ones are left out), class by class; not one
+  // atomic snapshot. O(regions).
+  std::vector<RegionInfo> RegionInfos() const;
+  // Appends the allocated slots of region `r` and their owner records to `slots`.
+  // FailedPrecondition when the region is not (any more) of class `size_class`: it may have
+  // emptied and changed hands meanwhile.
+  absl::Status RegionSlots(uint32_t r, uint16_t size_class, std::vector<OwnedSlot>* slots) const;
+  // Starts draining region `r` of class `size_class` (no-op if it already is): no slot of it is
+  // allocated from now on; once its last slot is freed it returns to the free list. Errors as
+  // RegionSlots.
+  absl::Status DrainRegion(uint32_t r, uint16_t size_class);
+  // Gives up draining `r`: its free slots serve its class again. No-op when it is not draining
+  // in that class.
+  void UndrainRegion(uint32_t r, uint16_t size_class);
+  // Regions draining now.
+  uint32_t DrainingRegions() const;
 
   uint8_t* base() const { return base_; }
   uint64_t capacity_bytes() const { return capacity_bytes_; }
@@ -212,7 +263,8 @@ class HostPool {
   // the annotations cannot name a mutex chosen at run time, so this is stated, not checked.
   // Invariants: used == popcount(allocated); slot i is allocated iff its bit is set; the free
   // slots are free_stack[0, free_top) plus [bump, slots_per_region); a free region's bitmap is
-  // all zero.
+  // all zero; a region is on its class's partial list iff 0 < used < slots_per_region and it is
+  // not draining; owners[i] is meaningful iff slot i is allocated.
   struct Region {
     std::atomic<uint16_t> owner{kNoClass};
     uint32_t used = 0;
@@ -221,7 +273,9 @@ class HostPool {
     uint32_t capacity = 0;  // Slots the two arrays below can describe.
     uint32_t prev = kNil;   // Links in the owning class's list of regions with a free slot.
     uint32_t next = kNil;
+    bool draining = false;  // Being released: allocates nothing, returns to the free list empty.
     std::unique_ptr<uint32_t[]> free_stack;
+    std::unique_ptr<SlotOwner[]> owners;  // Per slot, see SlotOwner.
     std::unique_ptr<uint64_t[]> allocated;  // Bitmap, one bit per slot.
   };
 
@@ -270,6 +324,7 @@ class HostPool {
   // Free regions, used as a stack (a region just returned is warm). Reserved to region_count_ at
   // Create, so pushes never allocate.
   std::vector<uint32_t> free_regions_ ABSL_GUARDED_BY(free_mu_);
+  std::atomic<uint32_t> draining_{0};
 };
 
 }  // namespace kvcellar::core

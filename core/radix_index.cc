@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "core/lru_policy.h"
 #include "core/s3fifo_policy.h"
@@ -740,6 +741,66 @@ uint64_t RadixIndex::EvictBytesLocked(uint64_t bytes, std::vector<ReleasedObject
 uint64_t RadixIndex::EvictBytes(uint64_t bytes, std::vector<ReleasedObject>* evicted) {
   absl::MutexLock lock(&mu_);
   return EvictBytesLocked(bytes, evicted);
+}
+
+HolderEvictResult RadixIndex::EvictHolders(absl::Span<const SlotHolder> holders, bool dry_run,
+                                           std::vector<ReleasedObject>* evicted) {
+  HolderEvictResult result;
+  absl::MutexLock lock(&mu_);
+  // The holder pages and every descendant reachable through pages holding L2. All the L2-holding
+  // children of a page in the set are in the set, so `waiting` (its children in the set not gone
+  // yet) starts at l2_children and the set empties bottom-up (Kahn's order: a page goes once its
+  // last L2 child went). A tombstone child holds nothing and blocks nothing: not entered.
+  absl::flat_hash_map<Node*, uint32_t> waiting;
+  absl::flat_hash_set<Node*> holder_pages;
+  std::vector<Node*> stack;
+  for (const SlotHolder& h : holders) {
+    Node* n = h.shard < shards_per_page_ ? Find(h.key) : nullptr;
+    const ShardMask bit = ShardMask{1} << (h.shard & 63);
+    if (n == nullptr || ((n->resident | n->writing) & bit) == 0 ||
+        !(n->shards()[h.shard].slot == h.slot)) {
+      ++result.absent;
+      continue;
+    }
+    ++result.held;
+    holder_pages.insert(n);
+    stack.push_back(n);
+    while (!stack.empty()) {
+      Node* m = stack.back();
+      stack.pop_back();
+      if (!waiting.try_emplace(m, m->l2_children).second) continue;
+      for (Node* c = m->first_child; c != nullptr; c = c->next_sibling) {
+        if (c->HoldsL2()) stack.push_back(c);
+      }
+    }
+  }
+  std::vector<Node*> ready;
+  for (const auto& [n, w] : waiting) {
+    if (w == 0 && n->resident != 0 && !n->Busy()) ready.push_back(n);
+  }
+  // Pages that went; those may be freed by now (EvictNode collects empty leaves), so after
+  // this loop only their addresses are compared, never dereferenced.
+  absl::flat_hash_set<const Node*> gone;
+  while (!ready.empty()) {
+    Node* n = ready.back();
+    ready.pop_back();
+    Node* p = n->parent;
+    ++result.pages;
+    gone.insert(n);
+    if (dry_run) {
+      result.objects += static_cast<uint64_t>(std::popcount(n->resident));
+    } else {
+      policy_->OnRemove(&n->hook);  // EvictNode takes a page the policy no longer tracks.
+      result.objects += EvictNode(n, evicted);
+    }
+    // p, if in the set, still holds L2 (it has not gone), so EvictNode did not free it.
+    auto it = p != nullptr ? waiting.find(p) : waiting.end();
+    if (it != waiting.end() && --it->second == 0 && p->resident != 0 && !p->Busy()) {
+      ready.push_back(p);
+    }
+  }
+  for (const Node* n : holder_pages) result.blocked += !gone.contains(n);
+  return result;
 }
 
 uint64_t RadixIndex::L2BytesLocked() const {

@@ -183,6 +183,22 @@ struct AdminEvictResult {
   uint64_t skipped_in_flight_pages = 0;  // Holding L2, unpinned, a write in flight.
 };
 
+// An object the caller believes holds `slot` (a host pool owner record; see EvictHolders).
+struct SlotHolder {
+  PageKey key;
+  uint16_t shard = 0;
+  SlotRef slot;
+};
+
+// What EvictHolders evicted (or, dry, would evict).
+struct HolderEvictResult {
+  uint64_t pages = 0;    // Holder pages and their descendants that went.
+  uint64_t objects = 0;  // All their L2 objects, in the holders' slots or elsewhere.
+  uint64_t held = 0;     // Holders the index holds at that slot (committed or in flight).
+  uint64_t blocked = 0;  // Of those, pages that stay: busy, or with a busy descendant.
+  uint64_t absent = 0;   // Holders the index does not hold at that slot.
+};
+
 enum class L2State : uint8_t { kAbsent, kWriting, kResident };
 
 struct ShardInfo {
@@ -288,6 +304,17 @@ class RadixIndex {
   // else is evictable. Returns the bytes freed.
   uint64_t EvictBytes(uint64_t bytes, std::vector<ReleasedObject>* evicted)
       ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Region release (server/l2_space.h): evicts the pages holding the given slots, and with each
+  // every descendant holding L2, since eviction is leaf first and L2 stays prefix-closed. A page
+  // goes only when neither it nor any of those descendants is busy (pinned or in flight); such a
+  // page and its ancestors among the holders stay (blocked). A holder whose page does not hold
+  // exactly that slot is skipped (absent: its slot is in other hands, or the record is stale).
+  // Each page goes through EvictNode, the path every eviction takes (counted as evicted; L3
+  // copies stay indexed), children before parents, and its objects are appended to `evicted`.
+  // dry_run changes nothing and appends nothing but counts the same.
+  HolderEvictResult EvictHolders(absl::Span<const SlotHolder> holders, bool dry_run,
+                                 std::vector<ReleasedObject>* evicted) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Watermarks are fractions of this capacity. 0 disables them.
   void SetCapacity(uint64_t capacity_bytes) ABSL_LOCKS_EXCLUDED(mu_);

@@ -148,7 +148,8 @@ CacheMetrics::CacheMetrics(MetricsRegistry* registry) : registry_(registry) {
   CounterFamily* evicted_pages =
       Family(registry, "kvcellar_evicted_pages_total",
              "Pages evicted from L2, by reason: pool_full (a Backup found no free slot), watermark "
-             "(the pool passed pool.high_watermark), admin (AdminService.Evict).",
+             "(the pool passed pool.high_watermark), admin (AdminService.Evict), region_release (a "
+             "whole host-pool region emptied for another object size).",
              {"reason"});
   CounterFamily* evicted_bytes = Family(registry, "kvcellar_evicted_bytes_total",
                                         "L2 slot bytes freed by eviction, by reason.", {"reason"});
@@ -158,6 +159,8 @@ CacheMetrics::CacheMetrics(MetricsRegistry* registry) : registry_(registry) {
   evicted_bytes_[1] = Series(evicted_bytes, {"watermark"});
   evicted_pages_[2] = Series(evicted_pages, {"admin"});
   evicted_bytes_[2] = Series(evicted_bytes, {"admin"});
+  evicted_pages_[3] = Series(evicted_pages, {"region_release"});
+  evicted_bytes_[3] = Series(evicted_bytes, {"region_release"});
   cleared_objects_ = Series(Family(registry, "kvcellar_cleared_objects_total",
                                    "L2 page objects removed by AdminService.Clear.", {}),
                             {});

@@ -29,8 +29,8 @@
 
 namespace kvcellar::server {
 
-enum class EvictReason { kPoolFull = 0, kWatermark = 1, kAdmin = 2 };
-inline constexpr int kEvictReasons = 3;
+enum class EvictReason { kPoolFull = 0, kWatermark = 1, kAdmin = 2, kRegionRelease = 3 };
+inline constexpr int kEvictReasons = 4;
 
 // The counters' values at one moment (AdminService.GetStats), read series by series.
 struct CacheCountersSnapshot {

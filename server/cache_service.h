@@ -128,7 +128,8 @@ class CacheServiceImpl final : public kvcellar::v1::CacheService::CallbackServic
   const CacheLimits& limits() const { return limits_; }
   // For tests and admin tools: the namespaces and their indexes.
   NamespaceRegistry& namespaces() { return namespaces_; }
-  // For tests: the L3 writer and prefetcher (idle without L3 tiers).
+  // For tests: L2 space (region releases), the L3 writer and prefetcher (idle without L3 tiers).
+  L2Space& l2() { return l2_; }
   L3Writer& l3_writer() { return writer_; }
   L3Prefetcher& l3_prefetcher() { return prefetcher_; }
   // The AdminService's view of the cache (listings, statistics, Evict, Clear).

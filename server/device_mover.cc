@@ -393,7 +393,8 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Backup(
         record->statuses[p] = v1::PAGE_STATUS_ALREADY_PRESENT;
         continue;
       }
-      absl::StatusOr<core::SlotRef> slot = pool->Allocate(object_bytes);
+      absl::StatusOr<core::SlotRef> slot =
+          pool->Allocate(object_bytes, L2Space::Owner(ns, keys[p], info.shard));
       if (!slot.ok() && slot.status().code() == absl::StatusCode::kResourceExhausted) {
         if (!protected_pages) {
           // Eviction must not take what this batch builds on: the pages found present and the
@@ -405,7 +406,7 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Backup(
           }
           index->Pin(record->id, keep, now + kOwnPinLease);
         }
-        slot = l2_->Allocate(ns, wanted * ns.slot_bytes());
+        slot = l2_->Allocate(ns, keys[p], info.shard, wanted * ns.slot_bytes());
       }
       if (!slot.ok()) {
         record->statuses[p] = v1::PAGE_STATUS_NO_SPACE;

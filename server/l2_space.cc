@@ -16,34 +16,51 @@ L2Space::L2Space(core::HostPool* pool, NamespaceRegistry* namespaces, double hig
       low_watermark_(low_watermark),
       metrics_(metrics) {}
 
-absl::StatusOr<core::SlotRef> L2Space::Allocate(Namespace& ns, uint64_t evict_bytes) {
+absl::StatusOr<core::SlotRef> L2Space::Allocate(Namespace& ns, const core::PageKey& key,
+                                                uint16_t shard, uint64_t evict_bytes) {
   const uint64_t object_bytes = ns.object_bytes();
-  absl::StatusOr<core::SlotRef> slot = pool_->Allocate(object_bytes);
+  const core::SlotOwner owner = Owner(ns, key, shard);
+  absl::StatusOr<core::SlotRef> slot = pool_->Allocate(object_bytes, owner);
   if (slot.ok() || slot.status().code() != absl::StatusCode::kResourceExhausted) return slot;
+  absl::StatusOr<uint16_t> c = pool_->ClassFor(object_bytes);
+  if (!c.ok()) return c.status();
 
-  // Same namespace first: its pages free slots of exactly this size class.
-  evict_bytes = std::max(evict_bytes, ns.slot_bytes());
-  if (EvictFrom(ns, evict_bytes, EvictReason::kPoolFull) > 0) {
-    slot = pool_->Allocate(object_bytes);
+  // A class under its share of the pool grows by a whole region of another class.
+  if (UnderShare(*c)) {
+    slot = ReleaseRegionFor(*c, owner, /*anyway=*/false);
     if (slot.ok()) return slot;
   }
-  // Then the others, largest first: a region returns to the shared free list once all its slots
-  // are free, so freeing more than one slot's worth is what makes a region change class.
-  std::vector<std::pair<uint64_t, std::shared_ptr<Namespace>>> others;
-  for (std::shared_ptr<Namespace>& other : namespaces_->Snapshot()) {
-    if (other.get() == &ns || other->index() == nullptr) continue;
-    others.emplace_back(other->index()->Stats().l2_bytes, std::move(other));
+  // Otherwise it makes room within itself: the requesting namespace first, then the others of
+  // the same class, largest first. Only same-class evictions help: another class's freed slots
+  // are scattered over its regions and would not free one (that is what region release is for).
+  evict_bytes = std::max(evict_bytes, ns.slot_bytes());
+  bool freed = false;
+  if (EvictFrom(ns, evict_bytes, EvictReason::kPoolFull) > 0) {
+    freed = true;
+    slot = pool_->Allocate(object_bytes, owner);
+    if (slot.ok()) return slot;
   }
-  std::sort(others.begin(), others.end(),
-            [](const auto& a, const auto& b) { return a.first > b.first; });
-  for (auto& [bytes, other] : others) {
-    if (bytes == 0) break;
-    if (EvictFrom(*other, std::max(evict_bytes, pool_->region_bytes()), EvictReason::kPoolFull) ==
-        0) {
+  std::vector<std::pair<uint64_t, std::shared_ptr<Namespace>>> same_class;
+  for (std::shared_ptr<Namespace>& other : namespaces_->Snapshot()) {
+    if (other.get() == &ns || other->index() == nullptr || other->slot_bytes() != ns.slot_bytes()) {
       continue;
     }
-    slot = pool_->Allocate(object_bytes);
+    same_class.emplace_back(other->index()->Stats().l2_bytes, std::move(other));
+  }
+  std::sort(same_class.begin(), same_class.end(),
+            [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (auto& [bytes, other] : same_class) {
+    if (bytes == 0) break;
+    if (EvictFrom(*other, evict_bytes, EvictReason::kPoolFull) == 0) continue;
+    freed = true;
+    slot = pool_->Allocate(object_bytes, owner);
     if (slot.ok()) return slot;
+  }
+  // Nothing of this class could go (all busy, or it holds no region): a region, if another
+  // class has plenty.
+  if (!freed) {
+    absl::StatusOr<core::SlotRef> released = ReleaseRegionFor(*c, owner, /*anyway=*/true);
+    if (released.ok()) return released;
   }
   return slot;
 }
@@ -65,8 +82,14 @@ uint64_t L2Space::EvictFrom(Namespace& ns, uint64_t bytes, EvictReason reason) {
   core::RadixIndex* index = ns.index();
   if (index == nullptr) return 0;
   std::vector<core::ReleasedObject> evicted;
-  const uint64_t freed = index->EvictBytes(bytes, &evicted);
+  index->EvictBytes(bytes, &evicted);
+  return FinishEviction(ns, evicted, reason);
+}
+
+uint64_t L2Space::FinishEviction(Namespace& ns, std::vector<core::ReleasedObject>& evicted,
+                                 EvictReason reason) {
   if (evicted.empty()) return 0;
+  const uint64_t freed = evicted.size() * ns.slot_bytes();
   // A write-back observer takes the slots of pages it writes to L3 (and frees them after).
   if (L2EvictionObserver* observer = observer_.load(std::memory_order_acquire)) {
     observer->OnEvicted(ns, absl::MakeSpan(evicted));

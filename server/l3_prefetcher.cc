@@ -249,7 +249,8 @@ L3Prefetcher::Started L3Prefetcher::Start(const SessionInfo& session,
           page.slots.push_back(core::SlotRef{});  // This shard is already in L2.
           continue;
         }
-        absl::StatusOr<core::SlotRef> slot = l2_->Allocate(ns, ns.slot_bytes());
+        absl::StatusOr<core::SlotRef> slot =
+            l2_->Allocate(ns, key, static_cast<uint16_t>(s), ns.slot_bytes());
         if (!slot.ok()) {
           failed = v1::PAGE_STATUS_NO_SPACE;
           break;

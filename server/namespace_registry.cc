@@ -18,13 +18,14 @@ absl::Status GroupMismatch(absl::string_view field, absl::string_view message) {
 }  // namespace
 
 Namespace::Namespace(core::NamespaceSpec spec, core::HostPool* pool,
-                     core::EvictionPolicyKind policy, int l3_tiers)
+                     core::EvictionPolicyKind policy, int l3_tiers, uint32_t id)
     : spec_(std::move(spec)),
       digest_(spec_.Digest()),
       shards_(static_cast<int>(spec_.ShardsPerPage())),
       pool_(pool),
       policy_(policy),
-      l3_tiers_(l3_tiers) {}
+      l3_tiers_(l3_tiers),
+      id_(id) {}
 
 Namespace::~Namespace() = default;
 
@@ -116,8 +117,9 @@ std::shared_ptr<Namespace> NamespaceRegistry::GetOrCreate(const core::NamespaceS
   absl::MutexLock lock(&mu_);
   auto [it, inserted] = by_digest_.try_emplace(digest);
   if (inserted) {
-    it->second = std::make_shared<Namespace>(spec, pool_, policy_, l3_tiers_);
-    in_creation_order_.push_back(it->second);
+    it->second = std::make_shared<Namespace>(spec, pool_, policy_, l3_tiers_,
+                                             static_cast<uint32_t>(by_id_.size() + 1));
+    by_id_.push_back(it->second);
     KVLOG(Info, "namespace created",
           {{"ns_digest", digest.Hex().substr(0, 16)},
            {"tenant", spec.tenant},
@@ -130,7 +132,12 @@ std::shared_ptr<Namespace> NamespaceRegistry::GetOrCreate(const core::NamespaceS
 
 std::vector<std::shared_ptr<Namespace>> NamespaceRegistry::Snapshot() const {
   absl::MutexLock lock(&mu_);
-  return in_creation_order_;
+  return by_id_;
+}
+
+std::shared_ptr<Namespace> NamespaceRegistry::ById(uint32_t id) const {
+  absl::MutexLock lock(&mu_);
+  return id >= 1 && id <= by_id_.size() ? by_id_[id - 1] : nullptr;
 }
 
 size_t NamespaceRegistry::size() const {

@@ -43,15 +43,19 @@ namespace kvcellar::server {
 
 class Namespace {
  public:
-  // `l3_tiers`: how many L3 tiers the daemon has (the index keeps a bit per tier).
+  // `l3_tiers`: how many L3 tiers the daemon has (the index keeps a bit per tier). `id`: the
+  // registry's number for it (see id()).
   Namespace(core::NamespaceSpec spec, core::HostPool* pool, core::EvictionPolicyKind policy,
-            int l3_tiers = 0);
+            int l3_tiers = 0, uint32_t id = 0);
   ~Namespace();
   Namespace(const Namespace&) = delete;
   Namespace& operator=(const Namespace&) = delete;
 
   const core::NamespaceSpec& spec() const { return spec_; }
   const core::PageKey& digest() const { return digest_; }
+  // Small number, unique in the registry, from 1: what host pool owner records name
+  // (core::SlotOwner::ns). 0 for a namespace made outside a registry.
+  uint32_t id() const { return id_; }
   // Objects per page: tp_size for MHA/GQA, 1 for MLA.
   int shards() const { return shards_; }
   // Every shard bit a group-consistent hit needs.
@@ -91,6 +95,7 @@ class Namespace {
   core::HostPool* const pool_;
   const core::EvictionPolicyKind policy_;
   const int l3_tiers_;
+  const uint32_t id_;
 
   absl::Mutex mu_;
   bool has_geometry_ ABSL_GUARDED_BY(mu_) = false;
@@ -112,6 +117,8 @@ class NamespaceRegistry {
   // Every namespace, in the order they were created (namespaces are never removed, so a prefix
   // of this list never changes: per-namespace metric series rely on it).
   std::vector<std::shared_ptr<Namespace>> Snapshot() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The namespace numbered `id` (Namespace::id), or nullptr.
+  std::shared_ptr<Namespace> ById(uint32_t id) const ABSL_LOCKS_EXCLUDED(mu_);
   size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
@@ -120,7 +127,8 @@ class NamespaceRegistry {
   const int l3_tiers_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<core::PageKey, std::shared_ptr<Namespace>> by_digest_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::shared_ptr<Namespace>> in_creation_order_ ABSL_GUARDED_BY(mu_);
+  // by_id_[id - 1], which is also creation order; namespaces are never removed, so ids are dense.
+  std::vector<std::shared_ptr<Namespace>> by_id_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvcellar::server

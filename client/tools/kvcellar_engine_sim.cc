@@ -491,10 +491,12 @@ int CmdLoad(Engine& e, Flags& f) {
     kc::WaitOptions wo;
     wo.timeout = e.op_wait;
     prefetched = e.session->WaitOps({first_match.prefetch_op}, wo)[0];
-    if (first_match.results[0].pin_id != 0) e.session->Release({first_match.results[0].pin_id});
     kc::MatchOptions again;
     again.pin = pin;
     m = e.session->Match({ms}, again);
+    // The first pin (which grew over the prefetched pages) ends only now that the second one
+    // holds them: no eviction can slip in between.
+    if (first_match.results[0].pin_id != 0) e.session->Release({first_match.results[0].pin_id});
   }
   const kc::MatchResult& mr = m.results[0];
   Engine::LoadOutcome lo;

@@ -231,6 +231,88 @@ TEST(HostPoolTest, MixedClassesShareThePool) {
   EXPECT_EQ(stats[1].regions, 4u);
 }
 
+TEST(HostPoolTest, OwnerRecordsAndRegionInfos) {
+  std::unique_ptr<HostPool> pool = MustCreate(SmallOptions(3, {256 * kKiB, kRegion}));
+  ASSERT_NE(pool, nullptr);
+  std::vector<SlotRef> small;
+  for (uint16_t i = 0; i < 6; ++i) {
+    SlotOwner owner;
+    owner.key.bytes[0] = static_cast<uint8_t>(i + 1);
+    owner.ns = 7;
+    owner.shard = i;
+    small.push_back(*pool->Allocate(256 * kKiB, owner));
+  }
+  SlotRef large = *pool->Allocate(kRegion);  // No owner record.
+  ASSERT_TRUE(pool->Free(small[1]).ok());
+
+  std::vector<RegionInfo> infos = pool->RegionInfos();
+  ASSERT_EQ(infos.size(), 3u);
+  EXPECT_EQ(infos[0].size_class, 0);
+  EXPECT_EQ(infos[0].used + infos[1].used, 5u);
+  EXPECT_EQ(infos[0].slots_per_region, 4u);
+  EXPECT_EQ(infos[2].size_class, 1);
+  EXPECT_EQ(infos[2].region, large.region);
+
+  std::vector<OwnedSlot> slots;
+  ASSERT_TRUE(pool->RegionSlots(small[0].region, 0, &slots).ok());
+  ASSERT_EQ(slots.size(), 3u);  // small[0], small[2], small[3]: small[1] was freed.
+  EXPECT_EQ(slots[0].slot, small[0]);
+  EXPECT_EQ(slots[0].owner.ns, 7u);
+  EXPECT_EQ(slots[0].owner.key.bytes[0], 1);
+  EXPECT_EQ(slots[1].slot, small[2]);
+  EXPECT_EQ(slots[1].owner.shard, 2);
+  slots.clear();
+  ASSERT_TRUE(pool->RegionSlots(large.region, 1, &slots).ok());
+  ASSERT_EQ(slots.size(), 1u);
+  EXPECT_EQ(slots[0].owner.ns, 0u);
+  // The wrong class, or a free region, is refused.
+  EXPECT_EQ(pool->RegionSlots(large.region, 0, &slots).code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(HostPoolTest, DrainingRegionAllocatesNothingAndIsFreedWhenEmpty) {
+  std::unique_ptr<HostPool> pool = MustCreate(SmallOptions(2, {256 * kKiB, kRegion}));
+  ASSERT_NE(pool, nullptr);
+  std::vector<SlotRef> a;
+  for (int i = 0; i < 8; ++i) a.push_back(*pool->Allocate(256 * kKiB));
+  const uint16_t victim = a[0].region;
+  ASSERT_TRUE(pool->Free(a[1]).ok());  // The victim region is partial now.
+  ASSERT_TRUE(pool->DrainRegion(victim, 0).ok());
+  ASSERT_TRUE(pool->DrainRegion(victim, 0).ok());  // Idempotent.
+  EXPECT_EQ(pool->DrainingRegions(), 1u);
+  EXPECT_EQ(pool->DrainRegion(victim, 1).code(), absl::StatusCode::kFailedPrecondition);
+  // Its free slot is not handed out, nor are the ones freed while it drains.
+  EXPECT_EQ(pool->Allocate(256 * kKiB).status().code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(pool->Free(a[0]).ok());
+  ASSERT_TRUE(pool->Free(a[2]).ok());
+  EXPECT_EQ(pool->Allocate(256 * kKiB).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(pool->FreeRegions(), 0u);
+  // The last slot freed: the region is free, for any class, and no longer draining.
+  ASSERT_TRUE(pool->Free(a[3]).ok());
+  EXPECT_EQ(pool->FreeRegions(), 1u);
+  EXPECT_EQ(pool->DrainingRegions(), 0u);
+  absl::StatusOr<SlotRef> big = pool->Allocate(kRegion);
+  ASSERT_TRUE(big.ok()) << big.status();
+  EXPECT_EQ(big->region, victim);
+}
+
+TEST(HostPoolTest, UndrainGivesTheRegionBackToItsClass) {
+  std::unique_ptr<HostPool> pool = MustCreate(SmallOptions(1, {256 * kKiB}));
+  ASSERT_NE(pool, nullptr);
+  std::vector<SlotRef> a;
+  for (int i = 0; i < 4; ++i) a.push_back(*pool->Allocate(256 * kKiB));
+  ASSERT_TRUE(pool->DrainRegion(a[0].region, 0).ok());
+  ASSERT_TRUE(pool->Free(a[2]).ok());  // Full while draining: must not join the partial list.
+  EXPECT_EQ(pool->Allocate(1).status().code(), absl::StatusCode::kResourceExhausted);
+  pool->UndrainRegion(a[0].region, 0);
+  EXPECT_EQ(pool->DrainingRegions(), 0u);
+  absl::StatusOr<SlotRef> again = pool->Allocate(1);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(*again, a[2]);
+  EXPECT_EQ(pool->Allocate(1).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(SumUsed(*pool), 4u);
+}
+
 TEST(HostPoolTest, AddressesAreDistinctAlignedAndInsideTheMapping) {
   std::unique_ptr<HostPool> pool =
       MustCreate(SmallOptions(8, {4 * kKiB, 12 * kKiB, 100 * kKiB, 300 * kKiB, kRegion}));

@@ -824,5 +824,119 @@ TEST_P(RadixIndexTest, ClearScopeDoomsBusyPagesAndReapsThemWhenTheCopyEnds) {
   EXPECT_EQ(MatchOk(*index, {a[0]}).l2_pages, 1u);
 }
 
+// ---- EvictHolders (region release) -------------------------------------------------------------
+
+SlotHolder HolderOf(const RadixIndex& index, const PageKey& key, uint16_t shard = 0) {
+  std::optional<PageInfo> info = index.Inspect(key);
+  EXPECT_TRUE(info.has_value());
+  return SlotHolder{key, shard, info.has_value() ? info->shards[shard].slot : SlotRef{}};
+}
+
+TEST_P(RadixIndexTest, EvictHoldersTakesThePagesAndTheirL2DescendantsLeafFirst) {
+  auto index = Make(/*shards=*/2);
+  const std::vector<PageKey> chain = Chain(100, 5);  // 100 <- 101 <- ... <- 104
+  Put(*index, chain, std::nullopt, 0b11);
+  const std::vector<PageKey> other = Chain(200, 2);
+  Put(*index, other, std::nullopt, 0b11);
+  MarkL3(*index, {chain[3]}, 0, 0b11);  // Stays as a tombstone with its L3 copies.
+
+  // The holder is page 102's shard 1: 102, 103 and 104 go (all shards), 100 and 101 stay.
+  const SlotHolder h = HolderOf(*index, chain[2], 1);
+  std::vector<ReleasedObject> evicted;
+  HolderEvictResult dry = index->EvictHolders({&h, 1}, /*dry_run=*/true, &evicted);
+  EXPECT_EQ(dry.pages, 3u);
+  EXPECT_EQ(dry.objects, 6u);
+  EXPECT_EQ(dry.held, 1u);
+  EXPECT_EQ(dry.blocked, 0u);
+  EXPECT_TRUE(evicted.empty());
+  EXPECT_EQ(index->Stats().l2_pages, 7u);
+
+  HolderEvictResult real = index->EvictHolders({&h, 1}, /*dry_run=*/false, &evicted);
+  EXPECT_EQ(real.pages, 3u);
+  EXPECT_EQ(real.objects, 6u);
+  ASSERT_EQ(evicted.size(), 6u);
+  EXPECT_EQ(evicted.front().key, chain[4]);  // Children before parents.
+  EXPECT_EQ(evicted.back().key, chain[2]);
+  ASSERT_TRUE(index->CheckInvariants().ok()) << index->CheckInvariants();
+  EXPECT_EQ(index->Stats().l2_pages, 4u);
+  EXPECT_EQ(index->Stats().evicted_pages, 3u);
+  EXPECT_EQ(MatchOk(*index, chain).l2_pages, 2u);
+  EXPECT_EQ(MatchOk(*index, other).l2_pages, 2u);
+  std::optional<PageInfo> tomb = index->Inspect(chain[3]);
+  ASSERT_TRUE(tomb.has_value());  // Evicted from L2, still indexed for its L3 copies.
+  EXPECT_EQ(tomb->shards[0].l3_tiers, 1);
+  EXPECT_FALSE(index->Inspect(chain[4]).has_value());
+}
+
+TEST_P(RadixIndexTest, EvictHoldersNeverTakesBusyPagesOrTheirAncestors) {
+  auto index = Make();
+  const std::vector<PageKey> chain = Chain(100, 3);
+  Put(*index, chain);
+  const std::vector<PageKey> lone = Chain(300, 1);
+  Put(*index, lone);
+  ASSERT_EQ(index->Pin(7, {&chain[2], 1}, kT0 + absl::Seconds(30)), 1u);
+  // An in-flight write under `lone`.
+  const PageKey child = Key(301);
+  ASSERT_TRUE(index->BeginWrite(Write(child, lone[0], 0)).ok());
+
+  const std::vector<SlotHolder> holders = {HolderOf(*index, chain[0]), HolderOf(*index, chain[1]),
+                                           HolderOf(*index, lone[0])};
+  std::vector<ReleasedObject> evicted;
+  HolderEvictResult dry = index->EvictHolders(holders, /*dry_run=*/true, &evicted);
+  EXPECT_EQ(dry.pages, 0u);
+  EXPECT_EQ(dry.blocked, 3u);
+  HolderEvictResult real = index->EvictHolders(holders, /*dry_run=*/false, &evicted);
+  EXPECT_EQ(real.pages, 0u);
+  EXPECT_EQ(real.blocked, 3u);
+  EXPECT_TRUE(evicted.empty());
+  ASSERT_TRUE(index->CheckInvariants().ok()) << index->CheckInvariants();
+
+  // Once the pin is gone and the write committed, everything goes.
+  ASSERT_EQ(index->Unpin(7, {&chain[2], 1}), 1u);
+  ASSERT_TRUE(index->Commit({child, 0}).ok());
+  real = index->EvictHolders(holders, /*dry_run=*/false, &evicted);
+  EXPECT_EQ(real.pages, 5u);
+  EXPECT_EQ(real.blocked, 0u);
+  ASSERT_TRUE(index->CheckInvariants().ok()) << index->CheckInvariants();
+  EXPECT_EQ(index->Stats().l2_pages, 0u);
+}
+
+TEST_P(RadixIndexTest, EvictHoldersSkipsHoldersWhoseSlotTheIndexDoesNotHold) {
+  auto index = Make();
+  const std::vector<PageKey> chain = Chain(100, 2);
+  Put(*index, chain);
+  const SlotHolder stale{chain[1], 0, SlotRef{0, 9, 9999}};  // Another slot than the page's.
+  const SlotHolder missing{Key(999), 0, SlotRef{0, 0, 1}};
+  const SlotHolder bad_shard{chain[1], 5, SlotRef{0, 0, 1}};
+  const std::vector<SlotHolder> holders = {stale, missing, bad_shard};
+  std::vector<ReleasedObject> evicted;
+  HolderEvictResult r = index->EvictHolders(holders, /*dry_run=*/false, &evicted);
+  EXPECT_EQ(r.absent, 3u);
+  EXPECT_EQ(r.held, 0u);
+  EXPECT_EQ(r.pages, 0u);
+  EXPECT_EQ(index->Stats().l2_pages, 2u);
+  ASSERT_TRUE(index->CheckInvariants().ok()) << index->CheckInvariants();
+}
+
+TEST_P(RadixIndexTest, EvictHoldersWithOverlappingHoldersEvictsEachPageOnce) {
+  auto index = Make(/*shards=*/2);
+  const std::vector<PageKey> chain = Chain(100, 4);
+  Put(*index, chain, std::nullopt, 0b11);
+  // Both shards of every page, the deepest first: each page reached twice, and from above.
+  std::vector<SlotHolder> holders;
+  for (int i = 3; i >= 0; --i) {
+    holders.push_back(HolderOf(*index, chain[i], 0));
+    holders.push_back(HolderOf(*index, chain[i], 1));
+  }
+  std::vector<ReleasedObject> evicted;
+  HolderEvictResult r = index->EvictHolders(holders, /*dry_run=*/false, &evicted);
+  EXPECT_EQ(r.pages, 4u);
+  EXPECT_EQ(r.objects, 8u);
+  EXPECT_EQ(evicted.size(), 8u);
+  EXPECT_EQ(r.held, 8u);
+  ASSERT_TRUE(index->CheckInvariants().ok()) << index->CheckInvariants();
+  EXPECT_EQ(index->Stats().pages, 0u);
+}
+
 }  // namespace
 }  // namespace kvcellar::core

@@ -296,8 +296,11 @@ def test_write_back_writes_pages_when_l2_evicts_them(daemon_factory, tmp_path):
     # evicted, byte-exact.
     l3_hits = 0
     for seed, tokens_seed, pages in ((91, 18, 40), (92, 19, 22)):
+        # Pinned: the housekeeper, above its watermark again once the pages land, must not
+        # evict them between the prefetch and the Load.
         r = run_engine(d.socket, "load", instance=f"r{seed}", verify_seed=seed,
-                       tokens_seed=tokens_seed, pages=pages, prefetch="wait_complete", **BIG)
+                       tokens_seed=tokens_seed, pages=pages, prefetch="wait_complete", pin=True,
+                       **BIG)
         assert r.rc == EXIT_OK and r["mismatched_bytes"] == 0, r.describe()
         assert r["first_hits"] + r["l3_hits"] == pages, r.describe()
         assert r["prefetch_final"].get("OK", 0) == r["l3_hits"], r.describe()

@@ -96,11 +96,14 @@ class TestEngine {
   static constexpr uint32_t kLoadSlots = 4;
   static constexpr uint32_t kReadySlots = 2;
 
-  TestEngine(uint32_t num_blocks, bool mla, uint32_t seed) : seed_(seed) {
+  // `bytes_per_block` other than kBytesPerBlock makes a model of another page object size.
+  TestEngine(uint32_t num_blocks, bool mla, uint32_t seed,
+             uint64_t bytes_per_block = kBytesPerBlock)
+      : seed_(seed) {
     gpu::SimKvShape shape;
     shape.num_layers = kLayers;
     shape.num_blocks = num_blocks;
-    shape.bytes_per_block = mla ? 2 * kBytesPerBlock : kBytesPerBlock;  // Same object size.
+    shape.bytes_per_block = mla ? 2 * bytes_per_block : bytes_per_block;  // Same object size.
     shape.mla = mla;
     absl::StatusOr<gpu::SimEngineKvCache> kv =
         gpu::SimEngineKvCache::Create(gpu::UniqueShmName("eng"), shape, 0);
