@@ -216,21 +216,17 @@ absl::Status CacheAdmin::GetStats(const v1::GetStatsRequest& request,
   FillOps(v1::OP_KIND_LOAD, m.ops[0], m.pages[0], totals->add_ops());
   FillOps(v1::OP_KIND_BACKUP, m.ops[1], m.pages[1], totals->add_ops());
   FillOps(v1::OP_KIND_PREFETCH, m.ops[2], m.pages[2], totals->add_ops());
-  v1::TransferCounters* l3_to_l2 = totals->add_transfers();
-  l3_to_l2->set_direction(v1::TRANSFER_DIRECTION_L3_TO_L2);
-  l3_to_l2->set_objects(m.pages[2][v1::PAGE_STATUS_OK]);
-  l3_to_l2->set_bytes(m.l3_to_l2_bytes);
-  v1::TransferCounters* l2_to_l3 = totals->add_transfers();
-  l2_to_l3->set_direction(v1::TRANSFER_DIRECTION_L2_TO_L3);
-  l2_to_l3->set_bytes(m.l2_to_l3_bytes);
-  v1::TransferCounters* h2d = totals->add_transfers();
-  h2d->set_direction(v1::TRANSFER_DIRECTION_L2_TO_L1);
-  h2d->set_objects(m.pages[0][v1::PAGE_STATUS_OK]);
-  h2d->set_bytes(m.h2d_bytes);
-  v1::TransferCounters* d2h = totals->add_transfers();
-  d2h->set_direction(v1::TRANSFER_DIRECTION_L1_TO_L2);
-  d2h->set_objects(m.pages[1][v1::PAGE_STATUS_OK]);
-  d2h->set_bytes(m.d2h_bytes);
+  auto transfer = [&](v1::TransferDirection direction, uint64_t objects, uint64_t bytes) {
+    v1::TransferCounters* t = totals->add_transfers();
+    t->set_direction(direction);
+    t->set_objects(objects);
+    t->set_bytes(bytes);
+  };
+  // L2 -> L3 writes are counted in bytes; their objects are in kvcellar_l3_writes_total.
+  transfer(v1::TRANSFER_DIRECTION_L3_TO_L2, m.pages[2][v1::PAGE_STATUS_OK], m.l3_to_l2_bytes);
+  transfer(v1::TRANSFER_DIRECTION_L2_TO_L3, 0, m.l2_to_l3_bytes);
+  transfer(v1::TRANSFER_DIRECTION_L2_TO_L1, m.pages[0][v1::PAGE_STATUS_OK], m.h2d_bytes);
+  transfer(v1::TRANSFER_DIRECTION_L1_TO_L2, m.pages[1][v1::PAGE_STATUS_OK], m.d2h_bytes);
   totals->set_backup_dedup_pages(m.pages[1][v1::PAGE_STATUS_ALREADY_PRESENT] +
                                  m.pages[1][v1::PAGE_STATUS_IN_FLIGHT]);
   v1::SessionCounters* sessions = totals->mutable_sessions();
