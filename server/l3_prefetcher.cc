@@ -91,12 +91,16 @@ class L3Prefetcher::Completion final : public OpCompletion {
       }
     }
     const bool ended = cause == OpCancelCause::kSessionEnded;
+    const bool released = cause == OpCancelCause::kReleased;
+    bool cut_short = false;  // Some page had not landed.
     for (uint8_t& s : statuses) {
       if (s == v1::PAGE_STATUS_PENDING) {
-        s = ended ? v1::PAGE_STATUS_CANCELLED : v1::PAGE_STATUS_TIMEOUT;
+        s = ended || released ? v1::PAGE_STATUS_CANCELLED : v1::PAGE_STATUS_TIMEOUT;
+        cut_short = true;
       }
     }
     if (ended) out = {v1::OP_STATE_CANCELLED, "session ended"};
+    if (released && cut_short) out = {v1::OP_STATE_CANCELLED, "cancelled by Release"};
     (void)device;
     std::array<uint64_t, v1::PageStatus_ARRAYSIZE> counts{};
     for (uint8_t s : statuses) {

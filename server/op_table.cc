@@ -224,16 +224,27 @@ void OpTable::FinishAllWaiters() {
   for (OpWaiter* w : done) w->Done();
 }
 
-v1::ReleaseOutcome OpTable::Cancel(uint64_t id, const std::string& instance_id) const {
-  absl::MutexLock lock(&mu_);
-  auto it = ops_.find(id);
-  if (it == ops_.end() || it->second->instance_id != instance_id) {
-    return v1::RELEASE_OUTCOME_UNKNOWN;
+v1::ReleaseOutcome OpTable::Cancel(uint64_t id, const std::string& instance_id) {
+  std::shared_ptr<OpRecord> op;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = ops_.find(id);
+    if (it == ops_.end() || it->second->instance_id != instance_id) {
+      return v1::RELEASE_OUTCOME_UNKNOWN;
+    }
+    if (Terminal(it->second->state)) return v1::RELEASE_OUTCOME_ALREADY_DONE;
+    // Load and Backup copies touch engine blocks the moment they are issued: they run to the end
+    // (docs/api.md: wait for them instead). A prefetch touches only daemon memory.
+    if (it->second->kind != v1::OP_KIND_PREFETCH) return v1::RELEASE_OUTCOME_NOT_CANCELLABLE;
+    op = it->second;
+    if (op->cancel == OpCancelCause::kNone) op->cancel = OpCancelCause::kReleased;
+    wake_ = true;
   }
-  if (Terminal(it->second->state)) return v1::RELEASE_OUTCOME_ALREADY_DONE;
-  // Load and Backup copies touch engine blocks the moment they are issued: they run to the end
-  // (docs/api.md: wait for them instead). Prefetch ops, the cancellable kind, need L3.
-  return v1::RELEASE_OUTCOME_NOT_CANCELLABLE;
+  if (op->device != nullptr) op->device->Cancel();
+  TryFinalize(*op);
+  absl::MutexLock lock(&mu_);
+  return op->state == v1::OP_STATE_CANCELLED ? v1::RELEASE_OUTCOME_CANCELLED
+                                             : v1::RELEASE_OUTCOME_ALREADY_DONE;
 }
 
 bool OpTable::WaitSessionOps(uint64_t session_id, absl::Time deadline) {

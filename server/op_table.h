@@ -55,6 +55,7 @@ enum class OpCancelCause : uint8_t {
   kNone,
   kReadyTimeout,  // The SIM ready signal did not fire in time.
   kSessionEnded,  // Unregister, lease expiry, replacement or daemon shutdown.
+  kReleased,      // Release(cancel_op_ids): the engine gave up on a prefetch.
 };
 
 struct OpOutcome {
@@ -144,9 +145,10 @@ class OpTable {
   // Finishes every waiter now with the states as they are (daemon draining).
   void FinishAllWaiters() ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Release(cancel_op_ids): Load and Backup cannot be cancelled once submitted.
-  v1::ReleaseOutcome Cancel(uint64_t id, const std::string& instance_id) const
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // Release(cancel_op_ids): a prefetch op ends at once (CANCELLED: its unlanded pages too; reads
+  // already issued finish in the background and still commit or free their slots). Load and
+  // Backup cannot be cancelled once submitted (NOT_CANCELLABLE).
+  v1::ReleaseOutcome Cancel(uint64_t id, const std::string& instance_id) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Session end. Blocks until every op of the session is terminal or `deadline`; returns whether
   // they all are.

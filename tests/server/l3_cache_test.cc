@@ -1,6 +1,9 @@
 // Tests the L3 side of server/cache_service.h (Match L3 hits, the Prefetch RPC, write-through
 // and the prefetch statuses) with a real file tier in a temp directory, on the harness of
 // cache_test_harness.h. Bytes are checked against the pattern the writing engine filled in.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -215,6 +218,92 @@ TEST(L3CacheTest, WithoutTiersPrefetchAnswersFromL2Alone) {
   EXPECT_THAT(Statuses(h.Wait(a.session, r.op().op_id())),
               ElementsAre(v1::PAGE_STATUS_ALREADY_PRESENT, v1::PAGE_STATUS_ALREADY_PRESENT,
                           v1::PAGE_STATUS_MISS));
+}
+
+// A TCP listener that never accepts: connections complete in its backlog and no command is ever
+// answered, so a Redis tier pointed at it is an L3 that hangs until its own timeout.
+class BlackHole {
+ public:
+  BlackHole() {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    EXPECT_EQ(::listen(fd_, 64), 0);
+    socklen_t len = sizeof(addr);
+    ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+    port_ = ntohs(addr.sin_port);
+  }
+  ~BlackHole() { ::close(fd_); }
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
+// Marks keys[0, n) as held by tier 0, as a Match lookup would have.
+void MarkInTier0(CacheHarness& h, const std::vector<core::PageKey>& keys) {
+  std::vector<core::L3Update> updates;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    updates.push_back({keys[i], i > 0 ? std::optional(keys[i - 1]) : std::nullopt, 0, 0, true});
+  }
+  std::vector<absl::Status> statuses(updates.size());
+  ASSERT_EQ(h.service().namespaces().Snapshot()[0]->index()->UpdateL3(updates,
+                                                                        absl::MakeSpan(statuses)),
+            updates.size());
+}
+
+TEST(L3CacheTest, TimeoutPolicyEndsAtItsDeadlineAndReleaseCancelsAPrefetch) {
+  BlackHole hole;
+  HarnessOptions o;
+  o.storage.tiers = absl::StrCat("redis:127.0.0.1:", hole.port(), "?name=slow&timeout_ms=1500");
+  CacheHarness h(o);
+  TestEngine a(16, false, 11);
+  h.Register(a, "eng", 0, Spec());
+  const std::vector<core::PageKey> first = CacheHarness::Keys(Spec(), Tokens(8, 3));
+  const std::vector<core::PageKey> second = CacheHarness::Keys(Spec(), Tokens(9, 3));
+  MarkInTier0(h, first);
+  MarkInTier0(h, second);
+
+  // timeout: DONE at the deadline, every page TIMEOUT, long before the tier's own 1.5 s.
+  v1::PrefetchRequest req = PrefetchOf(a.session, first, 0, 3, v1::PREFETCH_POLICY_TIMEOUT);
+  req.set_timeout_ms(100);
+  const absl::Time t0 = absl::Now();
+  v1::PrefetchResponse r;
+  ASSERT_TRUE(h.Prefetch(req, &r).ok());
+  v1::OpResult done = h.Wait(a.session, r.op().op_id());
+  EXPECT_LT(absl::Now() - t0, absl::Milliseconds(1000));
+  EXPECT_EQ(done.state(), v1::OP_STATE_DONE);
+  EXPECT_THAT(Statuses(done), ElementsAre(v1::PAGE_STATUS_TIMEOUT, v1::PAGE_STATUS_TIMEOUT,
+                                          v1::PAGE_STATUS_TIMEOUT));
+
+  // Release(cancel_op_ids) ends a pending prefetch at once.
+  ASSERT_TRUE(
+      h.Prefetch(PrefetchOf(a.session, second, 0, 3, v1::PREFETCH_POLICY_BEST_EFFORT), &r).ok());
+  EXPECT_THAT(Statuses(r.op()), ElementsAre(v1::PAGE_STATUS_PENDING, v1::PAGE_STATUS_PENDING,
+                                            v1::PAGE_STATUS_PENDING));
+  v1::ReleaseRequest cancel;
+  cancel.set_session_id(a.session);
+  cancel.add_cancel_op_ids(r.op().op_id());
+  v1::ReleaseResponse cancelled;
+  ASSERT_TRUE(h.Release(cancel, &cancelled).ok());
+  EXPECT_THAT(cancelled.op_outcomes(), ElementsAre(v1::RELEASE_OUTCOME_CANCELLED));
+  v1::OpResult c = h.Wait(a.session, r.op().op_id());
+  EXPECT_EQ(c.state(), v1::OP_STATE_CANCELLED);
+  EXPECT_THAT(Statuses(c), ElementsAre(v1::PAGE_STATUS_CANCELLED, v1::PAGE_STATUS_CANCELLED,
+                                       v1::PAGE_STATUS_CANCELLED));
+  // Cancelling again: already done. A Backup cannot be cancelled.
+  ASSERT_TRUE(h.Release(cancel, &cancelled).ok());
+  EXPECT_THAT(cancelled.op_outcomes(), ElementsAre(v1::RELEASE_OUTCOME_ALREADY_DONE));
+
+  // The reads end at the tier's timeout: their slots are freed, nothing was committed.
+  EXPECT_GT(h.PoolSlotsUsed(), 0u);
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (h.PoolSlotsUsed() > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_EQ(h.PoolSlotsUsed(), 0u);
+  EXPECT_EQ(h.L2Hits(a.session, Tokens(8, 3)), 0u);
 }
 
 TEST(L3CacheTest, SelectiveWritesAfterTheConfiguredHits) {
