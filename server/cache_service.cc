@@ -490,6 +490,10 @@ absl::Status CacheServiceImpl::DoLoad(const v1::LoadRequest& request, v1::LoadRe
   absl::StatusOr<std::shared_ptr<Session>> session = FindSession(request.session_id());
   if (!session.ok()) return session.status();
   if (absl::Status s = ValidateLoad(request, (*session)->info(), limits_); !s.ok()) return s;
+  // The engine schedules with what has landed: a BEST_EFFORT prefetch under the pin stops here.
+  for (const v1::LoadSequence& seq : request.sequences()) {
+    if (seq.pin_id() != 0) prefetcher_.Abandon(seq.pin_id(), (*session)->info().instance_id);
+  }
   absl::StatusOr<std::shared_ptr<OpRecord>> op = mover_.Load(*session, request);
   if (!op.ok()) return op.status();
   ops_.Fill(**op, /*omit_page_status=*/false, /*submission=*/true, response->mutable_op());
@@ -577,8 +581,10 @@ absl::Status CacheServiceImpl::DoRelease(const v1::ReleaseRequest& request,
   }
   const std::string& instance = (*session)->info().instance_id;
   for (uint64_t id : request.pin_ids()) {
-    response->add_pin_outcomes(pins_.Release(id, instance) ? v1::RELEASE_OUTCOME_RELEASED
-                                                           : v1::RELEASE_OUTCOME_UNKNOWN);
+    const bool released = pins_.Release(id, instance);
+    if (released) prefetcher_.Abandon(id, instance);
+    response->add_pin_outcomes(released ? v1::RELEASE_OUTCOME_RELEASED
+                                        : v1::RELEASE_OUTCOME_UNKNOWN);
   }
   for (uint64_t id : request.cancel_op_ids()) response->add_op_outcomes(ops_.Cancel(id, instance));
   return absl::OkStatus();

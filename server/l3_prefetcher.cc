@@ -63,6 +63,8 @@ struct L3Prefetcher::Fetch {
   };
   std::shared_ptr<Namespace> ns;
   v1::PrefetchPolicy policy = v1::PREFETCH_POLICY_UNSPECIFIED;
+  uint64_t op_id = 0;
+  std::vector<uint64_t> best_effort_pins;  // Pins registered in best_effort_by_pin_.
   std::vector<Page> pages;
   uint64_t bytes = 0;  // Reserved in pending_bytes_.
   // When the reads were issued: the L3 -> L2 transfer's duration ends when they have landed.
@@ -305,6 +307,12 @@ L3Prefetcher::Started L3Prefetcher::Start(const SessionInfo& session,
   if (fetch->pages.empty() && !always_op) return started;
 
   record->id = ops_->NextId();
+  fetch->op_id = record->id;
+  if (policy == v1::PREFETCH_POLICY_BEST_EFFORT) {
+    for (const PrefetchChain& chain : chains) {
+      if (chain.pin_id != 0) fetch->best_effort_pins.push_back(chain.pin_id);
+    }
+  }
   record->kind = v1::OP_KIND_PREFETCH;
   record->instance_id = session.instance_id;
   record->session_id = session.id;
@@ -321,6 +329,7 @@ L3Prefetcher::Started L3Prefetcher::Start(const SessionInfo& session,
   {
     absl::MutexLock lock(&mu_);
     ++inflight_;
+    for (uint64_t pin : fetch->best_effort_pins) best_effort_by_pin_[pin] = fetch->op_id;
   }
   // Reads first, then the op: a read that completes at once lands before Add and Add finalizes.
   fetch->started = std::chrono::steady_clock::now();
@@ -453,7 +462,23 @@ void L3Prefetcher::Land(Fetch& fetch) {
   fetch.op->Finish(absl::OkStatus());
   if (record != nullptr) ops_->TryFinalize(*record);
   absl::MutexLock lock(&mu_);
+  for (uint64_t pin : fetch.best_effort_pins) {
+    auto it = best_effort_by_pin_.find(pin);
+    if (it != best_effort_by_pin_.end() && it->second == fetch.op_id) best_effort_by_pin_.erase(it);
+  }
   --inflight_;
+}
+
+void L3Prefetcher::Abandon(uint64_t pin_id, const std::string& instance_id) {
+  uint64_t op_id = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = best_effort_by_pin_.find(pin_id);
+    if (it == best_effort_by_pin_.end()) return;
+    op_id = it->second;
+    best_effort_by_pin_.erase(it);
+  }
+  ops_->Cancel(op_id, instance_id);  // UNKNOWN for another instance's pin: nothing happens.
 }
 
 }  // namespace kvcellar::server

@@ -23,7 +23,9 @@
 // that ends cancels its ops the same way (CANCELLED).
 //
 // With a pin id, pages are added to that pin as they land (PinTable::Extend), so a Match's pin
-// grows over its prefetch, as the proto promises.
+// grows over its prefetch, as the proto promises. A BEST_EFFORT op is abandoned (CANCELLED, as
+// Release(cancel_op_ids) does) once the engine Loads or Releases with one of its pins: the engine
+// has scheduled the request with what had landed.
 //
 // Threads: Start from gRPC handlers; read callbacks on backend threads; completion on the op
 // table's thread. Holds no lock of its own across calls out.
@@ -36,6 +38,7 @@
 #include <optional>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "core/page_key.h"
@@ -88,6 +91,10 @@ class L3Prefetcher {
   Started Start(const SessionInfo& session, std::vector<PrefetchChain> chains,
                 v1::PrefetchPolicy policy, absl::Duration deadline, bool always_op);
 
+  // The engine Loaded or Released with pin `pin_id`: cancels the BEST_EFFORT op that pin grows
+  // over, if one is still running.
+  void Abandon(uint64_t pin_id, const std::string& instance_id) ABSL_LOCKS_EXCLUDED(mu_);
+
   // Blocks until no read is in flight (tests, shutdown).
   void Drain();
   uint64_t pending_bytes() const { return pending_bytes_.load(std::memory_order_relaxed); }
@@ -114,6 +121,8 @@ class L3Prefetcher {
   std::atomic<uint64_t> pending_bytes_{0};
   absl::Mutex mu_;
   size_t inflight_ ABSL_GUARDED_BY(mu_) = 0;
+  // Running BEST_EFFORT ops by the pins they grow; an entry goes when its op lands.
+  absl::flat_hash_map<uint64_t, uint64_t> best_effort_by_pin_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvcellar::server

@@ -298,6 +298,27 @@ TEST(L3CacheTest, TimeoutPolicyEndsAtItsDeadlineAndReleaseCancelsAPrefetch) {
   ASSERT_TRUE(h.Release(cancel, &cancelled).ok());
   EXPECT_THAT(cancelled.op_outcomes(), ElementsAre(v1::RELEASE_OUTCOME_ALREADY_DONE));
 
+  // A BEST_EFFORT prefetch started by Match is abandoned when the engine releases the pin.
+  const std::vector<uint32_t> third_tokens = Tokens(10, 2);
+  MarkInTier0(h, CacheHarness::Keys(Spec(), third_tokens));
+  v1::MatchRequest m;
+  m.set_session_id(a.session);
+  m.add_sequences()->mutable_token_ids()->Add(third_tokens.begin(), third_tokens.end());
+  m.set_prefetch_policy(v1::PREFETCH_POLICY_BEST_EFFORT);
+  m.set_pin(true);
+  v1::MatchResponse mr;
+  ASSERT_TRUE(h.Match(m, &mr).ok());
+  ASSERT_NE(mr.prefetch_op_id(), 0u);
+  ASSERT_NE(mr.results(0).pin_id(), 0u);
+  v1::ReleaseRequest drop;
+  drop.set_session_id(a.session);
+  drop.add_pin_ids(mr.results(0).pin_id());
+  ASSERT_TRUE(h.Release(drop, &cancelled).ok());
+  EXPECT_THAT(cancelled.pin_outcomes(), ElementsAre(v1::RELEASE_OUTCOME_RELEASED));
+  v1::OpResult abandoned = h.Wait(a.session, mr.prefetch_op_id());
+  EXPECT_EQ(abandoned.state(), v1::OP_STATE_CANCELLED);
+  EXPECT_THAT(Statuses(abandoned), ElementsAre(v1::PAGE_STATUS_CANCELLED, v1::PAGE_STATUS_CANCELLED));
+
   // The reads end at the tier's timeout: their slots are freed, nothing was committed.
   EXPECT_GT(h.PoolSlotsUsed(), 0u);
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
