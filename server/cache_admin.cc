@@ -343,6 +343,16 @@ absl::Status CacheAdmin::Clear(const v1::ClearRequest& request, L3Admin* l3,
   response->set_dry_run(request.dry_run());
   const NamespaceList selected = Select(*namespaces_, *scope);
 
+  // L3 first: its objects are found through the index's marks, which removing the pages from L2
+  // takes with them.
+  if (tiers->l3 && l3 != nullptr) {
+    for (const std::shared_ptr<Namespace>& ns : selected) {
+      absl::StatusOr<std::vector<L3BackendUsage>> r =
+          l3->Clear(ToL3Scope(*ns, *scope, *tiers), request.dry_run());
+      if (!r.ok()) return r.status();
+      MergeL3(*r, response->mutable_removed());
+    }
+  }
   if (tiers->l2) {
     // Pins first: a pinned page cannot be removed, and the engine holding the pin must learn it
     // is gone (its Load misses, Heartbeat reports the pin unknown). A pin belongs to the scope
@@ -393,14 +403,6 @@ absl::Status CacheAdmin::Clear(const v1::ClearRequest& request, L3Admin* l3,
       usage->set_pages(usage->pages() + pages);
       usage->set_bytes(usage->bytes() + objects * ns->object_bytes());
       response->set_deferred_pages(response->deferred_pages() + counts.busy_pages);
-    }
-  }
-  if (tiers->l3 && l3 != nullptr) {
-    for (const std::shared_ptr<Namespace>& ns : selected) {
-      absl::StatusOr<std::vector<L3BackendUsage>> r =
-          l3->Clear(ToL3Scope(*ns, *scope, *tiers), request.dry_run());
-      if (!r.ok()) return r.status();
-      MergeL3(*r, response->mutable_removed());
     }
   }
   return absl::OkStatus();
