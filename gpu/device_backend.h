@@ -95,6 +95,12 @@ struct EngineSpec {
   // reports layer progress through DeviceOp::layers_done() only, and sim counter fences are
   // unavailable.
   std::string completion_region;
+  // CUDA: the engine's per-layer Load events (docs/api.md "CUDA: IPC events"), one 64-byte
+  // cudaIpcEventHandle_t per (load slot, layer), slot-major: (s * layers + l). A Scatter with an
+  // enabled OpSignal records event (signal.slot, l) on its stream after layer l's copies, so the
+  // engine's stream can wait on exactly that layer. Empty: no load events. The sim device
+  // ignores it (its engines use shared-memory counters).
+  std::vector<std::string> cuda_load_events;
 };
 
 // One asynchronous batched copy. Backends finish it exactly once.

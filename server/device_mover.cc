@@ -302,8 +302,14 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Load(const std::shared_pt
 
   const auto copy_start = std::chrono::steady_clock::now();
   if (!items.empty()) {
+    // CUDA signals layers on the device: the engine's load events, recorded on the copy stream
+    // after each layer (the SIM pump below does it from the host for SIM engines).
+    gpu::OpSignal device_signal;
+    if (slot.has_value() && info.device_kind == v1::DEVICE_KIND_CUDA) {
+      device_signal = gpu::OpSignal{*slot, record->id};
+    }
     absl::StatusOr<gpu::OpHandle> op =
-        device_->SubmitScatter(*session->mapping(), items, gpu::OpSignal{});
+        device_->SubmitScatter(*session->mapping(), items, device_signal);
     if (!op.ok()) {
       if (pinned) index->ReleaseOwner(record->id);
       session->ReleaseBlocks(used_blocks);

@@ -267,13 +267,17 @@ absl::Status ParseCompletion(const v1::RegisterEngineRequest& request, v1::Devic
     return InvalidField("completion.cuda_events",
                         "completion.cuda_events is required when a slot count is > 0");
   }
-  if (c.num_load_slots() > 0) {
-    // The CUDA backend signals Load layers through a CompletionRegion, not per-layer IPC events
-    // (gpu/completion.h); the API has no field naming such a region for CUDA yet.
-    return InvalidField("completion.num_load_slots",
-                        "completion.num_load_slots: per-layer Load signals through CUDA IPC "
-                        "events are not supported by this daemon yet; register 0 load slots and "
-                        "confirm Loads with WaitOps");
+  // Load events: one per (slot, layer), slot-major (docs/api.md "CUDA: IPC events").
+  const uint64_t layers = static_cast<uint64_t>(request.layout().layers_size());
+  const std::string& load = c.cuda_events().load_event_handles();
+  if (load.size() != uint64_t{c.num_load_slots()} * layers * kCudaHandleBytes) {
+    return InvalidField("completion.cuda_events.load_event_handles",
+                        absl::StrCat("completion.cuda_events.load_event_handles is ", load.size(),
+                                     " bytes; expected num_load_slots x layers x 64 = ",
+                                     uint64_t{c.num_load_slots()} * layers * kCudaHandleBytes));
+  }
+  for (uint64_t i = 0; i < uint64_t{c.num_load_slots()} * layers; ++i) {
+    out->engine.cuda_load_events.push_back(load.substr(i * kCudaHandleBytes, kCudaHandleBytes));
   }
   const std::string& ready = c.cuda_events().ready_event_handles();
   if (ready.size() != uint64_t{c.num_ready_slots()} * kCudaHandleBytes) {

@@ -261,6 +261,8 @@ class CudaEngine final : public EngineMapping {
   absl::Mutex mu;  // Serializes enqueueing on this engine's streams and the scratch below.
   bool closed ABSL_GUARDED_BY(mu) = false;
   absl::flat_hash_map<std::string, cudaEvent_t> fence_events ABSL_GUARDED_BY(mu);
+  // The engine's per-layer Load events, opened once at mapping: (slot * layers + layer).
+  std::vector<cudaEvent_t> load_events;
   // Scratch reused by every op, so that a batch allocates nothing once warm.
   std::vector<CopyRun> runs ABSL_GUARDED_BY(mu);
   std::vector<void*> dsts ABSL_GUARDED_BY(mu);
@@ -294,6 +296,8 @@ class CudaEngine final : public EngineMapping {
     }
     for (auto& [handle, ev] : fence_events) cudaEventDestroy(ev);
     fence_events.clear();
+    for (cudaEvent_t ev : load_events) cudaEventDestroy(ev);
+    load_events.clear();
     for (void* p : ipc_ptrs) cudaIpcCloseMemHandle(p);
     ipc_ptrs.clear();
     if (completion_registered) cudaHostUnregister(completion.base());
@@ -503,6 +507,30 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> CudaDevice::OpenEngine(const Engi
       e->completion_dev = static_cast<uint8_t*>(p);
     }
   }
+  if (!spec.cuda_load_events.empty()) {
+    const size_t layers = layout.layers.size();
+    if (layers == 0 || spec.cuda_load_events.size() % layers != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cuda_load_events: ", spec.cuda_load_events.size(),
+                       " handles is not a whole number of slots of ", layers, " layers"));
+    }
+    for (size_t i = 0; i < spec.cuda_load_events.size(); ++i) {
+      const std::string& handle = spec.cuda_load_events[i];
+      if (handle.size() != sizeof(cudaIpcEventHandle_t)) {
+        return absl::InvalidArgumentError(absl::StrCat("cuda_load_events[", i, "]: ",
+                                                       handle.size(), " bytes; 64 required"));
+      }
+      cudaIpcEventHandle_t h;
+      std::memcpy(&h, handle.data(), sizeof(h));
+      cudaEvent_t ev;
+      if (absl::Status s = CudaStatus(cudaIpcOpenEventHandle(&ev, h), "cudaIpcOpenEventHandle");
+          !s.ok()) {
+        return absl::Status(s.code(),
+                            absl::StrCat("cuda_load_events[", i, "]: ", s.message()));
+      }
+      e->load_events.push_back(ev);
+    }
+  }
   KVLOG(Info, "engine mapped",
         {{"backend", "cuda"},
          {"device", dev->display},
@@ -619,7 +647,17 @@ absl::StatusOr<OpHandle> CudaDevice::Submit(EngineMapping& mapping,
       }
       break;
   }
-  if (signal.enabled()) {
+  const uint32_t num_layers = static_cast<uint32_t>(e.layout_.layers.size());
+  // How a Scatter signals its layers: the engine's IPC events when it registered them, else
+  // tickets stored into its CompletionRegion.
+  const bool layer_events = signal.enabled() && scatter && !e.load_events.empty();
+  if (layer_events) {
+    const size_t slots = e.load_events.size() / num_layers;
+    if (signal.slot >= slots) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("signal.slot (", signal.slot, ") out of range [0, ", slots, ")"));
+    }
+  } else if (signal.enabled()) {
     if (!e.completion.valid()) {
       return absl::InvalidArgumentError(
           "signal: the engine registered no completion_region to signal");
@@ -629,7 +667,6 @@ absl::StatusOr<OpHandle> CudaDevice::Submit(EngineMapping& mapping,
           "signal.slot (", signal.slot, ") out of range [0, ", e.completion.num_slots(), ")"));
     }
   }
-  const uint32_t num_layers = static_cast<uint32_t>(e.layout_.layers.size());
   const int d = e.dev.index;
   ScopedDevice sd(d);
   if (!sd.status().ok()) return sd.status();
@@ -697,14 +734,19 @@ absl::StatusOr<OpHandle> CudaDevice::Submit(EngineMapping& mapping,
       e.runs.clear();
       for (size_t i = 0; i < items.size(); ++i) add_runs(i, e.layer_first[l], e.layer_first[l + 1]);
       st = IssueRuns(e, stream, kernel);
-      if (st.ok() && signal.enabled()) {
+      if (st.ok() && layer_events) {
+        // Recorded before the Load reply: the engine's cudaStreamWaitEvent after the reply binds
+        // to this record (docs/api.md).
+        st = CudaStatus(cudaEventRecord(e.load_events[slot * num_layers + l], stream),
+                        "cudaEventRecord(load event)");
+      } else if (st.ok() && signal.enabled()) {
         st = CudaStatus(cuda::LaunchStoreTicket(
                             e.CompletionWord(CompletionRegion::LayerOffset(num_layers, slot, l)),
                             signal.ticket, stream),
                         "ticket kernel");
       }
     }
-    if (st.ok() && signal.enabled()) {
+    if (st.ok() && signal.enabled() && !layer_events) {
       st = CudaStatus(
           cuda::LaunchStoreTicket(e.CompletionWord(CompletionRegion::DoneOffset(num_layers, slot)),
                                   signal.ticket, stream),
@@ -713,7 +755,13 @@ absl::StatusOr<OpHandle> CudaDevice::Submit(EngineMapping& mapping,
   }
   if (!st.ok()) {
     op->SetEnqueueError(st);
-    if (signal.enabled()) {
+    if (layer_events) {
+      // Every layer's event, so that no engine wait refers to an older Load; the op's FAILED
+      // state (WaitOps) tells the engine the blocks are not to be used.
+      for (uint32_t l = 0; l < num_layers; ++l) {
+        cudaEventRecord(e.load_events[slot * num_layers + l], stream);
+      }
+    } else if (signal.enabled()) {
       cuda::LaunchStoreFailure(
           e.CompletionWord(CompletionRegion::FailedOffset(num_layers, slot)),
           e.CompletionWord(CompletionRegion::LayerOffset(num_layers, slot, 0)), num_layers,
