@@ -80,6 +80,21 @@ std::vector<std::string> KnownBackends(const L3Admin* l3) {
   return l3 != nullptr ? l3->Backends() : std::vector<std::string>();
 }
 
+// The scope and tiers of an Evict or Clear, validated (errors name the field).
+struct ScopedRequest {
+  AdminScope scope;
+  AdminTiers tiers;
+};
+template <typename Request>
+absl::StatusOr<ScopedRequest> ParseScoped(const Request& request, const L3Admin* l3) {
+  absl::StatusOr<AdminScope> scope = ParseScope(request.scope(), "scope");
+  if (!scope.ok()) return scope.status();
+  absl::StatusOr<AdminTiers> tiers =
+      ParseTiers(request.tiers(), request.l3_backends(), KnownBackends(l3));
+  if (!tiers.ok()) return tiers.status();
+  return ScopedRequest{*std::move(scope), *std::move(tiers)};
+}
+
 void FillOps(v1::OpKind kind, const std::array<uint64_t, 3>& outcomes,
              const std::array<uint64_t, v1::PageStatus_ARRAYSIZE>& pages, v1::OpCounters* out) {
   out->set_kind(kind);
@@ -277,11 +292,10 @@ absl::Status CacheAdmin::GetStats(const v1::GetStatsRequest& request,
 
 absl::Status CacheAdmin::Evict(const v1::EvictRequest& request, L3Admin* l3,
                                v1::EvictResponse* response) {
-  absl::StatusOr<AdminScope> scope = ParseScope(request.scope(), "scope");
-  if (!scope.ok()) return scope.status();
-  absl::StatusOr<AdminTiers> tiers =
-      ParseTiers(request.tiers(), request.l3_backends(), KnownBackends(l3));
-  if (!tiers.ok()) return tiers.status();
+  absl::StatusOr<ScopedRequest> parsed = ParseScoped(request, l3);
+  if (!parsed.ok()) return parsed.status();
+  const AdminScope* scope = &parsed->scope;
+  const AdminTiers* tiers = &parsed->tiers;
   response->set_dry_run(request.dry_run());
   const uint64_t target = request.target_bytes();
   uint64_t freed = 0;
@@ -335,11 +349,10 @@ absl::Status CacheAdmin::Clear(const v1::ClearRequest& request, L3Admin* l3,
                       "Clear drops cache state engines are about to use: set confirm (or dry_run "
                       "to see what would go)");
   }
-  absl::StatusOr<AdminScope> scope = ParseScope(request.scope(), "scope");
-  if (!scope.ok()) return scope.status();
-  absl::StatusOr<AdminTiers> tiers =
-      ParseTiers(request.tiers(), request.l3_backends(), KnownBackends(l3));
-  if (!tiers.ok()) return tiers.status();
+  absl::StatusOr<ScopedRequest> parsed = ParseScoped(request, l3);
+  if (!parsed.ok()) return parsed.status();
+  const AdminScope* scope = &parsed->scope;
+  const AdminTiers* tiers = &parsed->tiers;
   response->set_dry_run(request.dry_run());
   const NamespaceList selected = Select(*namespaces_, *scope);
 

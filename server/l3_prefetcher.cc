@@ -299,10 +299,12 @@ L3Prefetcher::Started L3Prefetcher::Start(const SessionInfo& session,
   record->seq_begin.push_back(static_cast<uint32_t>(statuses.size()));
   for (const auto& [pin, key] : present_pins) pins_->Extend(pin, absl::MakeConstSpan(&key, 1));
 
+  // Reads go out per tier in batches of at most the backend's max_batch_items.
+  std::vector<size_t> max_items(tiers_->size());
   size_t batches = 0;
   for (size_t t = 0; t < tiers_->size(); ++t) {
-    const size_t max_items = std::max<size_t>(1, tiers_->tier(t).backend->capabilities().max_batch_items);
-    batches += (items[t].size() + max_items - 1) / max_items;
+    max_items[t] = std::max<size_t>(1, tiers_->tier(t).backend->capabilities().max_batch_items);
+    batches += (items[t].size() + max_items[t] - 1) / max_items[t];
   }
   if (fetch->pages.empty() && !always_op) return started;
 
@@ -337,10 +339,8 @@ L3Prefetcher::Started L3Prefetcher::Start(const SessionInfo& session,
     Land(*fetch);
   } else {
     for (size_t t = 0; t < tiers_->size(); ++t) {
-      const size_t max_items =
-          std::max<size_t>(1, tiers_->tier(t).backend->capabilities().max_batch_items);
-      for (size_t off = 0; off < items[t].size(); off += max_items) {
-        const size_t n = std::min(max_items, items[t].size() - off);
+      for (size_t off = 0; off < items[t].size(); off += max_items[t]) {
+        const size_t n = std::min(max_items[t], items[t].size() - off);
         auto map = std::make_shared<std::vector<std::pair<uint32_t, uint16_t>>>(
             item_page[t].begin() + off, item_page[t].begin() + off + n);
         storage::GetRequest request{ns.digest(), absl::MakeConstSpan(items[t]).subspan(off, n),
