@@ -10,6 +10,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/kvcellar_client.h"
+#include "client/sim_signals.h"
+#include "core/namespace_spec.h"
+#include "core/page_key.h"
+#include "gpu/sim_engine_memory.h"
 
 using kvcellar::client::Client;
 using kvcellar::client::Session;
@@ -20,6 +24,14 @@ struct kvc_client {
 
 struct kvc_session {
   std::unique_ptr<Session> session;
+};
+
+struct kvc_sim_memory {
+  kvcellar::gpu::SimEngineMemory memory;
+};
+
+struct kvc_sim_signals {
+  kvcellar::client::SimSignalRegion region;
 };
 
 namespace {
@@ -105,6 +117,29 @@ int SessionStateCode(kc::SessionState s) {
 }
 
 kc::OpRef Ref(const kvc_op& op) { return {op.op_id, op.generation}; }
+
+core::NamespaceSpec Namespace(const kvc_namespace& n) {
+  core::NamespaceSpec ns;
+  ns.tenant = Str(n.tenant);
+  ns.model_id = Str(n.model_id);
+  ns.model_revision = Str(n.model_revision);
+  ns.kv_dtype = Str(n.kv_dtype);
+  ns.page_size = n.page_size;
+  ns.layout = n.layout == KVC_LAYOUT_MLA ? core::LayoutKind::kMla : core::LayoutKind::kMha;
+  ns.tp_size = n.tp_size;
+  ns.opaque_keys = n.opaque_keys != 0;
+  return ns;
+}
+
+// The namespace, validated (the layout enum included, which NamespaceSpec cannot hold wrong).
+absl::StatusOr<core::NamespaceSpec> ValidNamespace(const kvc_namespace& n) {
+  if (n.layout != KVC_LAYOUT_MHA && n.layout != KVC_LAYOUT_MLA) {
+    return absl::InvalidArgumentError(absl::StrCat("ns.layout ", n.layout, " unknown"));
+  }
+  core::NamespaceSpec ns = Namespace(n);
+  if (absl::Status s = ns.Validate(); !s.ok()) return s;
+  return ns;
+}
 
 // Copies an op result's per-sequence outcome into the C sequences (load or backup).
 template <typename Seq>
@@ -200,14 +235,7 @@ int kvc_register(kvc_client* client, const kvc_registration* r, kvc_session** ou
   reg.instance_id = Str(r->instance_id);
   reg.rank = r->rank;
   reg.scheduler = r->scheduler != 0;
-  reg.ns.tenant = Str(r->ns.tenant);
-  reg.ns.model_id = Str(r->ns.model_id);
-  reg.ns.model_revision = Str(r->ns.model_revision);
-  reg.ns.kv_dtype = Str(r->ns.kv_dtype);
-  reg.ns.page_size = r->ns.page_size;
-  reg.ns.layout = r->ns.layout == KVC_LAYOUT_MLA ? core::LayoutKind::kMla : core::LayoutKind::kMha;
-  reg.ns.tp_size = r->ns.tp_size;
-  reg.ns.opaque_keys = r->ns.opaque_keys != 0;
+  reg.ns = Namespace(r->ns);
   reg.device_kind = static_cast<kc::DeviceKind>(r->device_kind);
   if (r->device_uuid != nullptr) {
     reg.device_uuid.assign(reinterpret_cast<const char*>(r->device_uuid), 16);
@@ -281,6 +309,9 @@ int kvc_session_info_get(kvc_session* session, kvc_session_info* out) {
   out->page_object_bytes = i.page_object_bytes;
   out->state = SessionStateCode(session->session->state());
   std::memcpy(out->ns_digest, i.ns_digest.bytes.data(), KVC_KEY_BYTES);
+  out->max_batch_pages = i.max_batch_pages;
+  out->max_batch_sequences = i.max_batch_sequences;
+  out->num_l3_tiers = static_cast<uint32_t>(i.l3_tier_names.size());
   return KVC_OK;
 }
 
@@ -331,6 +362,7 @@ int kvc_match(kvc_session* session, kvc_match_seq* seqs, size_t num_seqs,
     mo.prefetch_policy = static_cast<kc::PrefetchPolicy>(options->prefetch_policy);
     mo.prefetch_timeout_ms = options->prefetch_timeout_ms;
     mo.step_id = options->step_id;
+    mo.l3_lookup_timeout_ms = options->l3_lookup_timeout_ms;
   }
   const kc::MatchReply reply = session->session->Match(in, mo);
   for (size_t i = 0; i < num_seqs && i < reply.results.size(); ++i) {
@@ -442,5 +474,99 @@ int kvc_release(kvc_session* session, const uint64_t* pin_ids, size_t num_pins,
       absl::MakeConstSpan(pin_ids, pin_ids == nullptr ? 0 : num_pins), cancel);
   return Code(r.status, session);
 }
+
+int kvc_namespace_digest(const kvc_namespace* ns, uint8_t* digest_out) {
+  if (ns == nullptr || digest_out == nullptr) return Fail(KVC_ERR_INVALID_ARGUMENT, "NULL argument");
+  absl::StatusOr<core::NamespaceSpec> spec = ValidNamespace(*ns);
+  if (!spec.ok()) return Code(spec.status());
+  const core::PageKey d = spec->Digest();
+  std::memcpy(digest_out, d.bytes.data(), KVC_KEY_BYTES);
+  return KVC_OK;
+}
+
+int kvc_page_keys(const kvc_namespace* ns, const uint8_t* parent_key, const uint32_t* tokens,
+                  size_t num_tokens, uint8_t* keys_out, size_t max_keys, size_t* num_keys_out) {
+  if (num_keys_out != nullptr) *num_keys_out = 0;
+  if (ns == nullptr || num_keys_out == nullptr || (tokens == nullptr && num_tokens > 0) ||
+      (keys_out == nullptr && max_keys > 0)) {
+    return Fail(KVC_ERR_INVALID_ARGUMENT, "NULL argument");
+  }
+  absl::StatusOr<core::NamespaceSpec> spec = ValidNamespace(*ns);
+  if (!spec.ok()) return Code(spec.status());
+  core::PageKey parent;
+  if (parent_key != nullptr) {
+    std::memcpy(parent.bytes.data(), parent_key, KVC_KEY_BYTES);
+  } else {
+    parent = spec->Digest();
+  }
+  // core::PageKey is exactly its 32 bytes, so the caller's buffer is written in place.
+  static_assert(sizeof(core::PageKey) == KVC_KEY_BYTES);
+  *num_keys_out = core::ComputePageKeys(
+      parent, absl::MakeConstSpan(tokens, num_tokens), spec->page_size,
+      absl::MakeSpan(reinterpret_cast<core::PageKey*>(keys_out), max_keys));
+  return KVC_OK;
+}
+
+int kvc_sim_unique_name(const char* tag, char* buf, size_t cap) {
+  if (buf == nullptr) return Fail(KVC_ERR_INVALID_ARGUMENT, "NULL buf");
+  const std::string name = kvcellar::gpu::UniqueShmName(tag == nullptr ? "py" : tag);
+  if (name.size() + 1 > cap) {
+    return Fail(KVC_ERR_INVALID_ARGUMENT, absl::StrCat("cap ", cap, " < ", name.size() + 1));
+  }
+  std::memcpy(buf, name.c_str(), name.size() + 1);
+  return KVC_OK;
+}
+
+int kvc_sim_memory_create(const char* name, uint64_t bytes, kvc_sim_memory** out) {
+  if (out == nullptr || name == nullptr) return Fail(KVC_ERR_INVALID_ARGUMENT, "NULL argument");
+  *out = nullptr;
+  if (bytes == 0) return Fail(KVC_ERR_INVALID_ARGUMENT, "bytes must be > 0");
+  absl::StatusOr<kvcellar::gpu::SimEngineMemory> m =
+      kvcellar::gpu::SimEngineMemory::Create(name, bytes);
+  if (!m.ok()) return Code(m.status());
+  *out = new kvc_sim_memory{*std::move(m)};
+  return KVC_OK;
+}
+
+uint8_t* kvc_sim_memory_data(const kvc_sim_memory* m) {
+  return m == nullptr ? nullptr : m->memory.data();
+}
+uint64_t kvc_sim_memory_size(const kvc_sim_memory* m) {
+  return m == nullptr ? 0 : m->memory.size();
+}
+const char* kvc_sim_memory_name(const kvc_sim_memory* m) {
+  return m == nullptr ? "" : m->memory.name().c_str();
+}
+void kvc_sim_memory_close(kvc_sim_memory* m) { delete m; }
+
+int kvc_sim_signals_create(const char* name, uint32_t num_load_slots, uint32_t num_layers,
+                           uint32_t num_ready_slots, kvc_sim_signals** out) {
+  if (out == nullptr || name == nullptr) return Fail(KVC_ERR_INVALID_ARGUMENT, "NULL argument");
+  *out = nullptr;
+  absl::StatusOr<kc::SimSignalRegion> r =
+      kc::SimSignalRegion::Create(name, num_load_slots, num_layers, num_ready_slots);
+  if (!r.ok()) return Code(r.status());
+  *out = new kvc_sim_signals{*std::move(r)};
+  return KVC_OK;
+}
+
+const char* kvc_sim_signals_name(const kvc_sim_signals* s) {
+  return s == nullptr ? "" : s->region.name().c_str();
+}
+uint64_t kvc_sim_signals_size(const kvc_sim_signals* s) {
+  return s == nullptr ? 0 : s->region.size();
+}
+
+int kvc_sim_signals_publish_ready(kvc_sim_signals* s, uint32_t slot, uint64_t token) {
+  if (s == nullptr) return Fail(KVC_ERR_INVALID_ARGUMENT, "NULL signals");
+  if (slot >= s->region.num_ready_slots()) {
+    return Fail(KVC_ERR_INVALID_ARGUMENT, absl::StrCat("slot ", slot, " >= num_ready_slots ",
+                                                       s->region.num_ready_slots()));
+  }
+  s->region.PublishReady(slot, token);
+  return KVC_OK;
+}
+
+void kvc_sim_signals_close(kvc_sim_signals* s) { delete s; }
 
 }  // extern "C"

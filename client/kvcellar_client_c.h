@@ -65,6 +65,8 @@ enum { KVC_PAGE_OK = 1, KVC_PAGE_PENDING = 2, KVC_PAGE_MISS = 3, KVC_PAGE_ALREAD
 
 typedef struct kvc_client kvc_client;
 typedef struct kvc_session kvc_session;
+typedef struct kvc_sim_memory kvc_sim_memory;
+typedef struct kvc_sim_signals kvc_sim_signals;
 
 typedef struct {
   const char* addr;               /* socket path or HOST:PORT; NULL or "": the default socket */
@@ -167,6 +169,9 @@ typedef struct {
   uint64_t page_object_bytes;
   int state; /* KVC_SESSION_* */
   uint8_t ns_digest[KVC_KEY_BYTES];
+  uint32_t max_batch_pages; /* the daemon's limits; 0 while not registered */
+  uint32_t max_batch_sequences;
+  uint32_t num_l3_tiers;
 } kvc_session_info;
 
 /* Names an op across re-registrations. op_id 0: never accepted, or outcome unknown. */
@@ -196,6 +201,7 @@ typedef struct {
   uint32_t prefetch_policy; /* kvcellar.v1 PrefetchPolicy; 0: daemon default */
   uint32_t prefetch_timeout_ms;
   uint64_t step_id;
+  uint32_t l3_lookup_timeout_ms; /* ask the L3 tiers about pages the index does not know */
 } kvc_match_options;
 
 typedef struct {
@@ -277,6 +283,42 @@ KVC_EXPORT int kvc_wait_load_signal(kvc_session* session, kvc_op op, uint32_t sl
                                     uint32_t timeout_ms);
 KVC_EXPORT int kvc_release(kvc_session* session, const uint64_t* pin_ids, size_t num_pins,
                            const kvc_op* cancel_ops, size_t num_cancel);
+
+/* ---- Keys without a session (docs/keys.md) ------------------------------------------------ */
+
+/* ns_digest of a namespace; KVC_ERR_INVALID_ARGUMENT naming the bad field. */
+KVC_EXPORT int kvc_namespace_digest(const kvc_namespace* ns, uint8_t* digest_out);
+/* Keys of the full pages of tokens, chained from parent_key (32 bytes; NULL: the namespace's
+ * digest, i.e. tokens start at position 0). *num_keys_out = min(full pages, max_keys). */
+KVC_EXPORT int kvc_page_keys(const kvc_namespace* ns, const uint8_t* parent_key,
+                             const uint32_t* tokens, size_t num_tokens, uint8_t* keys_out,
+                             size_t max_keys, size_t* num_keys_out);
+
+/* ---- SIM device: engine memory and the completion channel in POSIX shared memory -------------
+ * An engine on the sim device keeps its KV cache in shared-memory objects that the daemon maps by
+ * name (the kvc_region's sim_shm_name). These create them; the handle owns the name: closing it
+ * unmaps and unlinks the object (a daemon that mapped it keeps its mapping). */
+
+/* A fresh object name, "/kvc-<tag>-<pid>-<n>-<random>", into buf (cap bytes). */
+KVC_EXPORT int kvc_sim_unique_name(const char* tag, char* buf, size_t cap);
+/* Creates `name` with `bytes` zero bytes, mapped read-write. */
+KVC_EXPORT int kvc_sim_memory_create(const char* name, uint64_t bytes, kvc_sim_memory** out);
+KVC_EXPORT uint8_t* kvc_sim_memory_data(const kvc_sim_memory* memory);
+KVC_EXPORT uint64_t kvc_sim_memory_size(const kvc_sim_memory* memory);
+KVC_EXPORT const char* kvc_sim_memory_name(const kvc_sim_memory* memory);
+KVC_EXPORT void kvc_sim_memory_close(kvc_sim_memory* memory);
+
+/* Creates the KVCSIG01 signal region to register as sim_signal_shm_name / sim_signal_size. */
+KVC_EXPORT int kvc_sim_signals_create(const char* name, uint32_t num_load_slots,
+                                      uint32_t num_layers, uint32_t num_ready_slots,
+                                      kvc_sim_signals** out);
+KVC_EXPORT const char* kvc_sim_signals_name(const kvc_sim_signals* signals);
+KVC_EXPORT uint64_t kvc_sim_signals_size(const kvc_sim_signals* signals);
+/* The engine's Backup ready signal: the writes of the Backup using ready slot `slot` with this
+ * token (strictly increasing per slot, > 0) are done. */
+KVC_EXPORT int kvc_sim_signals_publish_ready(kvc_sim_signals* signals, uint32_t slot,
+                                             uint64_t token);
+KVC_EXPORT void kvc_sim_signals_close(kvc_sim_signals* signals);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -1,0 +1,126 @@
+"""Namespaces and page keys (docs/keys.md), computed by the native library.
+
+A page key names a page of KV and every token before it: ``k_i = SHA-256(k_{i-1} || tokens of
+page i as uint32 LE)``, rooted at the namespace digest. Keys travel as NumPy arrays of shape
+``(n, 32)`` and dtype uint8; token ids as uint32 arrays. No Python loop runs per page.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from . import _native as N
+
+TokensLike = Union[np.ndarray, Sequence[int]]
+
+LAYOUTS = {"mha": N.LAYOUT_MHA, "gqa": N.LAYOUT_MHA, "mla": N.LAYOUT_MLA}
+KV_DTYPES = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "nvfp4", "mxfp4")
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything besides the tokens that decides a page's KV bytes (docs/keys.md).
+
+    ``layout`` is ``"mha"`` (MHA and GQA: one shard per TP rank) or ``"mla"`` (one latent shard
+    every rank reads). Construction validates every field and raises ``ValueError`` naming the
+    first bad one: a namespace is configuration, checked before any engine step runs.
+    """
+
+    model_id: str
+    model_revision: str
+    kv_dtype: str
+    page_size: int
+    layout: str = "mha"
+    tp_size: int = 1
+    tenant: str = ""
+    opaque_keys: bool = False
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"Namespace.layout: {self.layout!r} is not one of mha, gqa, mla")
+        for name in ("model_id", "model_revision", "kv_dtype", "tenant"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"Namespace.{name}: must be a str")
+        for name in ("page_size", "tp_size"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0 or v >= 2**32:
+                raise ValueError(f"Namespace.{name}: {v!r} is not a u32")
+        digest = (ctypes.c_uint8 * N.KEY_BYTES)()
+        rc = N.lib.kvc_namespace_digest(ctypes.byref(self.to_c()), digest)
+        if rc != N.OK:
+            raise ValueError(f"Namespace: {N.last_error()}")
+        object.__setattr__(self, "_digest", bytes(digest))
+
+    @property
+    def layout_code(self) -> int:
+        return LAYOUTS[self.layout]
+
+    @property
+    def shards_per_page(self) -> int:
+        return 1 if self.layout == "mla" else self.tp_size
+
+    def digest(self) -> bytes:
+        """ns_digest: SHA-256 of the canonical "kvcellar-ns-v1" encoding."""
+        return self._digest  # type: ignore[attr-defined]
+
+    def to_c(self) -> N.Namespace:
+        # The encoded strings live as long as the structure (ctypes keeps c_char_p sources).
+        return N.Namespace(self.tenant.encode(), self.model_id.encode(),
+                           self.model_revision.encode(), self.kv_dtype.encode(),
+                           int(self.page_size), self.layout_code, int(self.tp_size),
+                           1 if self.opaque_keys else 0)
+
+
+def as_tokens(tokens: TokensLike) -> np.ndarray:
+    """Token ids as a contiguous uint32 array (no copy when they already are one)."""
+    if hasattr(tokens, "detach"):  # a torch tensor
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens: expected a 1-D array, got shape {arr.shape}")
+    if arr.dtype != np.uint32:
+        if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
+            raise ValueError("tokens: ids must fit in uint32")
+        arr = arr.astype(np.uint32)
+    return np.ascontiguousarray(arr)
+
+
+def as_keys(keys: Union[np.ndarray, bytes, Sequence[bytes]]) -> np.ndarray:
+    """Keys as a contiguous (n, 32) uint8 array."""
+    if isinstance(keys, (bytes, bytearray)):
+        arr = np.frombuffer(bytes(keys), dtype=np.uint8)
+    elif isinstance(keys, np.ndarray):
+        arr = keys
+    else:
+        arr = np.frombuffer(b"".join(keys), dtype=np.uint8) if len(keys) else np.zeros(0, np.uint8)
+    if arr.dtype != np.uint8:
+        raise ValueError(f"keys: expected uint8, got {arr.dtype}")
+    if arr.size % N.KEY_BYTES:
+        raise ValueError(f"keys: {arr.size} bytes is not a multiple of {N.KEY_BYTES}")
+    return np.ascontiguousarray(arr.reshape(-1, N.KEY_BYTES))
+
+
+def page_keys(ns: Namespace, tokens: TokensLike, parent: Optional[bytes] = None) -> np.ndarray:
+    """Keys of every full page of ``tokens``, shape (n, 32).
+
+    ``parent`` None means the tokens start at position 0 (the chain starts at ns_digest); to
+    extend a chain the engine already has, pass the key of the page before ``tokens[0]``.
+    """
+    toks = as_tokens(tokens)
+    n = len(toks) // ns.page_size if ns.page_size else 0
+    out = np.empty((n, N.KEY_BYTES), dtype=np.uint8)
+    parent_p = None
+    if parent is not None:
+        if len(parent) != N.KEY_BYTES:
+            raise ValueError(f"parent: {len(parent)} bytes, expected {N.KEY_BYTES}")
+        parent_p = (ctypes.c_uint8 * N.KEY_BYTES).from_buffer_copy(parent)
+    got = ctypes.c_size_t(0)
+    rc = N.lib.kvc_page_keys(ctypes.byref(ns.to_c()), parent_p, N.u32p(toks.ctypes.data),
+                             len(toks), N.u8p(out.ctypes.data), n, ctypes.byref(got))
+    if rc != N.OK:
+        raise ValueError(f"page_keys: {N.last_error()}")
+    return out[: got.value]

@@ -1,0 +1,356 @@
+"""KV layouts derived from an engine's KV-cache tensors.
+
+The daemon sees an engine's KV cache as bytes (gpu/kv_layout.h): memory regions, and per layer a
+K and a V buffer (MLA: one latent buffer) where block ``b`` is ``bytes_per_block`` bytes at
+``offset + b * block_stride`` inside a region. This module derives that description from PyTorch
+tensors, whatever their arrangement, as long as each block's bytes are contiguous:
+
+- vLLM: a per-layer tensor ``[2, num_blocks, block_size, heads, head_size]`` (FlashAttention;
+  any stride order within a block), ``[num_blocks, 2, ...]`` (FlashInfer), or MLA's
+  ``[num_blocks, block_size, latent]``; views into one shared allocation are fine.
+- SGLang: per-layer token-major ``k_buffer``/``v_buffer`` ``[tokens, heads, head_dim]`` (a page is
+  ``page_size`` consecutive token slots) and MLA's ``kv_buffer`` ``[tokens, 1, latent]``.
+
+Regions come from the tensors' storage: on CUDA the IPC handle of the allocation holding the
+storage and the storage's offset in it (a tensor need not start at its allocation base); on the
+sim device the shared-memory object holding the tensor (``SimDevice``). Every check raises
+``ValueError`` naming the argument, before anything reaches the daemon.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+from . import _native as N
+
+# torch dtype name -> namespace kv_dtypes that may store it (fp8 caches are often held as uint8).
+_DTYPE_KV = {
+    "float32": ("fp32",),
+    "float16": ("fp16",),
+    "bfloat16": ("bf16",),
+    "float8_e4m3fn": ("fp8_e4m3",),
+    "float8_e5m2": ("fp8_e5m2",),
+    "int8": ("int8",),
+    "uint8": ("fp8_e4m3", "fp8_e5m2", "int8", "nvfp4", "mxfp4"),
+}
+
+
+@dataclass
+class Region:
+    handle: Union[str, bytes]  # sim: shm object name; CUDA: 64-byte cudaIpcMemHandle_t
+    offset: int
+    size: int
+
+
+@dataclass
+class Buffer:
+    region: int
+    offset: int
+    block_stride: int
+    bytes_per_block: int
+
+    def span(self, num_blocks: int) -> tuple[int, int]:
+        return self.offset, self.offset + (num_blocks - 1) * self.block_stride + self.bytes_per_block
+
+
+@dataclass
+class KvLayout:
+    """The bytes-only layout RegisterEngine takes, plus what was learnt from the tensors."""
+
+    regions: list[Region]
+    layers: list[tuple[Buffer, Optional[Buffer]]]
+    num_blocks: int
+    device_kind: int  # N.DEVICE_SIM or N.DEVICE_CUDA
+    device_uuid: bytes = b"\0" * 16
+    device_name: str = ""
+    dtype: str = ""  # torch dtype name, e.g. "bfloat16"
+    tokens_per_block: int = 0  # 0: unknown
+    cuda_device: Optional[int] = None
+    _keep: list = field(default_factory=list, repr=False)  # tensors kept alive
+
+    @property
+    def mla(self) -> bool:
+        return bool(self.layers) and self.layers[0][1] is None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def page_object_bytes(self) -> int:
+        return sum(k.bytes_per_block + (v.bytes_per_block if v else 0) for k, v in self.layers)
+
+    def kv_dtypes(self) -> tuple[str, ...]:
+        return _DTYPE_KV.get(self.dtype, ())
+
+    # ---- constructors --------------------------------------------------------------------------
+
+    @classmethod
+    def from_block_tensors(cls, k: Sequence[Any], v: Optional[Sequence[Any]] = None, *,
+                           device: Any = None, tokens_per_block: int = 0) -> "KvLayout":
+        """One tensor per layer for K (MLA: the latent) and, unless MLA, one for V; dimension 0
+        indexes blocks and the rest of a block must be one contiguous run of bytes."""
+        return _Builder(device).build(list(k), None if v is None else list(v), tokens_per_block)
+
+    @classmethod
+    def from_vllm(cls, kv_caches: Union[dict, Sequence[Any]], *, mla: bool = False,
+                  kv_first: bool = True, device: Any = None) -> "KvLayout":
+        """vLLM's per-layer KV caches (``register_kv_caches``' dict, in layer order, or a list).
+
+        ``kv_first`` True: ``[2, num_blocks, block_size, ...]`` (FlashAttention and most
+        backends); False: ``[num_blocks, 2, block_size, ...]`` (FlashInfer). ``mla``:
+        ``[num_blocks, block_size, latent]``.
+        """
+        tensors = list(kv_caches.values()) if isinstance(kv_caches, dict) else list(kv_caches)
+        if not tensors:
+            raise ValueError("kv_caches: empty")
+        if mla:
+            return cls.from_block_tensors(tensors, None, device=device,
+                                          tokens_per_block=_dim(tensors[0], 1, "kv_caches[0]"))
+        ks, vs = [], []
+        for i, t in enumerate(tensors):
+            kv_dim = 0 if kv_first else 1
+            if t.dim() < 3 or t.shape[kv_dim] != 2:
+                raise ValueError(f"kv_caches[{i}]: shape {tuple(t.shape)} has no K/V dimension of "
+                                 f"size 2 at dim {kv_dim}")
+            ks.append(t.select(kv_dim, 0))
+            vs.append(t.select(kv_dim, 1))
+        return cls.from_block_tensors(ks, vs, device=device,
+                                      tokens_per_block=_dim(ks[0], 1, "kv_caches[0]"))
+
+    @classmethod
+    def from_sglang(cls, k_buffers: Sequence[Any], v_buffers: Optional[Sequence[Any]],
+                    page_size: int, *, device: Any = None) -> "KvLayout":
+        """SGLang's token-major per-layer buffers; block b is page b (token slots
+        ``[b * page_size, (b + 1) * page_size)``). ``v_buffers`` None: MLA ``kv_buffer``."""
+        if page_size <= 0:
+            raise ValueError(f"page_size: {page_size} must be > 0")
+
+        def paged(bufs: Sequence[Any], what: str) -> list:
+            out = []
+            for i, t in enumerate(bufs):
+                if t.dim() < 2:
+                    raise ValueError(f"{what}[{i}]: shape {tuple(t.shape)}: expected [tokens, ...]")
+                pages = t.shape[0] // page_size
+                if pages == 0:
+                    raise ValueError(f"{what}[{i}]: {t.shape[0]} token slots < page_size {page_size}")
+                out.append(t[: pages * page_size].unflatten(0, (pages, page_size)))
+            return out
+
+        ks = paged(k_buffers, "k_buffers")
+        vs = None if v_buffers is None else paged(v_buffers, "v_buffers")
+        return cls.from_block_tensors(ks, vs, device=device, tokens_per_block=page_size)
+
+    # ---- C structures --------------------------------------------------------------------------
+
+    def fill(self, reg: N.Registration, keep: list) -> None:
+        """Fills the layout fields of a kvc_registration; `keep` holds what its pointers use."""
+        import ctypes
+
+        regions = (N.Region * len(self.regions))()
+        for i, r in enumerate(self.regions):
+            if isinstance(r.handle, str):
+                name = r.handle.encode()
+                keep.append(name)
+                regions[i].sim_shm_name = name
+            else:
+                h = (ctypes.c_uint8 * 64).from_buffer_copy(r.handle)
+                keep.append(h)
+                regions[i].cuda_ipc_handle = ctypes.cast(h, ctypes.POINTER(ctypes.c_uint8))
+            regions[i].offset = r.offset
+            regions[i].size = r.size
+        layers = (N.Layer * len(self.layers))()
+        for i, (k, v) in enumerate(self.layers):
+            layers[i].k = N.Buffer(k.region, k.offset, k.block_stride, k.bytes_per_block)
+            if v is not None:
+                layers[i].v = N.Buffer(v.region, v.offset, v.block_stride, v.bytes_per_block)
+                layers[i].has_v = 1
+        keep.extend([regions, layers])
+        reg.regions = regions
+        reg.num_regions = len(self.regions)
+        reg.layers = layers
+        reg.num_layers = len(self.layers)
+        reg.num_blocks = self.num_blocks
+        reg.device_kind = self.device_kind
+        uuid = (ctypes.c_uint8 * 16).from_buffer_copy(self.device_uuid)
+        keep.append(uuid)
+        reg.device_uuid = ctypes.cast(uuid, ctypes.POINTER(ctypes.c_uint8))
+        name = self.device_name.encode()
+        keep.append(name)
+        reg.device_name = name
+
+
+def _dim(t: Any, d: int, what: str) -> int:
+    if t.dim() <= d:
+        raise ValueError(f"{what}: shape {tuple(t.shape)} has no dimension {d}")
+    return int(t.shape[d])
+
+
+class _Builder:
+    """Turns per-layer block tensors into regions and buffers, checking as it goes."""
+
+    def __init__(self, device: Any) -> None:
+        self.sim = device  # a SimDevice, or None for CUDA tensors
+        self.regions: list[Region] = []
+        self.region_index: dict[Any, int] = {}
+        self.kind: Optional[str] = None
+        self.cuda_device: Optional[int] = None
+        self.dtype = None
+
+    def build(self, ks: list, vs: Optional[list], tokens_per_block: int) -> KvLayout:
+        if not ks:
+            raise ValueError("k: no layers")
+        if vs is not None and len(vs) != len(ks):
+            raise ValueError(f"v: {len(vs)} layers, k has {len(ks)}")
+        num_blocks = int(ks[0].shape[0]) if ks[0].dim() else 0
+        if num_blocks <= 0:
+            raise ValueError(f"k[0]: shape {tuple(ks[0].shape)} has no blocks")
+        layers, keep = [], []
+        for i, kt in enumerate(ks):
+            k = self.buffer(kt, f"k[{i}]", num_blocks, ks[0])
+            v = None if vs is None else self.buffer(vs[i], f"v[{i}]", num_blocks, ks[0])
+            layers.append((k, v))
+            keep.append(kt)
+            if vs is not None:
+                keep.append(vs[i])
+        self.check_overlaps(layers, num_blocks, vs is not None)
+        layout = KvLayout(self.regions, layers, num_blocks,
+                          N.DEVICE_CUDA if self.kind == "cuda" else N.DEVICE_SIM,
+                          dtype=str(self.dtype).replace("torch.", ""),
+                          tokens_per_block=tokens_per_block, cuda_device=self.cuda_device,
+                          _keep=keep)
+        if self.kind == "cuda":
+            layout.device_uuid, layout.device_name = _cuda_identity(self.cuda_device)
+        else:
+            layout.device_name = "sim"
+        return layout
+
+    def buffer(self, t: Any, what: str, num_blocks: int, first: Any) -> Buffer:
+        import torch
+
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+        if self.dtype is None:
+            self.dtype = t.dtype
+        elif t.dtype != self.dtype:
+            raise ValueError(f"{what}: dtype {t.dtype} differs from k[0]'s {self.dtype}")
+        if t.dim() < 2 or int(t.shape[0]) != num_blocks:
+            raise ValueError(f"{what}: shape {tuple(t.shape)}: expected [{num_blocks}, ...] "
+                             f"(num_blocks from k[0])")
+        if tuple(t.shape[1:]) != tuple(first.shape[1:]):
+            raise ValueError(f"{what}: block shape {tuple(t.shape[1:])} differs from k[0]'s "
+                             f"{tuple(first.shape[1:])}")
+        es = t.element_size()
+        inner = [(int(st), int(sz)) for sz, st in zip(t.shape[1:], t.stride()[1:]) if sz > 1]
+        inner.sort()
+        expect = 1
+        for st, sz in inner:
+            if st != expect:
+                raise ValueError(f"{what}: a block's bytes are not contiguous (strides "
+                                 f"{tuple(t.stride())}, shape {tuple(t.shape)})")
+            expect *= sz
+        bytes_per_block = expect * es
+        block_stride = int(t.stride()[0]) * es if num_blocks > 1 else bytes_per_block
+        if block_stride < bytes_per_block:
+            raise ValueError(f"{what}: blocks overlap (block stride {block_stride} B < "
+                             f"{bytes_per_block} B per block)")
+        region, offset = self.region_of(t, what, (num_blocks - 1) * block_stride + bytes_per_block)
+        return Buffer(region, offset, block_stride, bytes_per_block)
+
+    def region_of(self, t: Any, what: str, extent: int) -> tuple[int, int]:
+        """(region index, offset of t's first byte in the region); adds the region."""
+        if t.device.type == "cuda":
+            if self.kind == "sim":
+                raise ValueError(f"{what}: on {t.device}, earlier tensors are sim (CPU) tensors")
+            self.kind = "cuda"
+            if self.cuda_device is None:
+                self.cuda_device = t.device.index
+            elif t.device.index != self.cuda_device:
+                raise ValueError(f"{what}: on {t.device}, earlier tensors on cuda:"
+                                 f"{self.cuda_device}")
+            storage = t.untyped_storage()
+            base = storage.data_ptr()
+            key = ("cuda", base)
+            if key not in self.region_index:
+                # (device, handle, storage bytes, storage offset in the allocation, ...): the
+                # handle names the caching allocator's block (cudaMalloc base), so the region
+                # starts at the storage's offset inside it (torch/multiprocessing/reductions.py).
+                shared = storage._share_cuda_()
+                handle, size, offset = bytes(shared[1]), int(shared[2]), int(shared[3])
+                if len(handle) != 64:
+                    raise ValueError(f"{what}: CUDA IPC handle of {len(handle)} bytes, expected 64")
+                self.region_index[key] = len(self.regions)
+                self.regions.append(Region(handle, offset, size))
+            idx = self.region_index[key]
+            off = t.data_ptr() - base
+        elif t.device.type == "cpu":
+            if self.kind == "cuda":
+                raise ValueError(f"{what}: a CPU tensor, earlier tensors are on cuda")
+            self.kind = "sim"
+            if self.sim is None:
+                raise ValueError(f"{what}: a CPU tensor needs device=SimDevice(...) holding it "
+                                 "(the daemon can map only shared memory)")
+            mem = self.sim.find(t.data_ptr(), extent)
+            if mem is None:
+                raise ValueError(f"{what}: its {extent} bytes are not inside one shared-memory "
+                                 "object of the SimDevice (allocate it with SimDevice.empty)")
+            key = ("sim", mem.name)
+            if key not in self.region_index:
+                self.region_index[key] = len(self.regions)
+                self.regions.append(Region(mem.name, 0, mem.nbytes))
+            idx = self.region_index[key]
+            off = t.data_ptr() - mem.address
+        else:
+            raise ValueError(f"{what}: device {t.device} is neither cuda nor a sim (CPU) tensor")
+        region = self.regions[idx]
+        if off < 0 or off + extent > region.size:
+            raise ValueError(f"{what}: bytes [{off}, {off + extent}) run past its allocation "
+                             f"({region.size} bytes)")
+        return idx, off
+
+    @staticmethod
+    def check_overlaps(layers: list, num_blocks: int, has_v: bool) -> None:
+        bufs = []
+        for i, (k, v) in enumerate(layers):
+            bufs.append((f"k[{i}]", k))
+            if v is not None:
+                bufs.append((f"v[{i}]", v))
+        by_region: dict[int, list] = {}
+        for name, b in bufs:
+            by_region.setdefault(b.region, []).append((b.span(num_blocks), name, b))
+        for entries in by_region.values():
+            entries.sort(key=lambda e: e[0])
+            for (sa, na, a), (sb, nb, b) in zip(entries, entries[1:]):
+                if sb[0] >= sa[1]:
+                    continue
+                # Spans overlap: fine only when blocks interleave without sharing a byte (vLLM's
+                # FlashInfer layout puts K and V of a block side by side).
+                if a.block_stride == b.block_stride and _disjoint_mod(a, b):
+                    continue
+                raise ValueError(f"{nb}: overlaps {na} (buffers share bytes)")
+
+
+def _disjoint_mod(a: Buffer, b: Buffer) -> bool:
+    s = a.block_stride
+    ra, rb = a.offset % s, b.offset % s
+    ea, eb = ra + a.bytes_per_block, rb + b.bytes_per_block
+    for shift in (-s, 0, s):
+        if rb + shift < ea and ra < eb + shift:
+            return False
+    return True
+
+
+def _cuda_identity(index: Optional[int]) -> tuple[bytes, str]:
+    import uuid as uuidlib
+
+    import torch
+
+    props = torch.cuda.get_device_properties(index or 0)
+    raw = getattr(props, "uuid", None)
+    text = str(raw) if raw is not None else ""
+    try:
+        u = uuidlib.UUID(text.replace("GPU-", "")).bytes
+    except ValueError:
+        u = b"\0" * 16
+    return u, props.name

@@ -1,0 +1,35 @@
+"""Fixtures of the kvcellar package's tests: real kvcellard processes (the repository's build)
+on temp sockets, through the integration tests' harness (tests/integration/kvcellard_process.py).
+
+Runs under the Python that has the package's test dependencies (torch, transformers, numpy,
+pytest): the project's virtual environment, made by deploy/install-deps.sh.
+"""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "tests" / "integration"))
+sys.path.insert(0, str(ROOT / "client" / "python"))
+
+from kvcellard_process import BIN_DIR, Daemons  # noqa: E402
+
+GOLDEN_KEYS = ROOT / "tests" / "data" / "keys_golden.json"
+
+
+@pytest.fixture
+def daemon_factory(tmp_path):
+    daemons = Daemons(tmp_path)
+    yield daemons.start
+    daemons.close()
+
+
+@pytest.fixture
+def daemon(daemon_factory):
+    return daemon_factory()
+
+
+def bin_path(name: str) -> str:
+    return os.path.join(BIN_DIR, name)

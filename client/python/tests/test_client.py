@@ -1,0 +1,182 @@
+"""The package's client against a real kvcellard on the sim device: registration from tensors,
+match, layer-by-layer load, backup with a ready signal, TP groups, and a daemon that is down,
+killed and restarted (every failure a miss with a reason, nothing raised)."""
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import kvcellar
+from kvcellar import BackupSeq, Client, KvLayout, LoadSeq, Namespace, SimDevice
+
+P = 16
+LAYERS = 3
+BLOCKS = 32
+HEADS, DIM = 2, 8
+
+
+def make_ns(tp_size=1, layout="mha", **kw):
+    return Namespace("test-model", "rev1", "fp32", P, layout=layout, tp_size=tp_size, **kw)
+
+
+def vllm_cache(dev, heads=HEADS):
+    """vLLM FlashAttention per-layer caches [2, blocks, P, heads, dim], in one allocation
+    (views that do not start at the allocation base)."""
+    raw = dev.empty((LAYERS, 2, BLOCKS, P, heads, DIM), torch.float32)
+    return {f"model.layers.{i}.self_attn": raw[i] for i in range(LAYERS)}
+
+
+def fill(caches, blocks, seed):
+    g = torch.Generator().manual_seed(seed)
+    for t in caches.values():
+        for b in blocks:
+            t[:, b].copy_(torch.randn(t[:, b].shape, generator=g))
+
+
+def test_register_match_load_backup(daemon):
+    dev = SimDevice()
+    caches = vllm_cache(dev)
+    layout = KvLayout.from_vllm(caches, device=dev)
+    assert layout.num_blocks == BLOCKS and layout.num_layers == LAYERS
+    assert len(layout.regions) == 1  # one allocation
+    assert layout.layers[1][0].offset == 2 * BLOCKS * P * HEADS * DIM * 4
+    with Client(daemon.socket) as client:
+        s = client.register("eng-a", make_ns(), layout=layout)
+        assert s.wait_active(5000)
+        info = s.info()
+        assert info.page_object_bytes == layout.page_object_bytes == LAYERS * 2 * P * HEADS * DIM * 4
+        tokens = np.arange(5 * P + 3, dtype=np.uint32)
+        m = s.match([tokens])
+        assert m.ok and m.results[0].l2_hit_pages == 0 and m.results[0].total_pages == 5
+        keys = m.results[0].keys
+        assert keys.shape == (5, 32)
+        fill(caches, range(5), seed=1)
+        expect = {n: t[:, :5].clone() for n, t in caches.items()}
+        op = s.backup(keys, np.arange(5), ready=True)
+        assert op.ok, op.reason
+        assert op.wait().done
+        # A second engine of the same instance group loads into other blocks, layer by layer.
+        m = s.match([tokens], pin=True)
+        r = m.results[0]
+        assert r.l2_hit_pages == 5 and r.pin_id
+        for t in caches.values():
+            t[:, 10:15].fill_(-1.0)
+        op = s.load(r.keys, np.arange(10, 15), pin_id=r.pin_id, release_pin=True)
+        assert op.ok and op.slot is not None
+        for layer in range(LAYERS):
+            assert op.wait_layer(layer)
+        st = op.wait()
+        assert st.done and st.leading_ok_pages == [5]
+        for n, t in caches.items():
+            assert torch.equal(t[:, 10:15], expect[n])  # bit-exact
+        stats = client.stats()
+        assert stats["degraded_calls"] == 0
+    dev.close()
+
+
+def test_multi_sequence_batches_and_page_status(daemon):
+    dev = SimDevice()
+    caches = vllm_cache(dev)
+    layout = KvLayout.from_vllm(caches, device=dev)
+    with Client(daemon.socket) as client:
+        s = client.register("eng-b", make_ns(), layout=layout)
+        assert s.wait_active(5000)
+        a = np.arange(3 * P, dtype=np.uint32)
+        b = np.arange(1000, 1000 + 2 * P, dtype=np.uint32)
+        ka, kb = s.keys(a), s.keys(b)
+        op = s.backup([BackupSeq(ka, [0, 1, 2]), BackupSeq(kb, [3, 4])])
+        assert op.wait().leading_ok_pages == [3, 2]
+        # Extend a's chain by one page from its last key.
+        a2 = np.arange(3 * P, 4 * P, dtype=np.uint32)
+        k3 = s.keys(a2, parent=bytes(ka[-1]))
+        assert np.array_equal(k3[0], s.keys(np.arange(4 * P, dtype=np.uint32))[3])
+        op = s.backup(k3, [5], parent=bytes(ka[-1]))
+        assert op.wait().done
+        m = s.match([np.arange(4 * P, dtype=np.uint32), b, np.arange(7, 7 + P)])
+        assert [r.l2_hit_pages for r in m.results] == [4, 2, 0]
+        # Skipping computed pages.
+        m = s.match([np.arange(4 * P, dtype=np.uint32)], num_computed_pages=[2])
+        assert m.results[0].l2_hit_pages == 2 and len(m.results[0].keys) == 2
+        # A page that is not cached: per-page statuses name it.
+        unknown = s.keys(np.arange(50000, 50000 + P))
+        op = s.load([LoadSeq(ka, [10, 11, 12]), LoadSeq(unknown, [13])], page_status=True)
+        st = op.wait()
+        assert st.leading_ok_pages == [3, 0]
+        assert list(op.page_status[1]) != [1]
+
+
+def test_tp_group_hits_only_when_every_shard_is_cached(daemon):
+    ns = make_ns(tp_size=2)
+    devs = [SimDevice(), SimDevice()]
+    caches = [vllm_cache(d, heads=1) for d in devs]
+    with Client(daemon.socket) as client:
+        ranks = [client.register("tp-eng", ns, rank=r,
+                                 layout=KvLayout.from_vllm(caches[r], device=devs[r]))
+                 for r in range(2)]
+        assert all(s.wait_active(5000) for s in ranks)
+        tokens = np.arange(4 * P, dtype=np.uint32)
+        keys = ranks[0].keys(tokens)
+        assert ranks[0].backup(keys, [0, 1, 2, 3]).wait().done
+        # Rank 1 has backed up nothing yet: the group has no hit.
+        assert ranks[0].match([tokens]).results[0].l2_hit_pages == 0
+        assert ranks[1].backup(keys[:3], [0, 1, 2]).wait().done
+        hits = [s.match([tokens]).results[0].l2_hit_pages for s in ranks]
+        assert hits == [3, 3]
+        sched = client.register("tp-eng", ns, scheduler=True)
+        assert sched.wait_active(5000)
+        assert sched.match([tokens]).results[0].l2_hit_pages == 3
+
+
+def test_daemon_down_killed_and_restarted_is_a_miss(tmp_path, daemon_factory):
+    dev = SimDevice()
+    caches = vllm_cache(dev)
+    layout = KvLayout.from_vllm(caches, device=dev)
+    sock = str(tmp_path / "later" / "kvcellard.sock")
+    client = Client(sock, rpc_timeout_ms=200, register_timeout_ms=300, backoff_max_ms=200)
+    t0 = time.monotonic()
+    s = client.register("eng-down", make_ns(), layout=layout)  # no daemon yet: no error
+    assert time.monotonic() - t0 < 2.0
+    tokens = np.arange(2 * P, dtype=np.uint32)
+    t0 = time.monotonic()
+    m = s.match([tokens])
+    assert not m.ok and "unavailable" in m.reason and m.results[0].l2_hit_pages == 0
+    op = s.load(m.results[0].keys, [0, 1])
+    assert not op.ok and not op.wait_layer(0) and not op.wait(100).done
+    op = s.backup(m.results[0].keys, [0, 1])
+    assert not op.ok and op.reason
+    assert time.monotonic() - t0 < 2.0  # each call bounded by its deadline
+    d = daemon_factory(subdir="later")
+    assert s.wait_active(10000)
+    assert s.backup(m.results[0].keys, [0, 1]).wait().done
+    assert s.match([tokens]).results[0].l2_hit_pages == 2
+    d.stop(signal.SIGKILL)
+    m = s.match([tokens])
+    assert not m.ok and m.results[0].l2_hit_pages == 0
+    daemon_factory(subdir="later")
+    assert s.wait_active(10000)
+    # The restarted daemon has an empty pool: a miss, then hits once backed up again.
+    assert s.match([tokens]).results[0].l2_hit_pages == 0
+    assert s.backup(m.results[0].keys, [0, 1]).wait().done
+    assert s.match([tokens]).results[0].l2_hit_pages == 2
+    assert client.stats()["reregistrations"] >= 1
+    client.close()
+
+
+def test_bad_input_in_the_step_is_a_miss_not_an_exception(daemon):
+    dev = SimDevice()
+    layout = KvLayout.from_vllm(vllm_cache(dev), device=dev)
+    with Client(daemon.socket) as client:
+        s = client.register("eng-bad", make_ns(), layout=layout)
+        assert s.wait_active(5000)
+        keys = s.keys(np.arange(P))
+        op = s.load(keys, [BLOCKS + 5])  # block out of range: the daemon refuses
+        assert not op.ok and "block" in op.reason
+        op = s.backup(keys, [0, 1])  # 1 key, 2 blocks
+        assert not op.ok and "1 keys but 2 blocks" in op.reason
+        m = s.match([np.zeros((2, 2))])
+        assert not m.ok and "tokens" in m.reason
+        m = s.match([np.arange(P)], prefetch="sometimes")
+        assert not m.ok and "prefetch" in m.reason
+        assert s.match([np.arange(P)]).ok  # nothing changed
