@@ -22,19 +22,7 @@ sys.path.insert(0, PY_DIR)
 KVCELLARD = os.path.join(BIN_DIR, "kvcellard")
 KVCELLARCTL = os.path.join(BIN_DIR, "kvcellarctl")
 
-from kvcellard_process import Daemon, Daemons, parse_log_line  # noqa: E402,F401
-
-
-@pytest.fixture
-def daemon_factory(tmp_path):
-    daemons = Daemons(tmp_path)
-    yield daemons.start
-    daemons.close()
-
-
-@pytest.fixture
-def daemon(daemon_factory):
-    return daemon_factory()
+from kvcellard_process import Daemon, Daemons, daemon, daemon_factory, parse_log_line  # noqa: E402,F401
 
 
 def run(cmd, timeout=60, check=False, **kw):

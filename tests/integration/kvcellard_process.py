@@ -133,3 +133,21 @@ class Daemons:
             if daemon.proc and daemon.proc.poll() is None:
                 daemon.proc.kill()
                 daemon.proc.wait()
+
+
+# pytest fixtures for any test folder: a conftest imports them (`from kvcellard_process import
+# daemon, daemon_factory`). Imported lazily so the module itself needs no pytest.
+try:
+    import pytest
+
+    @pytest.fixture
+    def daemon_factory(tmp_path):
+        daemons = Daemons(tmp_path)
+        yield daemons.start
+        daemons.close()
+
+    @pytest.fixture
+    def daemon(daemon_factory):
+        return daemon_factory()
+except ImportError:  # a script without pytest
+    pass

@@ -155,11 +155,15 @@ class Op(Structure):
     _fields_ = [("op_id", c_uint64), ("generation", c_uint64)]
 
 
+# The structures of the per-step calls (match, load, backup, wait) declare their array pointers as
+# c_void_p, which has the C pointer's size and passing: the package stores a NumPy array's address
+# there as a plain int (``address(arr)``, below) instead of building a typed pointer object with
+# ctypes.cast on every call, which costs microseconds per array in an engine's step.
 class MatchSeq(Structure):
     _fields_ = [
-        ("tokens", POINTER(c_uint32)),
+        ("tokens", c_void_p),  # const uint32_t*
         ("num_tokens", c_size_t),
-        ("keys", POINTER(c_uint8)),
+        ("keys", c_void_p),  # const uint8_t*, num_keys * 32 bytes
         ("num_keys", c_size_t),
         ("num_computed_pages", c_uint32),
         ("l2_hit_pages", c_uint32),
@@ -182,24 +186,24 @@ class MatchOptions(Structure):
 
 class LoadSeq(Structure):
     _fields_ = [
-        ("keys", POINTER(c_uint8)),
-        ("blocks", POINTER(c_uint32)),
+        ("keys", c_void_p),  # const uint8_t*
+        ("blocks", c_void_p),  # const uint32_t*
         ("num_pages", c_size_t),
         ("pin_id", c_uint64),
         ("release_pin", c_int),
         ("leading_ok_pages", c_uint32),
-        ("page_status", POINTER(c_uint8)),
+        ("page_status", c_void_p),  # uint8_t*, optional
     ]
 
 
 class BackupSeq(Structure):
     _fields_ = [
-        ("parent_key", POINTER(c_uint8)),
-        ("keys", POINTER(c_uint8)),
-        ("blocks", POINTER(c_uint32)),
+        ("parent_key", c_void_p),  # const uint8_t*, 32 bytes, or NULL
+        ("keys", c_void_p),  # const uint8_t*
+        ("blocks", c_void_p),  # const uint32_t*
         ("num_pages", c_size_t),
         ("leading_ok_pages", c_uint32),
-        ("page_status", POINTER(c_uint8)),
+        ("page_status", c_void_p),  # uint8_t*, optional
     ]
 
 
@@ -218,7 +222,7 @@ class OpStatus(Structure):
         ("op", Op),
         ("state", c_int),
         ("num_sequences", c_uint32),
-        ("leading_ok_pages", POINTER(c_uint32)),
+        ("leading_ok_pages", c_void_p),  # uint32_t*, optional
         ("leading_ok_cap", c_size_t),
     ]
 
@@ -253,8 +257,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn("kvc_wait_load_signal", c_int, _P, Op, c_uint32, c_uint32)
     fn("kvc_release", c_int, _P, POINTER(c_uint64), c_size_t, POINTER(Op), c_size_t)
     fn("kvc_namespace_digest", c_int, POINTER(Namespace), POINTER(c_uint8))
-    fn("kvc_page_keys", c_int, POINTER(Namespace), POINTER(c_uint8), POINTER(c_uint32), c_size_t,
-       POINTER(c_uint8), c_size_t, POINTER(c_size_t))
+    # parent_key, tokens, keys_out: addresses (see MatchSeq).
+    fn("kvc_page_keys", c_int, POINTER(Namespace), c_void_p, c_void_p, c_size_t, c_void_p,
+       c_size_t, POINTER(c_size_t))
     fn("kvc_sim_unique_name", c_int, c_char_p, c_char_p, c_size_t)
     fn("kvc_sim_memory_create", c_int, c_char_p, c_uint64, POINTER(_P))
     fn("kvc_sim_memory_data", c_void_p, _P)
@@ -313,9 +318,20 @@ def status_reason(code: int) -> str:
     return f"{STATUS_NAMES.get(code, str(code))}: {last_error()}"
 
 
-def u8p(addr: int):
-    return ctypes.cast(c_void_p(addr), POINTER(c_uint8))
+_c_char = ctypes.c_char
+_addressof = ctypes.addressof
 
 
-def u32p(addr: int):
-    return ctypes.cast(c_void_p(addr), POINTER(c_uint32))
+def address(arr: "numpy.ndarray") -> int:  # noqa: F821 (numpy is the caller's)
+    """The address of a C-contiguous NumPy array's first byte, for the c_void_p fields above.
+
+    Through the buffer protocol, which runs C code only. ``arr.ctypes.data`` builds a
+    Python-level helper object on every call, several times slower once an engine's step has
+    left the CPU caches cold (client/python/bench/bench_calls.py measures the calls that way).
+    Read-only and empty arrays, which cannot export a writable buffer of a byte or more, take
+    ``arr.ctypes.data``.
+    """
+    try:
+        return _addressof(_c_char.from_buffer(arr))
+    except (TypeError, ValueError, BufferError):
+        return arr.ctypes.data

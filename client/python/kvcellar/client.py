@@ -46,7 +46,13 @@ BlocksLike = Union[np.ndarray, Sequence[int]]
 KeysLike = Union[np.ndarray, bytes, Sequence[bytes]]
 
 
+_U32 = np.dtype(np.uint32)
+
+
 def _blocks(blocks: BlocksLike) -> np.ndarray:
+    if (type(blocks) is np.ndarray and blocks.dtype == _U32 and blocks.ndim == 1
+            and blocks.flags.c_contiguous):
+        return blocks  # every uint32 is a valid index: nothing to check or convert
     if hasattr(blocks, "detach"):
         blocks = blocks.detach().cpu().numpy()
     arr = np.asarray(blocks)
@@ -160,6 +166,12 @@ class Op:
 
     def wait(self, timeout_ms: int = 5000) -> OpStatus:
         """The op's outcome; ``pending`` with ok False when it did not finish in time."""
+        if self._final is None and self.state == "done" and self.ok and self.op_id:
+            # DONE at submission (the daemon finished it within the call): that is final, and
+            # its leading_ok_pages are the usable ones. No WaitOps round trip, as a C++ engine
+            # checks OpResult::terminal() before calling WaitOps.
+            self._final = OpStatus("done", list(self.leading_ok_pages))
+            self.session._free_slot(self)
         if self._final is None:
             st = self.session.wait([self], timeout_ms)[0]
             if st.terminal and not (st.state == "failed" and not st.ok and self.op_id == 0):
@@ -399,22 +411,29 @@ class Session:
                 raise ValueError(f"prefetch: {prefetch!r} is not one of "
                                  f"{[p for p in PREFETCH_POLICIES if p]}")
             keys = []
-            for i, s in enumerate(sequences):
-                k = as_keys(s) if by_keys else page_keys(self.ns, s)
-                keys.append(k if by_keys else k[ncp[i]:])
             seqs = (N.MatchSeq * max(n, 1))()
-            for i, k in enumerate(keys):
-                seqs[i].keys = N.u8p(k.ctypes.data)
-                seqs[i].num_keys = len(k)
-                seqs[i].num_computed_pages = ncp[i]
+            for i, s in enumerate(sequences):
+                if by_keys:
+                    k = as_keys(s)
+                else:
+                    k = page_keys(self.ns, s)
+                    if ncp[i]:
+                        k = k[ncp[i]:]
+                keys.append(k)
+                c = seqs[i]
+                c.keys = N.address(k)
+                c.num_keys = len(k)
+                c.num_computed_pages = ncp[i]
             opts = N.MatchOptions(1 if pin else 0, pin_lease_ms, PREFETCH_POLICIES[prefetch],
                                   prefetch_timeout_ms, step_id, l3_lookup_timeout_ms)
             pop = N.Op()
             rc = N.lib.kvc_match(self._handle, seqs, n, ctypes.byref(opts), ctypes.byref(pop))
             reason = N.status_reason(rc)
-            results = [MatchResult(int(seqs[i].l2_hit_pages), int(seqs[i].l3_hit_pages),
-                                   int(seqs[i].total_pages), int(seqs[i].pin_id), keys[i])
-                       for i in range(n)]
+            results = []
+            for i in range(n):
+                c = seqs[i]
+                results.append(MatchResult(c.l2_hit_pages, c.l3_hit_pages, c.total_pages,
+                                           c.pin_id, keys[i]))
             prefetch_op = None
             if pop.op_id:
                 prefetch_op = Op(self, pop, 1, True, "", [0] * n, num_sequences=n)
@@ -435,20 +454,21 @@ class Session:
         try:
             n = len(seqs_in)
             seqs = (N.LoadSeq * max(n, 1))()
-            arrays = []
+            arrays = []  # keeps every array the C structures point into alive over the call
             for i, s in enumerate(seqs_in):
                 k, b = as_keys(s.keys), _blocks(s.blocks)
                 if len(k) != len(b):
                     raise ValueError(f"sequence {i}: {len(k)} keys but {len(b)} blocks")
                 st = np.zeros(len(k), np.uint8) if page_status else None
                 arrays.append((k, b, st))
-                seqs[i].keys = N.u8p(k.ctypes.data)
-                seqs[i].blocks = N.u32p(b.ctypes.data)
-                seqs[i].num_pages = len(k)
-                seqs[i].pin_id = s.pin_id
-                seqs[i].release_pin = 1 if s.release_pin else 0
+                c = seqs[i]
+                c.keys = N.address(k)
+                c.blocks = N.address(b)
+                c.num_pages = len(k)
+                c.pin_id = s.pin_id
+                c.release_pin = 1 if s.release_pin else 0
                 if st is not None:
-                    seqs[i].page_status = N.u8p(st.ctypes.data)
+                    c.page_status = N.address(st)
             if layerwise:
                 slot = self._take_slot()
             c_op, state = N.Op(), ctypes.c_int(0)
@@ -456,7 +476,7 @@ class Session:
                                 slot or 0, ctypes.byref(c_op), ctypes.byref(state))
             reason = N.status_reason(rc)
             op = Op(self, c_op, state.value, rc == N.OK, reason,
-                    [int(seqs[i].leading_ok_pages) for i in range(n)],
+                    [seqs[i].leading_ok_pages for i in range(n)],
                     [a[2] for a in arrays] if page_status else None,
                     slot if c_op.op_id else None, n)
             if slot is not None and not c_op.op_id:
@@ -483,7 +503,7 @@ class Session:
                 raise ValueError(f"write_policy: {write_policy!r} is not one of "
                                  f"{[p for p in WRITE_POLICIES if p]}")
             seqs = (N.BackupSeq * max(n, 1))()
-            arrays = []
+            arrays = []  # keeps every array the C structures point into alive over the call
             for i, s in enumerate(seqs_in):
                 k, b = as_keys(s.keys), _blocks(s.blocks)
                 if len(k) != len(b):
@@ -495,13 +515,14 @@ class Session:
                         raise ValueError(f"sequence {i}: parent of {len(s.parent)} bytes")
                     par = (ctypes.c_uint8 * N.KEY_BYTES).from_buffer_copy(bytes(s.parent))
                 arrays.append((k, b, st, par))
-                seqs[i].keys = N.u8p(k.ctypes.data)
-                seqs[i].blocks = N.u32p(b.ctypes.data)
-                seqs[i].num_pages = len(k)
+                c = seqs[i]
+                c.keys = N.address(k)
+                c.blocks = N.address(b)
+                c.num_pages = len(k)
                 if par is not None:
-                    seqs[i].parent_key = ctypes.cast(par, ctypes.POINTER(ctypes.c_uint8))
+                    c.parent_key = ctypes.addressof(par)
                 if st is not None:
-                    seqs[i].page_status = N.u8p(st.ctypes.data)
+                    c.page_status = N.address(st)
             opts = N.BackupOptions(0, 0, 0, WRITE_POLICIES[write_policy], ready_timeout_ms)
             if ready and self.num_ready_slots > 0:
                 self._signal_ready(opts)
@@ -509,7 +530,7 @@ class Session:
             rc = N.lib.kvc_backup(self._handle, seqs, n, ctypes.byref(opts), ctypes.byref(c_op),
                                   ctypes.byref(state))
             return Op(self, c_op, state.value, rc == N.OK, N.status_reason(rc),
-                      [int(seqs[i].leading_ok_pages) for i in range(n)],
+                      [seqs[i].leading_ok_pages for i in range(n)],
                       [a[2] for a in arrays] if page_status else None, None, n)
         except Exception as e:
             return Op(self, N.Op(), 3, False, f"error: {e}", [0] * len(seqs_in))
@@ -535,24 +556,27 @@ class Session:
         try:
             n = len(ops)
             arr = (N.OpStatus * max(n, 1))()
-            caps = []
+            caps = []  # per op, its leading_ok_pages out-array (alive over the call)
             for i, op in enumerate(ops):
                 cap = (ctypes.c_uint32 * max(op.num_sequences, 1))()
                 caps.append(cap)
-                arr[i].op = op.c_op
-                arr[i].leading_ok_pages = ctypes.cast(cap, ctypes.POINTER(ctypes.c_uint32))
-                arr[i].leading_ok_cap = op.num_sequences
+                c = arr[i]
+                c.op = op.c_op
+                c.leading_ok_pages = ctypes.addressof(cap)
+                c.leading_ok_cap = op.num_sequences
             rc = N.lib.kvc_wait(self._handle, arr, n, timeout_ms, 1 if any else 0)
             reason = N.status_reason(rc)
             out = []
             for i, op in enumerate(ops):
-                if not op.c_op.op_id:  # never accepted
+                # op_id 0 with a generation: never accepted, or a submission whose outcome was
+                # lost (the daemon may still run it); the native state says which (pending until
+                # the lost generation is settled). Without a generation it never left Python.
+                if not op.c_op.op_id and not op.c_op.generation:
                     out.append(OpStatus("failed", [0] * op.num_sequences, False,
                                         op.reason or "not submitted"))
                     continue
                 out.append(OpStatus(OP_STATES.get(arr[i].state, "unknown"),
-                                    [int(caps[i][j]) for j in range(op.num_sequences)],
-                                    rc == N.OK, reason))
+                                    caps[i][:op.num_sequences], rc == N.OK, reason))
             return out
         except Exception as e:
             return [OpStatus("failed", [0] * op.num_sequences, False, f"error: {e}") for op in ops]

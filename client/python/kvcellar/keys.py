@@ -17,6 +17,9 @@ from . import _native as N
 
 TokensLike = Union[np.ndarray, Sequence[int]]
 
+_U8 = np.dtype(np.uint8)
+_U32 = np.dtype(np.uint32)
+
 LAYOUTS = {"mha": N.LAYOUT_MHA, "gqa": N.LAYOUT_MHA, "mla": N.LAYOUT_MLA}
 KV_DTYPES = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "nvfp4", "mxfp4")
 
@@ -54,6 +57,8 @@ class Namespace:
         if rc != N.OK:
             raise ValueError(f"Namespace: {N.last_error()}")
         object.__setattr__(self, "_digest", bytes(digest))
+        # The C structure page_keys passes on every call, built once (it keeps its strings).
+        object.__setattr__(self, "_c", self.to_c())
 
     @property
     def layout_code(self) -> int:
@@ -77,6 +82,9 @@ class Namespace:
 
 def as_tokens(tokens: TokensLike) -> np.ndarray:
     """Token ids as a contiguous uint32 array (no copy when they already are one)."""
+    if (type(tokens) is np.ndarray and tokens.dtype == _U32 and tokens.ndim == 1
+            and tokens.flags.c_contiguous):
+        return tokens  # what engines pass every step: nothing to check or convert
     if hasattr(tokens, "detach"):  # a torch tensor
         tokens = tokens.detach().cpu().numpy()
     arr = np.asarray(tokens)
@@ -91,6 +99,9 @@ def as_tokens(tokens: TokensLike) -> np.ndarray:
 
 def as_keys(keys: Union[np.ndarray, bytes, Sequence[bytes]]) -> np.ndarray:
     """Keys as a contiguous (n, 32) uint8 array."""
+    if (type(keys) is np.ndarray and keys.dtype == _U8 and keys.ndim == 2
+            and keys.shape[1] == N.KEY_BYTES and keys.flags.c_contiguous):
+        return keys  # as page_keys and match return them: nothing to check or convert
     if isinstance(keys, (bytes, bytearray)):
         arr = np.frombuffer(bytes(keys), dtype=np.uint8)
     elif isinstance(keys, np.ndarray):
@@ -113,14 +124,15 @@ def page_keys(ns: Namespace, tokens: TokensLike, parent: Optional[bytes] = None)
     toks = as_tokens(tokens)
     n = len(toks) // ns.page_size if ns.page_size else 0
     out = np.empty((n, N.KEY_BYTES), dtype=np.uint8)
-    parent_p = None
+    # Page 0's parent is the namespace digest, computed once (the library would hash it again).
+    parent_p = ns._digest  # type: ignore[attr-defined]
     if parent is not None:
         if len(parent) != N.KEY_BYTES:
             raise ValueError(f"parent: {len(parent)} bytes, expected {N.KEY_BYTES}")
         parent_p = (ctypes.c_uint8 * N.KEY_BYTES).from_buffer_copy(parent)
     got = ctypes.c_size_t(0)
-    rc = N.lib.kvc_page_keys(ctypes.byref(ns.to_c()), parent_p, N.u32p(toks.ctypes.data),
-                             len(toks), N.u8p(out.ctypes.data), n, ctypes.byref(got))
+    rc = N.lib.kvc_page_keys(ctypes.byref(ns._c), parent_p, N.address(toks),  # type: ignore
+                             len(toks), N.address(out), n, ctypes.byref(got))
     if rc != N.OK:
         raise ValueError(f"page_keys: {N.last_error()}")
-    return out[: got.value]
+    return out if got.value == n else out[: got.value]

@@ -14,21 +14,9 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 sys.path.insert(0, str(ROOT / "client" / "python"))
 
-from kvcellard_process import BIN_DIR, Daemons  # noqa: E402
+from kvcellard_process import BIN_DIR, Daemons, daemon, daemon_factory  # noqa: E402,F401
 
 GOLDEN_KEYS = ROOT / "tests" / "data" / "keys_golden.json"
-
-
-@pytest.fixture
-def daemon_factory(tmp_path):
-    daemons = Daemons(tmp_path)
-    yield daemons.start
-    daemons.close()
-
-
-@pytest.fixture
-def daemon(daemon_factory):
-    return daemon_factory()
 
 
 def bin_path(name: str) -> str:

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <numeric>
 
@@ -25,6 +26,10 @@ constexpr absl::Duration kOpWait = absl::Seconds(5);
 constexpr uint32_t kSlots = 4;
 // Fresh Backup keys of different seeds never meet: the seed takes the high bits of the counter.
 constexpr int kSeedShift = 40;
+// The prompt's pin lasts the whole run: the daemon's longest lease (server/cache_limits.h).
+constexpr uint32_t kPinLeaseMs = 3600 * 1000;
+// Backup-and-pin attempts for the prompt (see CallBench::Start).
+constexpr int kCacheAttempts = 5;
 
 uint64_t Mix(uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
@@ -113,16 +118,39 @@ absl::StatusOr<std::unique_ptr<CallBench>> CallBench::Start(const CallBenchConfi
   b->keys_ = b->session_->ComputeKeys(b->tokens_);
   b->src_blocks_ = Range(0, pages);
   b->dst_blocks_ = Range(pages, pages);
-  std::string error;
-  if (!b->Backup(b->keys_, /*wait=*/true, &error)) {
-    return absl::InternalError(absl::StrCat("caching the prompt: ", error));
-  }
-  if (!b->MatchTokens(&error)) return absl::InternalError(absl::StrCat("after Backup: ", error));
+  if (absl::Status s = b->CacheAndPinPrompt(); !s.ok()) return s;
   return b;
 }
 
+absl::Status CallBench::CacheAndPinPrompt() {
+  // Pinned for the run: in a full pool the daemon evicts pages seen once first (s3fifo), and a
+  // freshly backed-up prompt is such pages, so it could be gone before the Matches and Loads.
+  // Retried because that can also happen between the Backup and the pinning Match.
+  std::string error;
+  for (int attempt = 0; attempt < kCacheAttempts; ++attempt) {
+    if (!Backup(keys_, /*wait=*/true, &error)) {
+      return absl::InternalError(absl::StrCat("caching the prompt: ", error));
+    }
+    client::MatchSequence seq;
+    seq.tokens = tokens_;
+    client::MatchOptions pin;
+    pin.pin = true;
+    pin.pin_lease_ms = kPinLeaseMs;
+    const client::MatchResult r = session_->Match({seq}, pin).results[0];
+    if (r.l2_hit_pages == config_.pages && r.pin_id != 0) {
+      pin_id_ = r.pin_id;
+      return absl::OkStatus();
+    }
+    if (r.pin_id != 0) session_->Release({r.pin_id});
+    error = absl::StrCat("after Backup, Match hit ", r.l2_hit_pages, "/", config_.pages);
+  }
+  return absl::InternalError(absl::StrCat("caching the prompt: ", error));
+}
+
 CallBench::~CallBench() {
-  if (session_) session_->Close();
+  if (!session_) return;
+  if (pin_id_ != 0) session_->Release({pin_id_});
+  session_->Close();
 }
 
 bool CallBench::MatchKeys(std::string* error) {
@@ -215,7 +243,9 @@ struct Case {
 void RunCase(benchmark::State& state, CallBench* bench, const Case& c) {
   using Clock = std::chrono::steady_clock;
   std::string error;
+  Lockstep& lockstep = bench->lockstep();
   auto once = [&](CallSamples* samples) {
+    if (!lockstep.Await(&error)) return false;
     if (c.prepare) c.prepare();
     const Clock::time_point t0 = Clock::now();
     bool ok = c.call(&error);
@@ -226,7 +256,11 @@ void RunCase(benchmark::State& state, CallBench* bench, const Case& c) {
       samples->us.push_back(us);
       state.SetIterationTime(us / 1e6);
     }
-    return ok;
+    if (!ok) {
+      lockstep.Close();  // The peer stops too, rather than waiting for a turn never passed.
+      return false;
+    }
+    return lockstep.Pass(&error);
   };
   for (int i = 0; i < bench->config().warmup; ++i) {
     if (!once(nullptr)) {
@@ -238,6 +272,16 @@ void RunCase(benchmark::State& state, CallBench* bench, const Case& c) {
   for (auto _ : state) {
     if (!once(&samples)) {
       state.SkipWithError(error.c_str());
+      return;
+    }
+  }
+  if (const std::string& path = bench->config().samples_path; !path.empty()) {
+    std::ofstream out(path, std::ios::app);
+    out << c.name;
+    for (double us : samples.us) out << ' ' << us;
+    out << '\n';
+    if (!out) {
+      state.SkipWithError(absl::StrCat("cannot write ", path).c_str());
       return;
     }
   }

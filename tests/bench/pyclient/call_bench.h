@@ -24,6 +24,7 @@
 #include "client/kvcellar_client.h"
 #include "client/sim_engine.h"
 #include "core/page_key.h"
+#include "tests/bench/pyclient/lockstep.h"
 
 namespace kvcellar::bench {
 
@@ -41,6 +42,14 @@ struct CallBenchConfig {
   uint64_t seed = 1;
   int iterations = 200;  // Timed calls per case.
   int warmup = 20;       // Untimed calls before them.
+  // Lockstep with a peer process (lockstep.h), or -1 and -1: alone. With it, Start passes the
+  // turn once set up, and every call of every case (warm-up included, in registration order)
+  // awaits the peer's turn first and passes it back after.
+  int lockstep_in_fd = -1;
+  int lockstep_out_fd = -1;
+  // When set, every case appends a line "<name> <us> <us> ..." of its timed calls, in order (so a
+  // peer in lockstep can pair them with its own).
+  std::string samples_path;
 };
 
 // One case's per-call times, in microseconds.
@@ -52,13 +61,14 @@ struct CallSamples {
 
 class CallBench {
  public:
-  // Connects, registers a sim engine, and caches the prompt's pages (a Backup from blocks
-  // [0, pages)), checking that a Match then hits every one.
+  // Connects, registers a sim engine, caches the prompt's pages (a Backup from blocks
+  // [0, pages)) and pins them for the run, checking that a Match then hits every one.
   static absl::StatusOr<std::unique_ptr<CallBench>> Start(const CallBenchConfig& config);
   ~CallBench();
 
   const CallBenchConfig& config() const { return config_; }
   client::Session& session() { return *session_; }
+  Lockstep& lockstep() { return lockstep_; }
 
   // One call each; false with *error when it did not do the whole batch. Timed by the caller
   // from entry to return.
@@ -76,15 +86,19 @@ class CallBench {
   void FreshKeys(std::vector<core::PageKey>* keys);
 
  private:
-  explicit CallBench(CallBenchConfig config) : config_(std::move(config)) {}
+  explicit CallBench(CallBenchConfig config)
+      : config_(std::move(config)), lockstep_(config_.lockstep_in_fd, config_.lockstep_out_fd) {}
+  absl::Status CacheAndPinPrompt();
   bool Finish(uint32_t want, std::string* error);
 
   const CallBenchConfig config_;
+  Lockstep lockstep_;
   std::unique_ptr<client::Client> client_;
   std::unique_ptr<client::SimEngine> sim_;
   std::unique_ptr<client::Session> session_;  // Closed before sim_ and client_ go.
   std::vector<uint32_t> tokens_;
-  std::vector<core::PageKey> keys_;  // The prompt's, cached by Start.
+  std::vector<core::PageKey> keys_;  // The prompt's, cached and pinned by Start.
+  uint64_t pin_id_ = 0;              // Released by the destructor.
   std::vector<uint32_t> src_blocks_;
   std::vector<uint32_t> dst_blocks_;
   client::OpResult pending_;  // The op a submit-only call left running.
@@ -93,9 +107,10 @@ class CallBench {
   uint64_t next_key_ = 0;
 };
 
-// BM_MatchKeys, BM_MatchTokens, BM_Load, BM_LoadSubmit, BM_Backup, BM_BackupSubmit, each
-// config.iterations timed calls after config.warmup untimed ones, reporting p50_us, p90_us,
-// p99_us, mean_us and min_us.
+// BM_MatchKeys, BM_MatchTokens, BM_Load, BM_LoadSubmit, BM_Backup, BM_BackupSubmit, in that
+// order, each config.iterations timed calls after config.warmup untimed ones, reporting p50_us,
+// p90_us, p99_us, mean_us and min_us (and the samples, to config.samples_path). In lockstep, each
+// call waits for the peer's turn.
 void RegisterCallBenchmarks(CallBench* bench);
 
 }  // namespace kvcellar::bench

@@ -18,13 +18,21 @@
 //   --pyclient_seed=N              seeds the prompt and the Backup keys (default 1); give every
 //                                  run against one daemon its own
 //   --pyclient_instance=ID         engine instance id (default pyclient-cxx-<pid>)
+//   --pyclient_lockstep=IN,OUT     alternate every call with a peer process over these two pipe
+//                                  fds (lockstep.h), as bench_calls.py runs it: the peer takes
+//                                  warmup + iterations turns per case, in the order of
+//                                  RegisterCallBenchmarks (call_bench.h)
+//   --pyclient_samples=PATH        append every case's timed calls (us) to PATH, a line each
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "benchmark/benchmark.h"
 #include "tests/bench/pyclient/call_bench.h"
 
@@ -55,8 +63,17 @@ bool ParseFlags(int* argc, char** argv, kb::CallBenchConfig* config, std::string
       *n = static_cast<std::remove_reference_t<decltype(*n)>>(u);
       return true;
     };
-    if (value("--socket", &config->socket) || value("--pyclient_model", &config->model) ||
+    std::string fds;
+    if (value("--pyclient_lockstep", &fds)) {
+      const std::vector<std::string> p = absl::StrSplit(fds, ',');
+      if (p.size() != 2 || !absl::SimpleAtoi(p[0], &config->lockstep_in_fd) ||
+          !absl::SimpleAtoi(p[1], &config->lockstep_out_fd) || config->lockstep_in_fd < 0 ||
+          config->lockstep_out_fd < 0) {
+        *error = absl::StrCat("--pyclient_lockstep: '", fds, "' is not IN_FD,OUT_FD");
+      }
+    } else if (value("--socket", &config->socket) || value("--pyclient_model", &config->model) ||
         value("--pyclient_instance", &config->instance_id) ||
+        value("--pyclient_samples", &config->samples_path) ||
         number("--pyclient_iterations", &config->iterations) ||
         number("--pyclient_warmup", &config->warmup) ||
         number("--pyclient_pages", &config->pages) ||
@@ -101,6 +118,12 @@ int main(int argc, char** argv) {
   if (!bench.ok()) {
     std::fprintf(stderr, "kvcellar_bench_pyclient: cannot start against %s: %s\n",
                  config.socket.c_str(), bench.status().ToString().c_str());
+    return 1;
+  }
+  // The peer's end may close first; a write to it must fail, not kill this process.
+  std::signal(SIGPIPE, SIG_IGN);
+  if (!(*bench)->lockstep().Pass(&error)) {  // Set up: the peer's turn.
+    std::fprintf(stderr, "kvcellar_bench_pyclient: %s\n", error.c_str());
     return 1;
   }
   kb::RegisterCallBenchmarks(bench->get());
