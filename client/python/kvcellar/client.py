@@ -63,6 +63,21 @@ def _blocks(blocks: BlocksLike) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.uint32)
 
 
+def _fill_pages(c: Any, i: int, s: Any, page_status: bool) -> tuple:
+    """Points C sequence `c` (kvc_load_seq or kvc_backup_seq) at sequence i's keys and blocks
+    (and a page-status array when asked); returns the arrays, which must outlive the call."""
+    k, b = as_keys(s.keys), _blocks(s.blocks)
+    if len(k) != len(b):
+        raise ValueError(f"sequence {i}: {len(k)} keys but {len(b)} blocks")
+    st = np.zeros(len(k), np.uint8) if page_status else None
+    c.keys = N.address(k)
+    c.blocks = N.address(b)
+    c.num_pages = len(k)
+    if st is not None:
+        c.page_status = N.address(st)
+    return (k, b, st)
+
+
 # ---- results --------------------------------------------------------------------------------
 
 
@@ -456,19 +471,9 @@ class Session:
             seqs = (N.LoadSeq * max(n, 1))()
             arrays = []  # keeps every array the C structures point into alive over the call
             for i, s in enumerate(seqs_in):
-                k, b = as_keys(s.keys), _blocks(s.blocks)
-                if len(k) != len(b):
-                    raise ValueError(f"sequence {i}: {len(k)} keys but {len(b)} blocks")
-                st = np.zeros(len(k), np.uint8) if page_status else None
-                arrays.append((k, b, st))
-                c = seqs[i]
-                c.keys = N.address(k)
-                c.blocks = N.address(b)
-                c.num_pages = len(k)
-                c.pin_id = s.pin_id
-                c.release_pin = 1 if s.release_pin else 0
-                if st is not None:
-                    c.page_status = N.address(st)
+                arrays.append(_fill_pages(seqs[i], i, s, page_status))
+                seqs[i].pin_id = s.pin_id
+                seqs[i].release_pin = 1 if s.release_pin else 0
             if layerwise:
                 slot = self._take_slot()
             c_op, state = N.Op(), ctypes.c_int(0)
@@ -477,7 +482,7 @@ class Session:
             reason = N.status_reason(rc)
             op = Op(self, c_op, state.value, rc == N.OK, reason,
                     [seqs[i].leading_ok_pages for i in range(n)],
-                    [a[2] for a in arrays] if page_status else None,
+                    [a[2] for a in arrays if len(a) == 3] if page_status else None,
                     slot if c_op.op_id else None, n)
             if slot is not None and not c_op.op_id:
                 self._release_slot(slot)
@@ -505,24 +510,13 @@ class Session:
             seqs = (N.BackupSeq * max(n, 1))()
             arrays = []  # keeps every array the C structures point into alive over the call
             for i, s in enumerate(seqs_in):
-                k, b = as_keys(s.keys), _blocks(s.blocks)
-                if len(k) != len(b):
-                    raise ValueError(f"sequence {i}: {len(k)} keys but {len(b)} blocks")
-                st = np.zeros(len(k), np.uint8) if page_status else None
-                par = None
+                arrays.append(_fill_pages(seqs[i], i, s, page_status))
                 if s.parent is not None:
                     if len(s.parent) != N.KEY_BYTES:
                         raise ValueError(f"sequence {i}: parent of {len(s.parent)} bytes")
                     par = (ctypes.c_uint8 * N.KEY_BYTES).from_buffer_copy(bytes(s.parent))
-                arrays.append((k, b, st, par))
-                c = seqs[i]
-                c.keys = N.address(k)
-                c.blocks = N.address(b)
-                c.num_pages = len(k)
-                if par is not None:
-                    c.parent_key = ctypes.addressof(par)
-                if st is not None:
-                    c.page_status = N.address(st)
+                    arrays.append((par,))
+                    seqs[i].parent_key = ctypes.addressof(par)
             opts = N.BackupOptions(0, 0, 0, WRITE_POLICIES[write_policy], ready_timeout_ms)
             if ready and self.num_ready_slots > 0:
                 self._signal_ready(opts)
@@ -531,7 +525,7 @@ class Session:
                                   ctypes.byref(state))
             return Op(self, c_op, state.value, rc == N.OK, N.status_reason(rc),
                       [seqs[i].leading_ok_pages for i in range(n)],
-                      [a[2] for a in arrays] if page_status else None, None, n)
+                      [a[2] for a in arrays if len(a) == 3] if page_status else None, None, n)
         except Exception as e:
             return Op(self, N.Op(), 3, False, f"error: {e}", [0] * len(seqs_in))
 

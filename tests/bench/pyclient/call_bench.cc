@@ -28,7 +28,7 @@ constexpr uint32_t kSlots = 4;
 constexpr int kSeedShift = 40;
 // The prompt's pin lasts the whole run: the daemon's longest lease (server/cache_limits.h).
 constexpr uint32_t kPinLeaseMs = 3600 * 1000;
-// Backup-and-pin attempts for the prompt (see CallBench::Start).
+// Backup-and-pin attempts for the prompt (see CacheAndPinPrompt).
 constexpr int kCacheAttempts = 5;
 
 uint64_t Mix(uint64_t x) {
@@ -91,8 +91,8 @@ absl::StatusOr<std::unique_ptr<CallBench>> CallBench::Start(const CallBenchConfi
   b->sim_ = *std::move(sim);
 
   client::EngineRegistration reg;
-  reg.instance_id = config.instance_id.empty() ? absl::StrCat("pyclient-cxx-", ::getpid())
-                                               : config.instance_id;
+  reg.instance_id =
+      config.instance_id.empty() ? absl::StrCat("pyclient-cxx-", ::getpid()) : config.instance_id;
   reg.ns.model_id = config.model;
   reg.ns.model_revision = "rev1";
   reg.ns.kv_dtype = "bf16";
@@ -170,8 +170,8 @@ bool CallBench::MatchTokens(std::string* error) {
   if (m.results[0].l2_hit_pages == config_.pages && m.results[0].keys.size() == config_.pages) {
     return true;
   }
-  *error = absl::StrCat("Match by tokens hit ", m.results[0].l2_hit_pages, "/", config_.pages,
-                        " ", m.status.ToString());
+  *error = absl::StrCat("Match by tokens hit ", m.results[0].l2_hit_pages, "/", config_.pages, " ",
+                        m.status.ToString());
   return false;
 }
 
@@ -313,9 +313,8 @@ void RegisterCallBenchmarks(CallBench* bench) {
        [bench](std::string* e) { return bench->FinishBackup(e); }},
   };
   for (const Case& c : cases) {
-    benchmark::RegisterBenchmark(c.name, [bench, c](benchmark::State& state) {
-      RunCase(state, bench, c);
-    })
+    benchmark::RegisterBenchmark(c.name,
+                                 [bench, c](benchmark::State& state) { RunCase(state, bench, c); })
         ->Iterations(bench->config().iterations)
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);

@@ -6,7 +6,7 @@
 // (client/python/kvcellar) against the same daemon, to bound what the package adds per call. So
 // every request here is the one the package's defaults send (kvcellar_client_c.cc): Match without
 // pin or prefetch; Load signalled per layer on a completion slot; Backup with a sim ready token;
-// WaitOps without per-page statuses.
+// WaitOps without per-page statuses, and none for an op already DONE at submission.
 //
 // Page objects are small (by default 1 layer, K and V of 256 B per block) so that the figures are
 // the calls' fixed costs, not the daemon's copies.

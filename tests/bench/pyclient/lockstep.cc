@@ -36,9 +36,13 @@ bool Lockstep::Await(std::string* error) {
     } while (got < 0 && errno == EINTR);
   }
   if (got == 1) return true;
-  *error = n == 0 ? "lockstep: the other side did not pass its turn in time"
-           : got == 0 ? "lockstep: the other side closed its end"
-                      : absl::StrCat("lockstep: ", std::strerror(errno));
+  if (n == 0) {
+    *error = "lockstep: the other side did not pass its turn in time";
+  } else if (n > 0 && got == 0) {
+    *error = "lockstep: the other side closed its end";
+  } else {
+    *error = absl::StrCat("lockstep: ", std::strerror(errno));
+  }
   Close();
   return false;
 }

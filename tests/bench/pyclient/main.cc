@@ -72,16 +72,16 @@ bool ParseFlags(int* argc, char** argv, kb::CallBenchConfig* config, std::string
         *error = absl::StrCat("--pyclient_lockstep: '", fds, "' is not IN_FD,OUT_FD");
       }
     } else if (value("--socket", &config->socket) || value("--pyclient_model", &config->model) ||
-        value("--pyclient_instance", &config->instance_id) ||
-        value("--pyclient_samples", &config->samples_path) ||
-        number("--pyclient_iterations", &config->iterations) ||
-        number("--pyclient_warmup", &config->warmup) ||
-        number("--pyclient_pages", &config->pages) ||
-        number("--pyclient_layers", &config->layers) ||
-        number("--pyclient_bytes_per_block", &config->bytes_per_block) ||
-        number("--pyclient_blocks", &config->blocks) ||
-        number("--pyclient_page_size", &config->page_size) ||
-        number("--pyclient_seed", &config->seed)) {
+               value("--pyclient_instance", &config->instance_id) ||
+               value("--pyclient_samples", &config->samples_path) ||
+               number("--pyclient_iterations", &config->iterations) ||
+               number("--pyclient_warmup", &config->warmup) ||
+               number("--pyclient_pages", &config->pages) ||
+               number("--pyclient_layers", &config->layers) ||
+               number("--pyclient_bytes_per_block", &config->bytes_per_block) ||
+               number("--pyclient_blocks", &config->blocks) ||
+               number("--pyclient_page_size", &config->page_size) ||
+               number("--pyclient_seed", &config->seed)) {
     } else if (absl::StartsWith(a, "--pyclient_")) {
       *error = absl::StrCat("unknown flag ", a);
     } else {
