@@ -54,17 +54,22 @@ fi
 
 # The Python test environment: torch (CPU use of the PyPI wheel), transformers, pytest,
 # scikit-build-core. About 3 GiB; 2-3 minutes on a fresh machine.
-venv=${KVCELLAR_VENV:-$root/.venv}
-req=$root/client/python/requirements-test.txt
-stamp=$venv/.kvcellar-requirements
-if [[ -x $venv/bin/python ]] && cmp -s "$req" "$stamp"; then
-  echo "install-deps: $venv up to date"
-else
-  py=${KVCELLAR_VENV_PYTHON:-$(command -v python3)}
+make_venv() {  # make_venv DIR REQUIREMENTS
+  local venv=$1 req=$2
+  local stamp=$venv/.kvcellar-requirements
+  if [[ -x $venv/bin/python ]] && cmp -s "$req" "$stamp"; then
+    echo "install-deps: $venv up to date"
+    return
+  fi
+  local py=${KVCELLAR_VENV_PYTHON:-$(command -v python3)}
   echo "install-deps: creating $venv from $py ($("$py" --version 2>&1))"
   rm -rf "$venv"
   "$py" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$req"
   cp "$req" "$stamp"
   echo "install-deps: $venv ready"
-fi
+}
+make_venv "${KVCELLAR_VENV:-$root/.venv}" "$root/client/python/requirements-test.txt"
+# The vLLM connector's tests run against the real vLLM release, which pins its own torch: a venv
+# of its own (about 9 GiB, 3-5 minutes on a fresh machine).
+make_venv "${KVCELLAR_VLLM_VENV:-$root/.venv-vllm}" "$root/client/python/requirements-vllm.txt"

@@ -120,6 +120,61 @@ class KvLayout:
                                       tokens_per_block=_dim(ks[0], 1, "kv_caches[0]"))
 
     @classmethod
+    def from_vllm_blocks(cls, kv_caches: Union[dict, Sequence[Any]], *, mla: bool = False,
+                         num_blocks: Optional[int] = None,
+                         device: Any = None) -> tuple["KvLayout", list[int]]:
+        """vLLM >= 0.33's unified per-layer views ``[B, H, N, C]`` (RFC #42082): K and V side by
+        side in the last dim (``C = head_size + head_size_v``), every layer a view of one
+        allocation in any block-compact ``KVCacheLayout``; MLA ``[B, 1, N, latent]``.
+
+        K and V of a block interleave per (token, head), so the daemon cannot address them
+        apart: each layer's block bytes are registered split at their midpoint, the first half
+        as "K" and the second as "V" (MLA: all of them as the latent). The daemon moves bytes
+        only, so pages stay consistent as long as every engine of a namespace registers the
+        same physical layout; the integration folds the layout's name into ``model_revision``.
+
+        ``num_blocks``: the manager's block count when kernel-block splitting made dim 0 a
+        multiple of it (vLLM's ``group_kernel_blocks``). Layers that alias one view (cross-layer
+        KV sharing) are registered once. Returns the layout and, per input layer, the index of
+        its registered layer (what ``Op.wait_layer`` takes).
+        """
+        tensors = list(kv_caches.values()) if isinstance(kv_caches, dict) else list(kv_caches)
+        if not tensors:
+            raise ValueError("kv_caches: empty")
+        unique: dict[tuple, int] = {}
+        flats: list[Any] = []
+        index: list[int] = []
+        tokens_per_block = 0
+        for i, t in enumerate(tensors):
+            if t.dim() != 4:
+                raise ValueError(f"kv_caches[{i}]: shape {tuple(t.shape)}: expected vLLM's "
+                                 "[blocks, heads, tokens, content] view")
+            if num_blocks and int(t.shape[0]) != num_blocks:
+                if int(t.shape[0]) % num_blocks:
+                    raise ValueError(f"kv_caches[{i}]: {t.shape[0]} kernel blocks are not a "
+                                     f"multiple of num_blocks={num_blocks}")
+                t = t.unflatten(0, (num_blocks, -1))  # [B, ratio, H, N, C]
+            ident = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+            if ident not in unique:
+                unique[ident] = len(flats)
+                flats.append(_flat_blocks(t, f"kv_caches[{i}]"))
+                tokens_per_block = int(t.shape[-2]) * (int(t.shape[1]) if t.dim() == 5 else 1)
+            index.append(unique[ident])
+        if mla:
+            layout = cls.from_block_tensors(flats, None, device=device,
+                                            tokens_per_block=tokens_per_block)
+            return layout, index
+        per_block = int(flats[0].shape[1])
+        if per_block % 2:
+            raise ValueError(f"kv_caches: {per_block} elements per block cannot be split into "
+                             "equal K and V halves")
+        half = per_block // 2
+        ks = [f[:, :half] for f in flats]
+        vs = [f[:, half:] for f in flats]
+        return cls.from_block_tensors(ks, vs, device=device,
+                                      tokens_per_block=tokens_per_block), index
+
+    @classmethod
     def from_sglang(cls, k_buffers: Sequence[Any], v_buffers: Optional[Sequence[Any]],
                     page_size: int, *, device: Any = None) -> "KvLayout":
         """SGLang's token-major per-layer buffers; block b is page b (token slots
@@ -179,6 +234,21 @@ class KvLayout:
         name = self.device_name.encode()
         keep.append(name)
         reg.device_name = name
+
+
+def _flat_blocks(t: Any, what: str) -> Any:
+    """``t`` viewed as ``[blocks, elements of a block]``; a block's elements must be one dense
+    run (strides of the inner dims form a permutation of a contiguous tensor's)."""
+    inner = sorted((int(st), int(sz)) for sz, st in zip(t.shape[1:], t.stride()[1:]) if sz > 1)
+    expect = 1
+    for st, sz in inner:
+        if st != expect:
+            raise ValueError(f"{what}: a block's bytes are not contiguous (strides "
+                             f"{tuple(t.stride())}, shape {tuple(t.shape)}); use a block-compact "
+                             "KV cache layout (LBNHC, LBHNC, BLNHC or BLHNC)")
+        expect *= sz
+    # With every stride positive, element 0 of a block is its lowest address.
+    return t.as_strided((int(t.shape[0]), expect), (int(t.stride()[0]), 1), t.storage_offset())
 
 
 def _dim(t: Any, d: int, what: str) -> int:

@@ -1,0 +1,1 @@
+"""Engine integrations of the kvcellar client; each module imports its engine itself."""

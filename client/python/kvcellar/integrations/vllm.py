@@ -1,0 +1,665 @@
+"""kvcellar as a vLLM KV connector, written against vLLM 0.33.0's ``KVConnectorBase_V1``
+(vllm/distributed/kv_transfer/kv_connector/v1/base.py of the 0.33.0 wheel; the interface
+changes between releases, so pin ``vllm==0.33.0``). Loaded out of tree:
+
+    --kv-transfer-config '{"kv_connector": "KvcellarConnector",
+        "kv_connector_module_path": "kvcellar.integrations.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {...}}'
+
+Options (``kv_connector_extra_config``; an unknown key or a wrong type raises ValueError naming
+it when the connector is built): see ``ConnectorOptions``.
+
+How a step goes:
+- Scheduler (engine core): ``get_num_new_matched_tokens`` Matches the request's tokens with a
+  pin; the hit, capped to leave one token to compute and counted beyond vLLM's local prefix-cache
+  hit, is returned as a *synchronous* load. Sync, not async, because the daemon signals each
+  layer as it lands: the forward of the uncached suffix starts at once and layer i waits only for
+  layer i (``wait_for_layer_load``), so a load costs about one layer's copy on the critical
+  path, where an async load would park the request for whole scheduler steps and add the
+  WAITING_FOR_REMOTE_KVS round trip. ``build_connector_meta`` ships per request the pages to Load
+  (keys, block ids, pin) and the full pages computed this step to Backup (keys, block ids,
+  parent), each page once.
+- Worker (one per TP rank): ``start_load_kv`` issues one layerwise Load for the step,
+  ``wait_for_layer_load`` waits for its layer, ``wait_for_save`` issues one Backup (ready: the
+  forward's writes) for the step's new pages. Backups complete asynchronously: a request that had
+  pages backed up is freed late (``request_finished`` returns True) until every rank reports it in
+  ``finished_sending``, and preemption waits for the Backups before its blocks are reused.
+
+Failure semantics: a daemon that is down, dying, slow or refusing is never an engine error. A
+Match that fails is no hit; a Load that fails, or whose layer signal did not come in
+``load_timeout_ms``, reports its blocks in ``get_block_ids_with_load_errors`` and vLLM
+recomputes them (the connector sets ``kv_load_failure_policy`` to ``recompute``: vLLM's default,
+``fail``, would fail the request); a Backup that fails loses those pages (later Backups of the
+same request then miss their parent and are dropped too: a miss next time). Sessions register
+again by themselves when the daemon is back.
+
+Pages are keyed by tokens alone (docs/keys.md), so requests whose KV depends on more than their
+tokens are neither matched nor saved: multimodal inputs, LoRA adapters, a ``cache_salt`` and
+prompt embeddings.
+
+Threading: vLLM calls each side from one thread (the engine core's scheduler loop, a worker's
+model-runner loop); the connector keeps no lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket as socketlib
+import time
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                               KVConnectorMetadata,
+                                                               KVConnectorRole)
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from ..client import PREFETCH_POLICIES, WRITE_POLICIES, BackupSeq, Client, LoadSeq, Op, Session
+from ..keys import Namespace, as_tokens, page_keys
+from ..layout import KvLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+VLLM_VERSION = "0.33.0"  # the KVConnectorBase_V1 this module implements
+
+log = logging.getLogger(__name__)
+
+# torch dtype of vLLM's KV views -> Namespace.kv_dtype.
+_KV_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+              torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+
+# Load slots per worker session: one Load per step, and a slot is reused only once its op is
+# terminal (docs/api.md, "Slot rules"); 4 leaves room for a Load left pending by a timeout.
+_LOAD_SLOTS = 4
+_READY_SLOTS = 4
+
+
+# ---- options --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """``kv_connector_extra_config`` keys, with their defaults."""
+
+    socket: Optional[str] = None  # kvcellard's address; None: the client library's default
+    tenant: str = ""  # the namespace's tenant
+    instance_id: Optional[str] = None  # None: "vllm-<model>-<host>-<engine_id>-dp<rank>"
+    rpc_timeout_ms: int = 250  # deadline of each call to the daemon
+    register_timeout_ms: int = 2000  # deadline of one registration attempt
+    pin_lease_ms: int = 10000  # how long a Match's pin lives if the Load never comes
+    prefetch_policy: Optional[str] = None  # L3 -> L2 on Match; None: the daemon's default
+    write_policy: Optional[str] = None  # L3 writes of Backups; None: the daemon's default
+    load_timeout_ms: int = 5000  # longest wait for a layer or a Load before it counts as failed
+
+    @classmethod
+    def parse(cls, extra: Any) -> "ConnectorOptions":
+        """Raises ValueError naming every unknown or wrongly-typed key."""
+        if not isinstance(extra, dict):
+            raise ValueError(f"kv_connector_extra_config: expected a dict, got "
+                             f"{type(extra).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config: unknown key(s) {unknown}; known: "
+                             f"{sorted(known)}")
+        bad = []
+        for name in ("socket", "instance_id", "prefetch_policy", "write_policy"):
+            if name in extra and extra[name] is not None and not isinstance(extra[name], str):
+                bad.append(f"{name} (expected a str, got {type(extra[name]).__name__})")
+        if "tenant" in extra and not isinstance(extra["tenant"], str):
+            bad.append(f"tenant (expected a str, got {type(extra['tenant']).__name__})")
+        for name in ("rpc_timeout_ms", "register_timeout_ms", "pin_lease_ms", "load_timeout_ms"):
+            v = extra.get(name, 0)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**32:
+                bad.append(f"{name} (expected an int in [0, 2**32), got {v!r})")
+        if extra.get("prefetch_policy") not in PREFETCH_POLICIES:
+            bad.append(f"prefetch_policy ({extra['prefetch_policy']!r} is not one of "
+                       f"{[p for p in PREFETCH_POLICIES if p]})")
+        if extra.get("write_policy") not in WRITE_POLICIES:
+            bad.append(f"write_policy ({extra['write_policy']!r} is not one of "
+                       f"{[p for p in WRITE_POLICIES if p]})")
+        if "instance_id" in extra and extra["instance_id"] == "":
+            bad.append("instance_id (must not be empty)")
+        if bad:
+            raise ValueError("kv_connector_extra_config: " + "; ".join(bad))
+        return cls(**extra)
+
+
+# ---- metadata: scheduler -> workers, plain data (pickled inside SchedulerOutput) ------------
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    keys: bytes  # 32 bytes per page
+    block_ids: list[int]
+    pin_id: int
+
+
+@dataclass
+class SaveSpec:
+    req_id: str
+    keys: bytes
+    block_ids: list[int]
+    parent: Optional[bytes]  # key of the page before keys[0]; None for page 0
+
+
+@dataclass
+class KvcellarConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # blocks freed: Backups must settle
+
+
+# ---- configuration shared by both sides ----------------------------------------------------
+
+
+def _attention_spec(kv_cache_config: Optional["KVCacheConfig"]) -> AttentionSpec:
+    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
+        raise ValueError("kv_cache_config: KvcellarConnector needs vLLM's KVCacheConfig")
+    if len(kv_cache_config.kv_cache_groups) != 1:
+        raise ValueError(f"kv_cache_config: {len(kv_cache_config.kv_cache_groups)} KV cache "
+                         "groups; KvcellarConnector supports one (no hybrid models)")
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    if not isinstance(spec, AttentionSpec):
+        raise ValueError(f"kv_cache_config: a {type(spec).__name__} group; KvcellarConnector "
+                         "supports attention KV only")
+    return spec
+
+
+def _kv_layout_name(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> str:
+    name = kv_cache_config.kv_cache_layout or vllm_config.cache_config.kv_cache_layout
+    if name is None:
+        raise ValueError("kv_cache_config.kv_cache_layout: not resolved yet")
+    layout = KVCacheLayout[{"NHD": "LBNHC", "HND": "LBHNC"}.get(name, name)]
+    if not layout.is_block_compact:
+        raise ValueError(f"kv_cache_layout {layout.name}: a layer's block is not one contiguous "
+                         "run of bytes; use LBNHC, LBHNC, BLNHC or BLHNC (VLLM_KV_CACHE_LAYOUT)")
+    return layout.name
+
+
+def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
+                  opts: ConnectorOptions) -> Namespace:
+    """The namespace both sides compute from vLLM's configuration. Everything that changes a
+    block's bytes for the same tokens besides the fields of Namespace goes into model_revision:
+    the physical layout (the daemon copies each layer's block as two opaque halves), the cache
+    dtype string (fp8 variants) and a quantization mode with its own scales."""
+    spec = _attention_spec(kv_cache_config)
+    model_config = vllm_config.model_config
+    if model_config is None or not getattr(model_config, "model", None):
+        raise ValueError("vllm_config.model_config: KvcellarConnector needs the model's name")
+    kv_dtype = _KV_DTYPES.get(spec.dtype)
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    if kv_dtype is None:  # fp8 caches held as uint8
+        kv_dtype = "fp8_e5m2" if "e5m2" in cache_dtype else "fp8_e4m3"
+    quant = getattr(spec, "kv_quant_mode", None)
+    layout_name = _kv_layout_name(vllm_config, kv_cache_config)
+    revision = "|".join([model_config.revision or "", f"vllm-kv:{layout_name}",
+                         f"cache:{getattr(spec, 'cache_dtype_str', None) or cache_dtype}",
+                         f"quant:{getattr(quant, 'name', quant)}"])
+    return Namespace(model_config.model, revision, kv_dtype, spec.block_size,
+                     layout="mla" if isinstance(spec, MLAAttentionSpec) else "mha",
+                     tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                     tenant=opts.tenant)
+
+
+def _instance_id(vllm_config: "VllmConfig", opts: ConnectorOptions) -> str:
+    """The TP group's name, the same in the engine core and every worker: the engine id is
+    synced across ranks (kv_transfer_state.py), and makes two engines on one host distinct."""
+    if opts.instance_id:
+        return opts.instance_id
+    model = vllm_config.model_config.model.rstrip("/").split("/")[-1]
+    kvt = vllm_config.kv_transfer_config
+    dp = vllm_config.parallel_config.data_parallel_rank
+    return f"vllm-{model}-{socketlib.gethostname()}-{kvt.engine_id}-dp{dp}"
+
+
+def _check_parallel(vllm_config: "VllmConfig") -> None:
+    pc = vllm_config.parallel_config
+    if pc.pipeline_parallel_size != 1:
+        raise ValueError(f"pipeline_parallel_size {pc.pipeline_parallel_size}: KvcellarConnector "
+                         "supports tensor parallelism only (a page holds every layer)")
+    if getattr(pc, "decode_context_parallel_size", 1) != 1:
+        raise ValueError("decode_context_parallel_size: KvcellarConnector needs 1")
+
+
+def _cacheable(request: "Request") -> bool:
+    """Whether the request's KV depends on its tokens alone (what page keys name)."""
+    return (request.prompt_token_ids is not None and not request.mm_features
+            and request.lora_request is None and not request.cache_salt
+            and getattr(request, "prompt_embeds", None) is None)
+
+
+# ---- the connector ---------------------------------------------------------------------------
+
+
+class KvcellarConnector(KVConnectorBase_V1):
+    """vLLM 0.33.0 KV connector over kvcellard; one instance per process and role."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: Optional["KVCacheConfig"] = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        kvt = self._kv_transfer_config
+        self.options = ConnectorOptions.parse(kvt.kv_connector_extra_config)
+        _check_parallel(vllm_config)
+        if kvt.kv_load_failure_policy != "recompute":
+            # The scheduler reads the policy right after building this connector (scheduler.py
+            # L186): with "fail", a daemon dying mid-Load would fail requests.
+            log.warning("kvcellar: kv_load_failure_policy=%s -> recompute (a cache failure is "
+                        "a miss)", kvt.kv_load_failure_policy)
+            kvt.kv_load_failure_policy = "recompute"
+        self.ns = namespace_for(vllm_config, kv_cache_config, self.options)
+        self.instance_id = _instance_id(vllm_config, self.options)
+        o = self.options
+        self.client = Client(o.socket, rpc_timeout_ms=o.rpc_timeout_ms,
+                             register_timeout_ms=o.register_timeout_ms)
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler: Optional[_SchedulerSide] = _SchedulerSide(self)
+            self._worker: Optional[_WorkerSide] = None
+        else:
+            self._scheduler = None
+            self._worker = _WorkerSide(self, vllm_config)
+
+    # ---- properties vLLM reads ---------------------------------------------------------------
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a preempted request just recomputes
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict) -> bool:
+        return True  # wait_for_layer_load does real work; FULL graphs would skip it on replay
+
+    # ---- scheduler side ----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        return self._scheduler.match(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        self._scheduler.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler.build_meta(scheduler_output)
+
+    def request_finished(self, request: "Request",
+                         block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        return self._scheduler.finished(request), None
+
+    # ---- worker side -------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        self._worker.start_load(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+        pass  # every layer is backed up at once in wait_for_save, one Backup per step
+
+    def wait_for_save(self) -> None:
+        self._worker.save(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        return self._worker.finished_sending(finished_req_ids), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.settle_all()
+        self.client.close()
+
+
+# ---- scheduler side ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Request:
+    """What the scheduler side knows of one request (from its first Match to request_finished).
+    Invariant: pages [0, saved_pages) are in kvcellard or in a Backup already shipped."""
+
+    request: "Request"
+    keys: np.ndarray  # keys of the full pages known so far, (n, 32)
+    saved_pages: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    pin_id: int = 0  # held from Match until a Load carries it or it is released
+    local_pages: int = 0  # vLLM's own prefix-cache hit at the last Match
+    hit_pages: int = 0  # pages [local_pages, hit_pages) are to be loaded
+    pending_load: Optional[LoadSpec] = None
+    had_saves: bool = False  # a Backup was shipped: the blocks are freed late
+
+
+class _SchedulerSide:
+    def __init__(self, conn: KvcellarConnector) -> None:
+        self.conn = conn
+        self.ns = conn.ns
+        self.page = conn.ns.page_size
+        self.opts = conn.options
+        self.session: Session = conn.client.register(conn.instance_id, conn.ns, scheduler=True)
+        self.reqs: dict[str, _Request] = {}
+
+    def _release(self, st: _Request) -> None:
+        if st.pin_id:
+            self.session.release([st.pin_id])  # False (daemon away): the lease lapses instead
+            st.pin_id = 0
+        st.pending_load = None
+
+    def match(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        """Called only for requests with nothing computed yet (fresh or preempted). Matches
+        again each time (the request may have waited), releasing an earlier unused pin."""
+        if not _cacheable(request):
+            return 0, False
+        tokens = as_tokens(np.asarray(request.all_token_ids, dtype=np.uint32))
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            st = self.reqs[request.request_id] = _Request(request, np.zeros((0, 32), np.uint8))
+        self._release(st)
+        m = self.session.match([tokens], pin=True, pin_lease_ms=self.opts.pin_lease_ms,
+                               prefetch=self.opts.prefetch_policy)
+        r = m.results[0]
+        st.keys = r.keys if m.ok else page_keys(self.ns, tokens)
+        # Saves restart where the cache ends: pages past the hit (vLLM's local hits included)
+        # are backed up from their blocks, so later pages always find their parent.
+        st.saved_pages = r.l2_hit_pages if m.ok else 0
+        st.pin_id = r.pin_id if m.ok else 0
+        st.local_pages = num_computed_tokens // self.page
+        st.hit_pages = min(st.saved_pages, (request.num_tokens - 1) // self.page)
+        if st.hit_pages <= st.local_pages:
+            self._release(st)
+            return 0, False
+        return (st.hit_pages - st.local_pages) * self.page, False
+
+    def after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                    num_external_tokens: int) -> None:
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            return
+        st.block_ids = list(blocks.get_block_ids()[0])
+        n = min(num_external_tokens // self.page, st.hit_pages - st.local_pages)
+        if n <= 0 or not st.pin_id:
+            self._release(st)  # vLLM dropped the external hit
+            return
+        first = st.local_pages
+        st.pending_load = LoadSpec(request.request_id, st.keys[first:first + n].tobytes(),
+                                   st.block_ids[first:first + n], st.pin_id)
+
+    def build_meta(self, so: SchedulerOutput) -> KvcellarConnectorMetadata:
+        meta = KvcellarConnectorMetadata()
+        computed: dict[str, int] = {}
+        for new in so.scheduled_new_reqs:
+            st = self.reqs.get(new.req_id)
+            if st is not None:
+                st.block_ids = list(new.block_ids[0])
+                computed[new.req_id] = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self.reqs.get(rid)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if rid in cached.resumed_req_ids:
+                    st.block_ids = list(new_ids[0])  # the full table after a resume
+                else:
+                    st.block_ids.extend(new_ids[0])
+            computed[rid] = cached.num_computed_tokens[i]
+        for rid in so.preempted_req_ids or ():
+            st = self.reqs.get(rid)
+            if st is not None:
+                self._release(st)
+                st.block_ids = []
+                meta.preempted.append(rid)
+        for rid, st in self.reqs.items():
+            if st.pending_load is None:
+                continue
+            if rid in so.num_scheduled_tokens:
+                meta.loads.append(st.pending_load)
+                st.pin_id = 0  # each rank's Load(release_pin) drops its hold
+            else:
+                self._release(st)
+            st.pending_load = None
+        for rid, n in so.num_scheduled_tokens.items():
+            st = self.reqs.get(rid)
+            if st is not None and rid in computed:
+                self._add_save(meta, st, computed[rid] + n)
+        return meta
+
+    def _add_save(self, meta: KvcellarConnectorMetadata, st: _Request, done: int) -> None:
+        # Tokens past all_token_ids are speculative drafts: their KV may be rejected.
+        full = min(done, st.request.num_tokens) // self.page
+        full = min(full, len(st.block_ids))
+        if full <= st.saved_pages:
+            return
+        if len(st.keys) < full:
+            have = len(st.keys)
+            toks = as_tokens(np.asarray(st.request.all_token_ids[have * self.page:
+                                                                 full * self.page], np.uint32))
+            parent = bytes(st.keys[have - 1]) if have else None
+            st.keys = np.concatenate([st.keys, page_keys(self.ns, toks, parent)])
+        s = st.saved_pages
+        meta.saves.append(SaveSpec(st.request.request_id, st.keys[s:full].tobytes(),
+                                   st.block_ids[s:full], bytes(st.keys[s - 1]) if s else None))
+        st.saved_pages = full
+        st.had_saves = True
+
+    def finished(self, request: "Request") -> bool:
+        st = self.reqs.pop(request.request_id, None)
+        if st is None:
+            return False
+        self._release(st)
+        return st.had_saves
+
+
+# ---- worker side -----------------------------------------------------------------------------
+
+
+def _tp_rank(vllm_config: "VllmConfig") -> int:
+    try:
+        from vllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
+                                                     model_parallel_is_initialized)
+
+        if model_parallel_is_initialized():
+            return get_tensor_model_parallel_rank()
+    except Exception:  # noqa: BLE001 - no process groups (tests, single process)
+        pass
+    pc = vllm_config.parallel_config
+    return pc.rank % pc.tensor_parallel_size
+
+
+def _unreachable(reason: str) -> bool:
+    """The daemon could not be asked (down or restarting), as opposed to an op still running."""
+    return reason.startswith("unavailable") or reason.startswith("error")
+
+
+@dataclass
+class _Load:
+    op: Optional[Op]
+    specs: list[LoadSpec]
+    failed: bool  # a layer's signal did not come: that layer ran on stale bytes
+
+
+@dataclass
+class _Backup:
+    op: Op
+    req_ids: set[str]
+    since: float
+    unreachable_since: Optional[float] = None
+
+
+class _WorkerSide:
+    def __init__(self, conn: KvcellarConnector, vllm_config: "VllmConfig") -> None:
+        self.conn = conn
+        self.opts = conn.options
+        self.rank = _tp_rank(vllm_config)
+        self.num_blocks = conn._kv_cache_config.num_blocks
+        self.session: Optional[Session] = None
+        self.layer_index: dict[str, int] = {}
+        self.load: Optional[_Load] = None
+        self.stale_loads: list[Op] = []  # timed out: the daemon may still write their blocks
+        self.backups: list[_Backup] = []
+        self.saved_reqs: set[str] = set()  # requests with a Backup: reported in finished_sending
+        self.finishing: set[str] = set()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Raises ValueError for KV tensors kvcellar cannot describe (configuration); a daemon
+        that is down is not an error (the session registers when it is back)."""
+        names = list(kv_caches)
+        device = None
+        first = next(iter(kv_caches.values()))
+        if first.device.type == "cpu":
+            device = self._sim_device()
+        layout, index = KvLayout.from_vllm_blocks(kv_caches, mla=self.conn.ns.layout == "mla",
+                                                  num_blocks=self.num_blocks, device=device)
+        self.layer_index = dict(zip(names, index))
+        self.session = self.conn.client.register(self.conn.instance_id, self.conn.ns,
+                                                 layout=layout, rank=self.rank,
+                                                 load_slots=_LOAD_SLOTS, ready_slots=_READY_SLOTS)
+        log.info("kvcellar: registered instance=%s rank=%d layers=%d blocks=%d ns_revision=%s",
+                 self.conn.instance_id, self.rank, layout.num_layers, layout.num_blocks,
+                 self.conn.ns.model_revision)
+
+    def _sim_device(self) -> Any:
+        """CPU tensors are the sim device's: they must lie in a SimDevice's shared memory,
+        which the test (or a CPU engine) hands over as ``connector.sim_device``."""
+        dev = getattr(self.conn, "sim_device", None)
+        if dev is None:
+            raise ValueError("kv_caches: CPU tensors need connector.sim_device (a SimDevice "
+                             "holding them)")
+        return dev
+
+    # ---- loads -------------------------------------------------------------------------------
+
+    def start_load(self, meta: KvcellarConnectorMetadata) -> None:
+        if not meta.loads:
+            return
+        if self.session is None:  # never registered: every page is recomputed
+            self.load = _Load(None, meta.loads, True)
+            return
+        seqs = [LoadSeq(np.frombuffer(s.keys, np.uint8).reshape(-1, 32),
+                        np.asarray(s.block_ids, np.uint32), s.pin_id, True) for s in meta.loads]
+        op = self.session.load(seqs, layerwise=True)
+        self.load = _Load(op, meta.loads, not op.ok)
+
+    def wait_layer(self, layer_name: str) -> None:
+        ld = self.load
+        if ld is None or ld.failed:
+            return
+        idx = self.layer_index.get(layer_name)
+        if idx is not None and not ld.op.wait_layer(idx, self.opts.load_timeout_ms):
+            ld.failed = True
+
+    def load_errors(self) -> set[int]:
+        """Blocks of this step's Load that do not hold their page; vLLM recomputes from the
+        first one. Waits for the Load's outcome (its layers have all been signalled by now)."""
+        ld, self.load = self.load, None
+        if ld is None:
+            return set()
+        ok = [0] * len(ld.specs)
+        if ld.op is not None:
+            st = ld.op.wait(self.opts.load_timeout_ms)
+            if st.done and not ld.failed:
+                ok = st.leading_ok_pages
+            elif not st.terminal:
+                self.stale_loads.append(ld.op)
+        bad: set[int] = set()
+        for spec, n in zip(ld.specs, ok):
+            bad.update(spec.block_ids[n:])
+        if bad:
+            log.warning("kvcellar: load failed blocks=%d reason=%s", len(bad),
+                        "signal timeout" if ld.failed else "op not done")
+        return bad
+
+    # ---- saves -------------------------------------------------------------------------------
+
+    def save(self, meta: KvcellarConnectorMetadata) -> None:
+        if not meta.saves:
+            return
+        ids = {s.req_id for s in meta.saves}
+        self.saved_reqs |= ids
+        if self.session is None:
+            return
+        seqs = [BackupSeq(np.frombuffer(s.keys, np.uint8).reshape(-1, 32),
+                          np.asarray(s.block_ids, np.uint32), s.parent) for s in meta.saves]
+        op = self.session.backup(seqs, ready=True, write_policy=self.opts.write_policy)
+        if op.ok or op.op_id or op.c_op.generation:
+            self.backups.append(_Backup(op, ids, time.monotonic()))
+
+    def _poll_backups(self, timeout_ms: int) -> None:
+        """Drops the Backups that are over. One whose outcome the daemon cannot tell (it is
+        down) counts as over after load_timeout_ms: a dead daemon reads no engine memory."""
+        if not self.backups:
+            return
+        sts = self.session.wait([b.op for b in self.backups], timeout_ms)
+        now = time.monotonic()
+        keep = []
+        for b, st in zip(self.backups, sts):
+            if st.terminal:
+                continue
+            if _unreachable(st.reason):
+                b.unreachable_since = b.unreachable_since or now
+                if now - b.unreachable_since >= self.opts.load_timeout_ms / 1000:
+                    continue
+            else:
+                b.unreachable_since = None
+            keep.append(b)
+        self.backups = keep
+
+    def finished_sending(self, finished_req_ids: set[str]) -> Optional[set[str]]:
+        """The finished requests whose Backups are all over: vLLM may free their blocks. Every
+        rank reports the same ids (each saw the same metadata)."""
+        self.finishing |= finished_req_ids & self.saved_reqs
+        if not self.finishing:
+            return None
+        self._poll_backups(0)
+        busy = set().union(*(b.req_ids for b in self.backups)) if self.backups else set()
+        done = self.finishing - busy
+        self.finishing -= done
+        self.saved_reqs -= done
+        return done or None
+
+    def handle_preemptions(self, meta: KvcellarConnectorMetadata) -> None:
+        """Before this step overwrites blocks that preemption freed: their Backups must be over,
+        and so must any Load left pending (it would write into reused blocks)."""
+        if isinstance(meta, KvcellarConnectorMetadata) and meta.preempted:
+            self._settle_backups(set(meta.preempted))
+        self._settle_stale_loads()
+
+    def _settle_backups(self, req_ids: set[str]) -> None:
+        deadline = time.monotonic() + self.opts.load_timeout_ms / 1000
+        while any(b.req_ids & req_ids for b in self.backups) and time.monotonic() < deadline:
+            self._poll_backups(50)
+
+    def _settle_stale_loads(self) -> None:
+        keep = []
+        for op in self.stale_loads:
+            st = op.wait(self.opts.load_timeout_ms)
+            if not st.terminal and not _unreachable(st.reason):
+                keep.append(op)
+        self.stale_loads = keep
+
+    def settle_all(self) -> None:
+        if self.session is not None:
+            self._settle_backups(set().union(*(b.req_ids for b in self.backups))
+                                 if self.backups else set())
+            self._settle_stale_loads()

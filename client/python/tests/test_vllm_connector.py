@@ -1,0 +1,382 @@
+"""kvcellar.integrations.vllm against vLLM 0.33.0's own classes and a real kvcellard (sim device).
+
+Runs in the repository's .venv-vllm (deploy/install-deps.sh, requirements-vllm.txt: vllm==0.33.0);
+skipped under an interpreter without vLLM 0.33 unless KVCELLAR_REQUIRE_ENGINES=1. Real vLLM objects: KVTransferConfig, VllmConfig(DeviceConfig("cpu")),
+ParallelConfig, CacheConfig, KVCacheConfig / KVCacheTensor / KVCacheGroupSpec / FullAttentionSpec,
+KVConnectorFactory (loads the connector by module path), Request, KVCacheBlock(s),
+NewRequestData, CachedRequestData, SchedulerOutput, and create_kv_cache_views (the function
+vLLM's allocate_kv_cache uses) over a buffer in a SimDevice's shared memory, so the per-layer
+tensors are exactly vLLM 0.33's views ([B, H, N, 2D], LBNHC strides, one int8 allocation).
+Not real: ModelConfig needs a Hugging Face model to build, so ``vllm_config.model_config`` is a
+stand-in with the two fields the connector reads (``model``, ``revision``); the engine loop is
+this file's (``Engine``), calling the connectors in vLLM 0.33's order:
+
+  scheduler (vllm/v1/core/sched/scheduler.py): get_num_new_matched_tokens(request,
+    local_hit) L1139 -> allocate_slots -> update_state_after_alloc(request, blocks, n) L1482 ->
+    SchedulerOutput L1725 -> build_connector_meta L1756; finish: request_finished L3395, the id
+    in the next SchedulerOutput.finished_req_ids; blocks freed on finished_sending L3579.
+  worker, V2 runner (vllm/v1/worker/gpu/kv_connector.py): handle_preemptions +
+    bind_connector_metadata L75 -> start_load_kv (before the forward when has_sync_kv_loads)
+    -> per attention layer wait_for_layer_load / save_kv_layer (kv_transfer_utils.py L15-59)
+    -> post_forward L136: wait_for_save -> get_transfer_results(finished_req_ids) ->
+    get_block_ids_with_load_errors -> clear_connector_metadata.
+"""
+import os
+import signal
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+# ctest sets KVCELLAR_REQUIRE_ENGINES=1 and runs this file in .venv-vllm, where vLLM must be:
+# there a missing vLLM is a failure, not a skip.
+if os.environ.get("KVCELLAR_REQUIRE_ENGINES") == "1":
+    import torch
+    import vllm
+    assert vllm.__version__.startswith("0.33."), f"written for vLLM 0.33, found {vllm.__version__}"
+else:
+    torch = pytest.importorskip("torch")
+    vllm = pytest.importorskip("vllm")
+    if not vllm.__version__.startswith("0.33."):
+        pytest.skip(f"written for vLLM 0.33, found {vllm.__version__}", allow_module_level=True)
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ParallelConfig,  # noqa: E402
+                         VllmConfig)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from vllm.v1.core.sched.output import (CachedRequestData, NewRequestData,  # noqa: E402
+                                       SchedulerOutput)
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
+                                        KVCacheGroupSpec, KVCacheTensor, create_kv_cache_views)
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from kvcellar import SimDevice  # noqa: E402
+from kvcellar.integrations.vllm import KvcellarConnector  # noqa: E402
+
+P = 16  # block_size
+LAYERS = 2
+KV_HEADS = 2  # of the model; each TP rank holds KV_HEADS / tp
+D = 8
+BLOCKS = 24
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+def vllm_config(sock, tp=1, rank=0, **extra):
+    ktc = KVTransferConfig(kv_connector="KvcellarConnector",
+                           kv_connector_module_path="kvcellar.integrations.vllm",
+                           kv_role="kv_both", kv_load_failure_policy="recompute",
+                           kv_connector_extra_config={"socket": sock, "instance_id": "vllm-test",
+                                                      **extra})
+    vc = VllmConfig(kv_transfer_config=ktc, device_config=DeviceConfig(device="cpu"),
+                    parallel_config=ParallelConfig(tensor_parallel_size=tp, rank=rank),
+                    cache_config=CacheConfig(block_size=P))
+    vc.model_config = SimpleNamespace(model="test-org/tiny-llama", revision="r1")  # see top
+    return vc
+
+
+def kv_cache_config(heads):
+    spec = FullAttentionSpec(block_size=P, num_kv_heads=heads, head_size=D, dtype=torch.bfloat16)
+    page = spec.page_size_bytes
+    tensor = KVCacheTensor(size=page * BLOCKS * LAYERS, layers=list(NAMES),
+                           layer_stride=page * BLOCKS, block_stride=page)
+    return KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[tensor],
+                         kv_cache_groups=[KVCacheGroupSpec(list(NAMES), spec)],
+                         kv_cache_layout="LBNHC")
+
+
+def allocate(dev, kvcc):
+    """vLLM 0.33's allocate_kv_cache (v1/worker/utils.py L564) with its one int8 buffer in
+    shared memory: the same create_kv_cache_views call."""
+    t = kvcc.kv_cache_tensors[0]
+    raw = dev.empty((t.size,), torch.int8)
+    spec = kvcc.kv_cache_groups[0].kv_cache_spec
+    views = create_kv_cache_views(raw, spec, BLOCKS, KVCacheLayout.LBNHC, t)
+    caches = dict(zip(t.layers, views))
+    v = caches[NAMES[0]]
+    heads = spec.num_kv_heads
+    assert v.shape == (BLOCKS, heads, P, 2 * D)
+    assert v.stride() == (heads * P * 2 * D, 2 * D, heads * 2 * D, 1)  # LBNHC, as the report
+    assert v.is_contiguous() == (heads == 1)
+    return caches
+
+
+def kv_value(tokens, t, layer, rank, heads):
+    """What 'attention' writes for token t: a function of the prefix, layer and rank only."""
+    h = (int(np.sum(np.asarray(tokens[: t + 1], np.int64) * np.arange(1, t + 2))) % 997) / 8
+    base = torch.arange(heads * 2 * D, dtype=torch.float32).view(heads, 2 * D) / 4
+    return (base + h + layer * 100 + rank * 1000).to(torch.bfloat16)
+
+
+class Engine:
+    """A vLLM 0.33 engine reduced to what touches the connector: one scheduler-side connector
+    and one worker-side connector per TP rank, made by KVConnectorFactory."""
+
+    def __init__(self, sock, tp=1, **extra):
+        self.tp = tp
+        self.kvcc = kv_cache_config(KV_HEADS // tp)
+        self.sched = KVConnectorFactory.create_connector(vllm_config(sock, tp, 0, **extra),
+                                                         KVConnectorRole.SCHEDULER, self.kvcc)
+        assert isinstance(self.sched, KvcellarConnector)
+        self.devs, self.caches, self.workers = [], [], []
+        for r in range(tp):
+            w = KVConnectorFactory.create_connector(vllm_config(sock, tp, r, **extra),
+                                                    KVConnectorRole.WORKER, self.kvcc)
+            dev = SimDevice()
+            caches = allocate(dev, self.kvcc)
+            w.sim_device = dev
+            w.register_kv_caches(caches)
+            self.devs.append(dev)
+            self.caches.append(caches)
+            self.workers.append(w)
+        self.free = list(range(BLOCKS))
+        self.running = {}  # req_id -> (request, block_ids)
+        self.delayed = {}  # req_id -> block ids kept until finished_sending from every rank
+        self.finished_ids = set()
+        self.last_errors = set()
+
+    def wait_active(self):
+        assert self.sched._scheduler.session.wait_active(10000)
+        assert all(w._worker.session.wait_active(10000) for w in self.workers)
+
+    def add(self, req_id, tokens):
+        """Scheduling a WAITING request (scheduler.py L1109 ff.); no local prefix-cache hit."""
+        req = Request(req_id, list(tokens), SamplingParams(max_tokens=4), None)
+        ext, load_async = self.sched.get_num_new_matched_tokens(req, 0)
+        assert load_async is False and ext % P == 0 and ext < req.num_tokens
+        n = -(-req.num_tokens // P)
+        ids, self.free = self.free[:n], self.free[n:]
+        self.sched.update_state_after_alloc(
+            req, KVCacheBlocks(([KVCacheBlock(i) for i in ids],)), ext)
+        req.num_computed_tokens = ext
+        self.running[req_id] = (req, ids)
+        return ext, ids
+
+    def step(self, new=(), preempted=()):
+        """One schedule() + execute_model() + update_from_output(): each new request prefills
+        its whole uncomputed prompt in this step."""
+        so = SchedulerOutput.make_empty()
+        so.finished_req_ids, self.finished_ids = self.finished_ids, set()
+        so.preempted_req_ids = set(preempted)
+        for rid in new:
+            req, ids = self.running[rid]
+            so.scheduled_new_reqs.append(NewRequestData.from_request(req, (ids,)))
+            so.num_scheduled_tokens[rid] = req.num_tokens - req.num_computed_tokens
+            so.has_sync_kv_loads |= req.num_computed_tokens > 0
+        so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
+        so.kv_connector_metadata = self.sched.build_connector_meta(so)
+        sending, errors = [], set()
+        for r, w in enumerate(self.workers):
+            meta = so.kv_connector_metadata
+            w.handle_preemptions(meta)
+            w.bind_connector_metadata(meta)
+            if so.has_sync_kv_loads:
+                w.start_load_kv(None)
+            if so.total_num_scheduled_tokens:
+                self.forward(r, w, so)
+            else:
+                w.start_load_kv(None)  # no_forward still calls it (post_forward)
+            w.wait_for_save()
+            res = w.get_transfer_results(so.finished_req_ids)
+            sending.append(res.finished_sending)
+            errors |= w.get_block_ids_with_load_errors()
+            w.clear_connector_metadata()
+        for rid, n in so.num_scheduled_tokens.items():
+            self.running[rid][0].num_computed_tokens += n
+        done = set.intersection(*[set(s) for s in sending])  # KVOutputAggregator: every rank
+        for rid in done:
+            self.free.extend(self.delayed.pop(rid))
+        self.last_errors = errors
+        return so.kv_connector_metadata
+
+    def forward(self, r, w, so):
+        heads = KV_HEADS // self.tp
+        for layer, name in enumerate(NAMES):
+            w.wait_for_layer_load(name)
+            view = self.caches[r][name]
+            for rid, n in so.num_scheduled_tokens.items():
+                req, ids = self.running[rid]
+                toks = req.all_token_ids
+                for t in range(req.num_computed_tokens, req.num_computed_tokens + n):
+                    view[ids[t // P], :, t % P, :] = kv_value(toks, t, layer, r, heads)
+            w.save_kv_layer(name, view, None)
+
+    def finish(self, rid):
+        req, ids = self.running.pop(rid)
+        delay, params = self.sched.request_finished(req, ids)
+        assert params is None
+        self.finished_ids.add(rid)
+        if delay:
+            self.delayed[rid] = ids
+        else:
+            self.free.extend(ids)
+        return delay
+
+    def drain(self, timeout=10.0):
+        deadline = time.monotonic() + timeout
+        while self.delayed or self.finished_ids:
+            assert time.monotonic() < deadline, f"still delayed: {self.delayed}"
+            self.step()
+            time.sleep(0.01)
+
+    def blocks(self, r, ids):
+        return {n: self.caches[r][n][ids].clone() for n in NAMES}
+
+    def hits(self, tokens):
+        return self.sched._scheduler.session.match([np.asarray(tokens, np.uint32)]) \
+            .results[0].l2_hit_pages
+
+    def close(self):
+        for c in [self.sched, *self.workers]:
+            c.shutdown()
+        for d in self.devs:
+            d.close()
+
+
+def prompt(seed, n):
+    return list(np.random.default_rng(seed).integers(0, 30000, n))
+
+
+def test_save_then_prefix_hit_loads_identical_bytes(daemon):
+    eng = Engine(daemon.socket)
+    eng.wait_active()
+    a = prompt(1, 3 * P + 5)
+    ext, a_ids = eng.add("a", a)
+    assert ext == 0
+    meta = eng.step(new=["a"])
+    assert [len(s.block_ids) for s in meta.saves] == [3] and not meta.loads
+    assert meta.saves[0].block_ids == a_ids[:3] and meta.saves[0].parent is None
+    a_kv = eng.blocks(0, a_ids[:3])
+    assert eng.finish("a") is True  # its Backup may still be in flight: delay the free
+    eng.drain()
+    assert eng.hits(a) == 3
+
+    b = a[: 3 * P] + prompt(2, 20)  # shares 3 pages, 4 full pages in all
+    ext, b_ids = eng.add("b", b)
+    assert ext == 3 * P
+    for n in NAMES:  # stale bytes where the load goes
+        eng.caches[0][n][b_ids[:3]] = -7
+    meta = eng.step(new=["b"])
+    assert [(l.block_ids, l.pin_id != 0) for l in meta.loads] == [(b_ids[:3], True)]
+    assert [(s.block_ids, s.parent is not None) for s in meta.saves] == [(b_ids[3:4], True)]
+    assert eng.last_errors == set()
+    got = eng.blocks(0, b_ids[:3])
+    for n in NAMES:
+        assert torch.equal(got[n].view(torch.int16), a_kv[n].view(torch.int16))  # bit-exact
+    eng.finish("b")
+    eng.drain()
+    assert eng.hits(b) == 4
+
+    # A full-prompt hit leaves one token to compute: the last page is recomputed.
+    ext, _ = eng.add("c", a[: 3 * P])
+    assert ext == 2 * P
+    eng.step(new=["c"])
+    assert eng.last_errors == set()
+    eng.finish("c")
+    eng.drain()
+    eng.close()
+
+
+def test_tp2_hits_are_group_consistent(daemon):
+    eng = Engine(daemon.socket, tp=2)
+    eng.wait_active()
+    a = prompt(3, 2 * P + 3)
+    eng.add("a", a)
+    # Only rank 0 runs its Backup: rank 1's shards are missing, so the group has no hit.
+    so = SchedulerOutput.make_empty()
+    req, ids = eng.running["a"]
+    so.scheduled_new_reqs.append(NewRequestData.from_request(req, (ids,)))
+    so.num_scheduled_tokens["a"] = req.num_tokens
+    meta = eng.sched.build_connector_meta(so)
+    w0 = eng.workers[0]
+    w0.bind_connector_metadata(meta)
+    eng.forward(0, w0, so)
+    w0.wait_for_save()
+    w0.clear_connector_metadata()
+    deadline = time.monotonic() + 5
+    while w0._worker.backups and time.monotonic() < deadline:
+        w0._worker._poll_backups(50)
+    assert eng.hits(a) == 0
+    ext, _ = eng.add("a2", a)
+    assert ext == 0
+    # Both ranks compute and save: every shard is there, and every rank loads its own.
+    eng.running.pop("a2")
+    b = prompt(4, 2 * P + 3)
+    eng.add("b", b)
+    eng.step(new=["b"])
+    b_kv = [eng.blocks(r, eng.running["b"][1][:2]) for r in range(2)]
+    eng.finish("b")
+    eng.drain()
+    assert eng.hits(b) == 2
+    ext, ids = eng.add("b2", b[: 2 * P] + [7, 8, 9])
+    assert ext == 2 * P
+    eng.step(new=["b2"])
+    assert eng.last_errors == set()
+    for r in range(2):
+        got = eng.blocks(r, ids[:2])
+        for n in NAMES:
+            assert torch.equal(got[n].view(torch.int16), b_kv[r][n].view(torch.int16))
+    assert not torch.equal(b_kv[0][NAMES[0]], b_kv[1][NAMES[0]])  # ranks hold their own shard
+    eng.close()
+
+
+def test_daemon_killed_and_restarted_misses_then_hits(daemon_factory):
+    d = daemon_factory()
+    eng = Engine(d.socket, rpc_timeout_ms=200, register_timeout_ms=300, load_timeout_ms=1000)
+    eng.wait_active()
+    a = prompt(5, 2 * P + 1)
+    eng.add("a", a)
+    eng.step(new=["a"])
+    eng.finish("a")
+    eng.drain()
+    assert eng.hits(a) == 2
+    d.stop(signal.SIGKILL)
+    # Down: a miss, and a whole request's steps run without an exception.
+    ext, _ = eng.add("b", a + [1, 2, 3])
+    assert ext == 0
+    eng.step(new=["b"])
+    assert eng.last_errors == set()
+    eng.finish("b")
+    eng.drain(timeout=15)  # unanswerable Backups count as over after load_timeout_ms
+    daemon_factory()  # same socket, an empty pool
+    eng.wait_active()  # the connectors' sessions registered again by themselves
+    ext, _ = eng.add("c", a)
+    assert ext == 0
+    eng.step(new=["c"])
+    eng.finish("c")
+    eng.drain()
+    ext, ids = eng.add("d", a)
+    assert ext == 2 * P
+    eng.step(new=["d"])
+    assert eng.last_errors == set()
+    eng.close()
+
+
+def test_load_failure_reports_blocks(daemon):
+    eng = Engine(daemon.socket, load_timeout_ms=1000)
+    eng.wait_active()
+    a = prompt(6, 2 * P + 1)
+    eng.add("a", a)
+    eng.step(new=["a"])
+    eng.finish("a")
+    eng.drain()
+    ext, ids = eng.add("b", a)
+    assert ext == 2 * P
+    eng.workers[0]._worker.session.close()  # the worker cannot Load: its blocks are reported
+    eng.workers[0]._worker.session = None
+    eng.step(new=["b"])
+    assert eng.last_errors == set(ids[:2])
+    eng.close()
+
+
+@pytest.mark.parametrize("extra,name", [({"bogus_key": 1}, "bogus_key"),
+                                        ({"rpc_timeout_ms": "fast"}, "rpc_timeout_ms"),
+                                        ({"write_policy": "sometimes"}, "write_policy")])
+def test_bad_extra_config_fails_at_construction(tmp_path, extra, name):
+    vc = vllm_config(str(tmp_path / "none.sock"), **extra)
+    with pytest.raises(ValueError, match=name):
+        KVConnectorFactory.create_connector(vc, KVConnectorRole.SCHEDULER, kv_cache_config(2))
