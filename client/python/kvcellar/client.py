@@ -189,7 +189,7 @@ class Op:
             self.session._free_slot(self)
         if self._final is None:
             st = self.session.wait([self], timeout_ms)[0]
-            if st.terminal and not (st.state == "failed" and not st.ok and self.op_id == 0):
+            if st.terminal:  # an unknown outcome is reported pending, so terminal is final
                 self._final = st
                 self.session._free_slot(self)
             return st

@@ -36,6 +36,13 @@ _DTYPE_KV = {
 }
 
 
+def kv_dtype_for(dtype: Any) -> Optional[str]:
+    """The Namespace.kv_dtype that names KV tensors of torch ``dtype``; None when the dtype
+    alone does not say which format it holds (uint8 carries several 8-bit formats)."""
+    names = _DTYPE_KV.get(str(dtype).replace("torch.", ""), ())
+    return names[0] if len(names) == 1 else None
+
+
 @dataclass
 class Region:
     handle: Union[str, bytes]  # sim: shm object name; CUDA: 64-byte cudaIpcMemHandle_t

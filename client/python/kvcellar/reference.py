@@ -52,11 +52,11 @@ from transformers.cache_utils import DynamicLayer
 
 from .client import Client, Op, OpStatus, Session
 from .keys import Namespace, TokensLike, as_tokens, page_keys
-from .layout import KvLayout
+from .layout import KvLayout, kv_dtype_for
 from .sim import SimDevice
 
-# torch dtype -> Namespace.kv_dtype of a pool holding it.
-KV_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# The weight (and so KV pool) dtypes the reference engine runs; named by layout.kv_dtype_for.
+POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # ---- models ---------------------------------------------------------------------------------
@@ -121,7 +121,7 @@ def namespace_for(model: torch.nn.Module, *, page_size: int = 16, tp_size: int =
     models (another seed, another device's initialization) never share pages."""
     geo = KvGeometry.of(model)
     return Namespace(model_id or type(model).__name__, revision or weights_fingerprint(model),
-                     KV_DTYPE_NAMES[geo.dtype], page_size, layout="mla" if geo.mla else "gqa",
+                     kv_dtype_for(geo.dtype), page_size, layout="mla" if geo.mla else "gqa",
                      tp_size=tp_size)
 
 
@@ -153,8 +153,8 @@ class KvGeometry:
     def of(cls, model: torch.nn.Module) -> "KvGeometry":
         c = model.config
         dtype = next(model.parameters()).dtype
-        if dtype not in KV_DTYPE_NAMES:
-            raise ValueError(f"model: weights of {dtype}; the pool supports {list(KV_DTYPE_NAMES)}")
+        if dtype not in POOL_DTYPES:
+            raise ValueError(f"model: weights of {dtype}; the pool supports {list(POOL_DTYPES)}")
         if getattr(c, "kv_lora_rank", None):
             return cls(c.num_hidden_layers, True, 1, c.kv_lora_rank, c.qk_rope_head_dim, dtype)
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -395,9 +395,9 @@ class ReferenceEngine:
         if (ns.layout == "mla") != self.geo.mla:
             raise ValueError(f"ns.layout: {ns.layout!r} for a {'MLA' if self.geo.mla else 'GQA'} "
                              "model")
-        if ns.kv_dtype != KV_DTYPE_NAMES[self.geo.dtype]:
+        if ns.kv_dtype != kv_dtype_for(self.geo.dtype):
             raise ValueError(f"ns.kv_dtype: {ns.kv_dtype!r}, the model computes "
-                             f"{KV_DTYPE_NAMES[self.geo.dtype]!r}")
+                             f"{kv_dtype_for(self.geo.dtype)!r}")
         check_cache_layers(model, self.geo)
         self.pool = PagedKvPool(self.geo, rank_count, num_blocks, ns.page_size, self.device)
         self.blocks = _BlockAllocator(num_blocks)

@@ -60,7 +60,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from ..client import PREFETCH_POLICIES, WRITE_POLICIES, BackupSeq, Client, LoadSeq, Op, Session
 from ..keys import Namespace, as_tokens, page_keys
-from ..layout import KvLayout
+from ..layout import KvLayout, kv_dtype_for
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -74,9 +74,6 @@ VLLM_VERSION = "0.33.0"  # the KVConnectorBase_V1 this module implements
 
 log = logging.getLogger(__name__)
 
-# torch dtype of vLLM's KV views -> Namespace.kv_dtype.
-_KV_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-              torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
 # Load slots per worker session: one Load per step, and a slot is reused only once its op is
 # terminal (docs/api.md, "Slot rules"); 4 leaves room for a Load left pending by a timeout.
@@ -198,9 +195,9 @@ def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
     model_config = vllm_config.model_config
     if model_config is None or not getattr(model_config, "model", None):
         raise ValueError("vllm_config.model_config: KvcellarConnector needs the model's name")
-    kv_dtype = _KV_DTYPES.get(spec.dtype)
+    kv_dtype = kv_dtype_for(spec.dtype)
     cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
-    if kv_dtype is None:  # fp8 caches held as uint8
+    if kv_dtype is None:  # fp8 caches held as uint8: the cache dtype string says which
         kv_dtype = "fp8_e5m2" if "e5m2" in cache_dtype else "fp8_e4m3"
     quant = getattr(spec, "kv_quant_mode", None)
     layout_name = _kv_layout_name(vllm_config, kv_cache_config)
