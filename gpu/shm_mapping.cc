@@ -1,15 +1,21 @@
 #include "gpu/shm_mapping.h"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <climits>
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 
 namespace kvcellar::gpu {
 namespace {
@@ -37,10 +43,21 @@ absl::Status ErrnoStatus(int err, absl::string_view what) {
   }
 }
 
-}  // namespace
+constexpr absl::string_view kProcPrefix = "/proc/";
 
-absl::Status ShmMapping::CheckName(absl::string_view name) {
-  // NAME_MAX (255) bytes including the leading slash is what glibc's shm_open accepts.
+// A pid or fd as /proc spells it: decimal digits, no sign, no leading zero, at most INT_MAX.
+bool IsProcNumber(absl::string_view text) {
+  if (text.empty() || text.size() > 10 || (text.size() > 1 && text[0] == '0')) return false;
+  int64_t value = 0;
+  for (char c : text) {
+    if (c < '0' || c > '9') return false;
+    value = value * 10 + (c - '0');
+  }
+  return value <= INT_MAX;
+}
+
+// NAME_MAX (255) bytes including the leading slash is what glibc's shm_open accepts.
+absl::Status CheckPosixName(absl::string_view name) {
   if (name.size() < 2 || name.size() > 255 || name[0] != '/' ||
       name.find('/', 1) != absl::string_view::npos) {
     return absl::InvalidArgumentError(
@@ -52,8 +69,72 @@ absl::Status ShmMapping::CheckName(absl::string_view name) {
   return absl::OkStatus();
 }
 
+// Opening /proc/<pid>/fd/<fd>: the errors an engine can cause, worded for its operator.
+absl::Status ProcOpenStatus(int err, absl::string_view path) {
+  switch (err) {
+    case ENOENT:
+      return absl::NotFoundError(
+          absl::StrCat(path,
+                       ": no such process or fd (the pid must be the engine's as the daemon's PID "
+                       "namespace numbers it, and the engine must hold the fd open)"));
+    case EACCES:
+    case EPERM:
+      return absl::PermissionDeniedError(absl::StrCat(
+          path, ": ", strerror(err),
+          ": the daemon must run as the engine's uid (or have CAP_SYS_PTRACE) and share its PID "
+          "namespace to reopen the engine's fd"));
+    case ENXIO:   // A socket.
+    case EISDIR:  // A directory.
+    case ENODEV:
+    case ELOOP:
+    case ENOTDIR:
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": not shared memory (", strerror(err), ")"));
+    default:
+      return ErrnoStatus(err, absl::StrCat("open(", path, ")"));
+  }
+}
+
+// A /proc fd must lead to shared memory: a memfd or a /dev/shm object is a regular file on tmpfs
+// (hugetlbfs for MFD_HUGETLB). Anything else (a disk file, pipe, device) the daemon would write
+// engine pages into is refused.
+absl::Status CheckSharedMemory(int fd, const struct stat& st, absl::string_view path) {
+  if (!S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": not shared memory (not a regular file or memfd)"));
+  }
+  struct statfs fs;
+  if (fstatfs(fd, &fs) != 0) return ErrnoStatus(errno, absl::StrCat("fstatfs(", path, ")"));
+  if (fs.f_type != TMPFS_MAGIC && fs.f_type != HUGETLBFS_MAGIC) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": not shared memory (a file on a file system other than tmpfs or hugetlbfs)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+bool ShmMapping::IsProcFdPath(absl::string_view name) {
+  if (!absl::ConsumePrefix(&name, kProcPrefix)) return false;
+  const size_t slash = name.find('/');
+  if (slash == absl::string_view::npos) return false;
+  absl::string_view fd = name.substr(slash);
+  return IsProcNumber(name.substr(0, slash)) && absl::ConsumePrefix(&fd, "/fd/") &&
+         IsProcNumber(fd);
+}
+
+absl::Status ShmMapping::CheckName(absl::string_view name) {
+  if (absl::StartsWith(name, kProcPrefix)) {
+    if (IsProcFdPath(name)) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat("\"", absl::CHexEscape(name.substr(0, 255)),
+                     "\" is not \"/proc/<pid>/fd/<fd>\" with a decimal pid and fd"));
+  }
+  return CheckPosixName(name);
+}
+
 absl::StatusOr<ShmMapping> ShmMapping::Create(absl::string_view name, uint64_t bytes) {
-  if (absl::Status s = CheckName(name); !s.ok()) return s;
+  if (absl::Status s = CheckPosixName(name); !s.ok()) return s;
   if (bytes == 0) return absl::InvalidArgumentError("shm object size is 0");
   std::string n(name);
   int fd = shm_open(n.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
@@ -78,13 +159,23 @@ absl::StatusOr<ShmMapping> ShmMapping::Open(absl::string_view name, uint64_t byt
   if (absl::Status s = CheckName(name); !s.ok()) return s;
   if (bytes == 0) return absl::InvalidArgumentError("shm mapping size is 0");
   std::string n(name);
-  int fd = shm_open(n.c_str(), O_RDWR | O_CLOEXEC, 0);
-  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("shm_open(", n, ")"));
+  const bool proc = IsProcFdPath(n);
+  // A /proc name reopens the engine's fd: a new open file description of the same object.
+  int fd = proc ? open(n.c_str(), O_RDWR | O_CLOEXEC) : shm_open(n.c_str(), O_RDWR | O_CLOEXEC, 0);
+  if (fd < 0) {
+    return proc ? ProcOpenStatus(errno, n) : ErrnoStatus(errno, absl::StrCat("shm_open(", n, ")"));
+  }
   struct stat st;
   if (fstat(fd, &st) != 0) {
     int err = errno;
     close(fd);
     return ErrnoStatus(err, absl::StrCat("fstat(", n, ")"));
+  }
+  if (proc) {
+    if (absl::Status s = CheckSharedMemory(fd, st, n); !s.ok()) {
+      close(fd);
+      return s;
+    }
   }
   if (static_cast<uint64_t>(st.st_size) < bytes) {
     close(fd);

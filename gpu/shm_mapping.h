@@ -1,12 +1,21 @@
-// ShmMapping: a POSIX shared-memory object mapped into this process.
+// ShmMapping: a shared-memory object mapped into this process.
 //
-// The sim device keeps engine "device memory" and the completion region in shm objects: the
-// engine creates them (Create) and the daemon maps them by name (Open), so both processes see the
-// same bytes, exactly as both see one GPU allocation through CUDA IPC.
+// The sim device (host shared memory) keeps engine memory and the completion region in shared
+// objects: the engine creates them and the daemon maps them (Open), so both processes see the
+// same bytes, exactly as both see one GPU allocation through CUDA IPC. Two kinds of name:
+//   - a POSIX shm name, "/kvc-sim-4242-rank0" (shm_open); Create makes these;
+//   - "/proc/<pid>/fd/<fd>": an object another process holds open, typically a memfd
+//     (memfd_create, which has no name: SGLang's HiCache host pool). Open re-opens it through
+//     /proc. Only Open takes this form.
 //
-// Trust: a process that truncates an object another process has mapped makes that process's next
-// access fault (SIGBUS). The sim device is a stand-in for a GPU on machines without one; it trusts
-// the engines that may connect (the socket's permissions decide who can).
+// Trust and permissions: re-opening another process's fd through /proc is a ptrace-mode access
+// check, so the daemon must run as the engine's uid (or have CAP_SYS_PTRACE) and share its PID
+// namespace (the pid is read in the daemon's namespace). The daemon maps whatever a connecting
+// engine names, read-write, and a process that truncates an object another process has mapped
+// makes that process's next access fault (SIGBUS): the daemon trusts the engines that may connect
+// (the socket's permissions decide who can). A /proc name must lead to shared memory (a regular
+// file on tmpfs or hugetlbfs, as memfds and /dev/shm objects are), never to a disk file, pipe or
+// device.
 #ifndef KVCELLAR_GPU_SHM_MAPPING_H_
 #define KVCELLAR_GPU_SHM_MAPPING_H_
 
@@ -20,17 +29,22 @@ namespace kvcellar::gpu {
 
 class ShmMapping {
  public:
-  // Creates a new object of `bytes` (zero-filled, mode 0600) and maps all of it read-write. The
-  // mapping owns the name: destruction unlinks it. ALREADY_EXISTS when the name is taken.
+  // Creates a new POSIX shm object of `bytes` (zero-filled, mode 0600) and maps all of it
+  // read-write. The mapping owns the name: destruction unlinks it. ALREADY_EXISTS when the name is
+  // taken; INVALID_ARGUMENT for a /proc name.
   static absl::StatusOr<ShmMapping> Create(absl::string_view name, uint64_t bytes);
 
-  // Maps the first `bytes` of an existing object read-write. NOT_FOUND when there is no such
-  // object; INVALID_ARGUMENT when it holds fewer than `bytes` bytes. Does not own the name.
+  // Maps the first `bytes` of an existing object read-write; `name` is either form (above). Does
+  // not own the name. NOT_FOUND when there is no such object (for /proc: no such process or fd);
+  // PERMISSION_DENIED when this process may not open it; INVALID_ARGUMENT when it holds fewer
+  // than `bytes` bytes or (/proc) is not shared memory.
   static absl::StatusOr<ShmMapping> Open(absl::string_view name, uint64_t bytes);
 
-  // INVALID_ARGUMENT unless `name` is a portable POSIX shm name: "/" then 1..254 characters, none
-  // of them "/".
+  // INVALID_ARGUMENT unless `name` is a name Open takes: a portable POSIX shm name ("/" then
+  // 1..254 characters, none of them "/") or exactly "/proc/<pid>/fd/<fd>" (decimal, no sign).
   static absl::Status CheckName(absl::string_view name);
+  // True when `name` is of the "/proc/<pid>/fd/<fd>" form.
+  static bool IsProcFdPath(absl::string_view name);
 
   ShmMapping() = default;
   ShmMapping(ShmMapping&& other) noexcept;
