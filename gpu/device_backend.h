@@ -1,12 +1,15 @@
 // DeviceBackend: moves KV bytes between an engine's device blocks and the daemon's host pages.
 //
-// One instance per daemon serves every engine on the node. The server opens an EngineMapping per
-// registered engine (RegisterEngine) and submits one batched op per RPC: a Gather for Backup
-// (device blocks -> host page objects) and a Scatter for Load (host page objects -> device
-// blocks). Ops are asynchronous; the server polls or waits on the returned DeviceOp.
+// One instance per device kind serves every engine of that kind on the node (a daemon with a CUDA
+// device may also run a SimDevice for engines whose KV lives in host memory:
+// server/device_set.h). The server opens an EngineMapping per registered engine (RegisterEngine)
+// and submits one batched op per RPC: a Gather for Backup (device blocks -> host page objects)
+// and a Scatter for Load (host page objects -> device blocks). Ops are asynchronous; the server
+// polls or waits on the returned DeviceOp.
 //
-// Implementations: SimDevice (sim_device.h: shared memory and memcpy, for machines without a GPU)
-// and the CUDA device (cuda/cuda_device.h: IPC handles, copy streams, batched copies, events).
+// Implementations: SimDevice (sim_device.h: host shared memory and memcpy, for engines whose KV
+// lives in host memory and for machines without a GPU) and the CUDA device (cuda/cuda_device.h:
+// IPC handles, copy streams, batched copies, events).
 // Both keep the same semantics:
 //   - A Gather reads no engine byte before its ReadyFence fires.
 //   - A Scatter lands layer by layer: layer i is signalled (CompletionRegion) only after every

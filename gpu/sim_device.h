@@ -1,8 +1,12 @@
-// SimDevice: the DeviceBackend for machines without a GPU, with the CUDA backend's semantics.
+// SimDevice: the host-shared-memory DeviceBackend, with the CUDA backend's semantics.
 //
-// Engine "device memory" is POSIX shared memory that the engine process creates
-// (SimEngineMemory); the daemon maps each region by name once per engine, checking that the
-// object is at least as large as the layout declares. Copies are memcpy on a small pool of worker
+// Two uses: production, for engines whose KV lives in host memory (SGLang's HiCache host pool),
+// served beside the CUDA device on GPU nodes (server/device_set.h); and the GPU stand-in on
+// machines without one, for integrations and tests.
+//
+// Engine "device memory" is shared memory that the engine process creates: a POSIX shm object
+// (SimEngineMemory) or a memfd named "/proc/<pid>/fd/<fd>" (shm_mapping.h); the daemon maps each
+// region once per engine, checking that the object is at least as large as the layout declares. Copies are memcpy on a small pool of worker
 // threads, so ops complete asynchronously just as on a copy stream.
 //
 // Gather fences are counters (ReadyFence::Counter): a poller thread watches each waiting op's

@@ -32,13 +32,6 @@ grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, const abs
   return reactor;
 }
 
-v1::DeviceKind KindOf(const gpu::DeviceBackend* device) {
-  if (device == nullptr) return v1::DEVICE_KIND_UNSPECIFIED;
-  if (device->name() == "sim") return v1::DEVICE_KIND_SIM;
-  if (device->name() == "cuda") return v1::DEVICE_KIND_CUDA;
-  return v1::DEVICE_KIND_UNSPECIFIED;
-}
-
 core::EvictionPolicyKind PolicyOf(const Config& config) {
   return config.eviction.policy == EvictionPolicy::kLru ? core::EvictionPolicyKind::kLru
                                                         : core::EvictionPolicyKind::kS3Fifo;
@@ -87,8 +80,7 @@ CacheServiceImpl::CacheServiceImpl(CacheServiceOptions options)
     : config_(std::move(options.config)),
       limits_(CacheLimits::FromConfig(config_)),
       daemon_epoch_(options.daemon_epoch),
-      device_(options.device),
-      device_kind_(KindOf(options.device)),
+      devices_(std::move(options.devices)),
       housekeeping_interval_(options.housekeeping_interval),
       metrics_(options.metrics != nullptr ? options.metrics : &DefaultRegistry()),
       namespaces_(options.pool, PolicyOf(config_),
@@ -100,7 +92,7 @@ CacheServiceImpl::CacheServiceImpl(CacheServiceOptions options)
       l3_(options.l3 != nullptr ? options.l3 : no_l3_.get()),
       writer_(l3_, &l2_, [this] { return ops_.NextId(); }, &metrics_, config_.storage),
       prefetcher_(l3_, &l2_, &ops_, &pins_, &metrics_, &limits_, config_.storage),
-      mover_(options.device, &l2_, &pins_, &ops_, &pump_, &metrics_, &limits_, &writer_),
+      mover_(&devices_, &l2_, &pins_, &ops_, &pump_, &metrics_, &limits_, &writer_),
       matcher_(&pins_, &ops_, &metrics_, &limits_,
                MatcherL3{l3_, &prefetcher_, &writer_,
                          absl::Milliseconds(config_.storage.max_lookup_ms)}),
@@ -271,7 +263,7 @@ absl::Status CacheServiceImpl::DoRegister(grpc::CallbackServerContext* context,
                                           const v1::RegisterEngineRequest& request,
                                           v1::RegisterEngineResponse* response) {
   if (absl::Status s = CheckNotDraining(); !s.ok()) return s;
-  absl::StatusOr<Registration> reg = ParseRegistration(request, limits_, device_kind_);
+  absl::StatusOr<Registration> reg = ParseRegistration(request, limits_, devices_.kinds());
   if (!reg.ok()) return reg.status();
 
   std::shared_ptr<Namespace> ns = namespaces_.GetOrCreate(reg->spec);
@@ -300,7 +292,9 @@ absl::Status CacheServiceImpl::DoRegister(grpc::CallbackServerContext* context,
 
   std::unique_ptr<gpu::EngineMapping> mapping;
   if (reg->worker) {
-    if (device_ == nullptr) {
+    // ParseRegistration admitted only a kind that is served.
+    gpu::DeviceBackend* const device = devices_.For(reg->device_kind);
+    if (device == nullptr) {
       return CacheError(absl::StatusCode::kFailedPrecondition, v1::ERROR_REASON_DEVICE_UNAVAILABLE,
                         "device.kind", "this daemon has no device backend");
     }
@@ -311,7 +305,7 @@ absl::Status CacheServiceImpl::DoRegister(grpc::CallbackServerContext* context,
       if (!channel.ok()) return channel.status();
       info.sim_signals = *std::move(channel);
     }
-    absl::StatusOr<std::unique_ptr<gpu::EngineMapping>> opened = device_->OpenEngine(reg->engine);
+    absl::StatusOr<std::unique_ptr<gpu::EngineMapping>> opened = device->OpenEngine(reg->engine);
     if (!opened.ok()) return OpenEngineError(opened.status());
     mapping = *std::move(opened);
     if (absl::Status s = ns->AdoptLayout(reg->engine.layout); !s.ok()) return s;

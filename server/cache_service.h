@@ -48,6 +48,7 @@
 #include "server/cache_metrics.h"
 #include "server/config.h"
 #include "server/device_mover.h"
+#include "server/device_set.h"
 #include "server/l3_prefetcher.h"
 #include "server/l3_tiers.h"
 #include "server/l3_writer.h"
@@ -65,9 +66,9 @@ namespace kvcellar::server {
 struct CacheServiceOptions {
   Config config;
   core::HostPool* pool = nullptr;  // Required; outlives the service.
-  // The device engines' memory is on; nullptr: none (WORKER registrations are refused with
-  // DEVICE_UNAVAILABLE). Outlives the service.
-  gpu::DeviceBackend* device = nullptr;
+  // The devices engines' memory is on, by kind; empty: none (WORKER registrations are refused
+  // with DEVICE_UNAVAILABLE). The backends outlive the service.
+  DeviceSet devices;
   uint64_t daemon_epoch = 0;
   // nullptr: DefaultRegistry(). Outlives the service.
   MetricsRegistry* metrics = nullptr;
@@ -124,7 +125,9 @@ class CacheServiceImpl final : public kvcellar::v1::CacheService::CallbackServic
     size_t namespaces = 0;
   };
   Counts GetCounts() const;
-  v1::DeviceKind device_kind() const { return device_kind_; }
+  // The primary device's kind (UNSPECIFIED without one) and every kind served.
+  v1::DeviceKind device_kind() const { return devices_.primary_kind(); }
+  const DeviceSet& devices() const { return devices_; }
   const CacheLimits& limits() const { return limits_; }
   // For tests and admin tools: the namespaces and their indexes.
   NamespaceRegistry& namespaces() { return namespaces_; }
@@ -169,8 +172,7 @@ class CacheServiceImpl final : public kvcellar::v1::CacheService::CallbackServic
   const Config config_;
   const CacheLimits limits_;
   const uint64_t daemon_epoch_;
-  gpu::DeviceBackend* const device_;
-  const v1::DeviceKind device_kind_;
+  const DeviceSet devices_;
   const absl::Duration housekeeping_interval_;
   std::atomic<bool> draining_{false};
 

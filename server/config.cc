@@ -92,7 +92,7 @@ auto MakeField(Mut mut, Get get) {
 // clang-format on
 
 using Binding = std::variant<Field<std::string>, Field<int64_t>, Field<uint64_t>, Field<double>,
-                             Field<uint32_t>, EnumField>;
+                             Field<uint32_t>, Field<bool>, EnumField>;
 
 // A check on a string value: returns "" when fine, else the reason, worded to follow the key
 // ("must be host:port ...").
@@ -418,6 +418,17 @@ KeySpec ModeKey(const char* path, Field<uint32_t> field, const char* default_tex
   return k;
 }
 
+KeySpec BoolKey(const char* path, Field<bool> field, const char* default_text, const char* doc) {
+  KeySpec k;
+  k.path = path;
+  k.type = ConfigType::kBool;
+  k.binding = field;
+  k.default_text = default_text;
+  k.constraint = "true or false";
+  k.doc = doc;
+  return k;
+}
+
 // Marks a key whose value ConfigToYaml(..., redact_secrets=true) and ConfigDigest() hide (a
 // password, a token; not a path to a key file): Secret(StringKey(...)).
 // A string key whose value is a list: the file may write it as a YAML sequence of strings,
@@ -511,6 +522,10 @@ std::vector<KeySpec> SchemaTable() {
       ChoiceKey(KVC_ENUM(device, kind), "auto", {"auto", "cuda", "sim"},
                 "Device backend: cuda, sim (shared memory, no GPU), or auto = cuda when a GPU "
                 "is present, else sim."),
+      BoolKey(KVC_FIELD(device, host_memory_engines), "true",
+              "With kind cuda (or auto resolving to cuda): also serve engines whose KV lives in "
+              "host shared memory (DEVICE_KIND_SIM, e.g. SGLang's HiCache host pool) with a "
+              "second, memcpy backend. Without a GPU the sim device serves them anyway."),
       // storage
       ListKey(StringKey(KVC_FIELD(storage, tiers), "", CheckL3Tiers, "tier specs, or \"\"",
                 "L3 tiers in lookup order, fastest first, separated by spaces or ';': "
@@ -629,6 +644,15 @@ absl::Status ParseAndStore(const KeySpec& spec, absl::string_view text, Config* 
       std::get<Field<uint32_t>>(spec.binding).mut(*config) = *mode;
       return absl::OkStatus();
     }
+    case ConfigType::kBool: {
+      // YAML 1.2's core schema spellings; not 1.1's yes/no/on/off.
+      const std::string lower = absl::AsciiStrToLower(text);
+      if (lower != "true" && lower != "false") {
+        return invalid("expects true or false, got ", Quoted(text));
+      }
+      std::get<Field<bool>>(spec.binding).mut(*config) = lower == "true";
+      return absl::OkStatus();
+    }
   }
   return invalid("has an unknown type");  // Unreachable: the switch covers every type.
 }
@@ -663,6 +687,8 @@ Formatted FormatValue(const KeySpec& spec, const Config& config) {
     }
     case ConfigType::kFileMode:
       return {FormatMode(std::get<Field<uint32_t>>(spec.binding).get(config)), true};
+    case ConfigType::kBool:
+      return {std::get<Field<bool>>(spec.binding).get(config) ? "true" : "false", false};
   }
   return {"", true};
 }
@@ -823,6 +849,8 @@ std::string ExpectedValue(const KeySpec& spec) {
       return spec.constraint;
     case ConfigType::kFileMode:
       return "an octal mode string like \"0660\"";
+    case ConfigType::kBool:
+      return "true or false";
   }
   return "a value";
 }
@@ -1153,6 +1181,8 @@ absl::string_view ConfigTypeName(ConfigType type) {
       return "choice";
     case ConfigType::kFileMode:
       return "octal mode";
+    case ConfigType::kBool:
+      return "boolean";
   }
   return "unknown";
 }

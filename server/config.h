@@ -105,6 +105,9 @@ struct SessionsConfig {
 
 struct DeviceConfig {
   DeviceKind kind{};
+  // With a CUDA primary device: also serve DEVICE_KIND_SIM sessions, engines whose KV lives in
+  // host shared memory (SGLang's HiCache host pool), through a second, sim backend.
+  bool host_memory_engines = true;
   bool operator==(const DeviceConfig&) const = default;
 };
 
@@ -146,9 +149,10 @@ enum class ConfigType {
   kDurationMs,  // Milliseconds, an integer.
   kChoice,
   kFileMode,  // Octal permission bits, written as a string like "0660".
+  kBool,      // true or false.
 };
 
-// "string", "integer", "number", "size", "duration in ms", "choice", "octal mode".
+// "string", "integer", "number", "size", "duration in ms", "choice", "octal mode", "boolean".
 absl::string_view ConfigTypeName(ConfigType type);
 
 // One schema entry, for docs and tests. The table itself lives in config.cc.

@@ -68,6 +68,7 @@ Daemon::~Daemon() {
       }
     }
   }
+  host_memory_device_.reset();
   device_.reset();
 }
 
@@ -102,7 +103,7 @@ absl::Status Daemon::StartListeners() {
   CacheServiceOptions cache_options;
   cache_options.config = config_;
   cache_options.pool = pool_.get();
-  cache_options.device = device_.get();
+  cache_options.devices = devices_;
   cache_options.l3 = l3_.get();
   cache_options.metrics = &registry;
   {
@@ -326,8 +327,24 @@ absl::Status Daemon::CreateDeviceBackend() {
                                                         device_->name(), " device: ",
                                                         registered.message()));
   }
+  devices_ = DeviceSet(device_.get());
+  // Engines whose KV lives in host shared memory need no GPU: with the sim primary they are
+  // served already; beside CUDA they get a sim backend of their own. The pool is not registered
+  // with it (the sim device copies from any host memory).
+  if (KindOf(device_.get()) == v1::DEVICE_KIND_CUDA && config_.device.host_memory_engines) {
+    absl::StatusOr<std::unique_ptr<gpu::SimDevice>> sim = gpu::SimDevice::Create({});
+    if (!sim.ok()) {
+      return absl::Status(sim.status().code(),
+                          absl::StrCat("host-memory device (device.host_memory_engines): ",
+                                       sim.status().message()));
+    }
+    host_memory_device_ = *std::move(sim);
+    if (absl::Status s = devices_.Add(host_memory_device_.get()); !s.ok()) return s;
+  }
   KVLOG(Info, "device backend ready",
-        {{"device", device_->name()}, {"pool_chunks", registered_chunks_.size()}});
+        {{"device", device_->name()},
+         {"serves", devices_.KindNames()},
+         {"pool_chunks", registered_chunks_.size()}});
   return absl::OkStatus();
 }
 

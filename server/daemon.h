@@ -27,6 +27,7 @@
 #include "server/l3_tier_admin.h"
 #include "server/l3_tiers.h"
 #include "server/daemon_info.h"
+#include "server/device_set.h"
 
 namespace kvcellar::server {
 
@@ -61,13 +62,18 @@ class Daemon {
   void AddListener(ListenerInfo listener);
 
   absl::Status CreateHostPool();
-  // The device backend of config device.kind, with the host pool registered with it.
+  // The device backend of config device.kind, with the host pool registered with it; with a CUDA
+  // primary and device.host_memory_engines, also a sim backend for host-memory engines.
   absl::Status CreateDeviceBackend();
 
   const Config config_;
   std::unique_ptr<core::HostPool> pool_;
   std::unique_ptr<gpu::DeviceBackend> device_;  // Destroyed after the service, before the pool.
   std::vector<void*> registered_chunks_;        // Pool chunks registered with device_.
+  // The sim backend serving DEVICE_KIND_SIM engines beside a CUDA device_, or nullptr. Destroyed
+  // with device_.
+  std::unique_ptr<gpu::DeviceBackend> host_memory_device_;
+  DeviceSet devices_;  // device_ first, then host_memory_device_ if any.
   // L3 backends: destroyed after the service (whose writes and reads they complete), before the
   // pool (whose slots their I/O reads and writes).
   std::unique_ptr<L3Tiers> l3_;

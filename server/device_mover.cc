@@ -22,6 +22,12 @@ using v1::PageStatus;
 // never happens (a bug): then the pages unpin after 10 minutes, far longer than any copy.
 constexpr absl::Duration kOwnPinLease = absl::Minutes(10);
 
+// The backend that opened the session's mapping: the one of its kind. Never nullptr for a WORKER
+// session (RegisterEngine admits only a served kind, and the set does not change).
+gpu::DeviceBackend* DeviceOf(const DeviceSet& devices, const SessionInfo& info) {
+  return devices.For(info.device_kind);
+}
+
 template <typename Sequences>
 std::vector<uint32_t> SequenceStarts(const Sequences& sequences) {
   std::vector<uint32_t> begin;
@@ -213,10 +219,10 @@ absl::StatusOr<StartedOp> StartOp(Session& session, const Sequences& sequences,
 
 }  // namespace
 
-DeviceMover::DeviceMover(gpu::DeviceBackend* device, L2Space* l2, PinTable* pins, OpTable* ops,
+DeviceMover::DeviceMover(const DeviceSet* devices, L2Space* l2, PinTable* pins, OpTable* ops,
                          SimSignalPump* pump, CacheMetrics* metrics, const CacheLimits* limits,
                          L3Writer* writer)
-    : device_(device),
+    : devices_(devices),
       l2_(l2),
       pins_(pins),
       ops_(ops),
@@ -309,7 +315,7 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Load(const std::shared_pt
       device_signal = gpu::OpSignal{*slot, record->id};
     }
     absl::StatusOr<gpu::OpHandle> op =
-        device_->SubmitScatter(*session->mapping(), items, device_signal);
+        DeviceOf(*devices_, info)->SubmitScatter(*session->mapping(), items, device_signal);
     if (!op.ok()) {
       if (pinned) index->ReleaseOwner(record->id);
       session->ReleaseBlocks(used_blocks);
@@ -522,7 +528,7 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Backup(
               ? limits_->max_prefetch_timeout_ms
               : std::min(request.ready_timeout_ms(), limits_->max_prefetch_timeout_ms);
       record->ready_deadline = now + absl::Milliseconds(ready_timeout_ms);
-      gpu::DeviceBackend* device = device_;
+      gpu::DeviceBackend* device = DeviceOf(*devices_, info);
       op = pump_->GatedGather(
           [device, mapping, items = std::move(items)]() {
             return device->SubmitGather(*mapping, items, gpu::ReadyFence::Ready(), gpu::OpSignal{});
@@ -533,7 +539,7 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Backup(
           request.has_ready()
               ? gpu::ReadyFence::CudaIpcEvent(info.cuda_ready_events[request.ready().slot()])
               : gpu::ReadyFence::Ready();
-      op = device_->SubmitGather(*mapping, items, fence, gpu::OpSignal{});
+      op = DeviceOf(*devices_, info)->SubmitGather(*mapping, items, fence, gpu::OpSignal{});
     }
     if (!op.ok()) {
       std::vector<core::ReleasedObject> released;

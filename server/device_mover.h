@@ -32,6 +32,7 @@
 #include "kvcellar/v1/cache_service.pb.h"
 #include "server/cache_limits.h"
 #include "server/cache_metrics.h"
+#include "server/device_set.h"
 #include "server/l2_space.h"
 #include "server/l3_writer.h"
 #include "server/op_table.h"
@@ -43,8 +44,9 @@ namespace kvcellar::server {
 
 class DeviceMover {
  public:
-  // Every pointer outlives the mover. `writer` (may be nullptr) is told of every committed Backup.
-  DeviceMover(gpu::DeviceBackend* device, L2Space* l2, PinTable* pins, OpTable* ops,
+  // Every pointer outlives the mover. A session's copies go to the backend of its device_kind in
+  // `devices`. `writer` (may be nullptr) is told of every committed Backup.
+  DeviceMover(const DeviceSet* devices, L2Space* l2, PinTable* pins, OpTable* ops,
               SimSignalPump* pump, CacheMetrics* metrics, const CacheLimits* limits,
               L3Writer* writer = nullptr);
 
@@ -58,7 +60,7 @@ class DeviceMover {
                                                    const v1::BackupRequest& request);
 
  private:
-  gpu::DeviceBackend* const device_;
+  const DeviceSet* const devices_;
   L2Space* const l2_;
   PinTable* const pins_;
   OpTable* const ops_;

@@ -5,6 +5,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "core/page_key.h"
 #include "gpu/kv_layout.h"
@@ -171,8 +172,8 @@ absl::StatusOr<gpu::KvLayout> ParseLayout(const v1::KvLayout& in, const core::Na
           r.sim_shm_name().size() > kMaxShmNameBytes) {
         std::string field = absl::StrCat(prefix, ".sim_shm_name");
         return InvalidField(field, absl::StrCat(field,
-                                                ": a SIM device region needs a shm name "
-                                                "of 1..255 bytes"));
+                                                ": a SIM device region needs a shm name or a "
+                                                "/proc/<pid>/fd/<fd> path of 1..255 bytes"));
       }
       region.handle = r.sim_shm_name();
     } else {
@@ -334,7 +335,7 @@ absl::StatusOr<core::NamespaceSpec> ParseNamespaceSpec(const v1::NamespaceSpec& 
 
 absl::StatusOr<Registration> ParseRegistration(const v1::RegisterEngineRequest& request,
                                                const CacheLimits& limits,
-                                               v1::DeviceKind daemon_device) {
+                                               absl::Span<const v1::DeviceKind> served) {
   if (request.instance_id().empty() || request.instance_id().size() > kMaxIdBytes) {
     return InvalidField("instance_id", absl::StrCat("instance_id is ", request.instance_id().size(),
                                                     " bytes; 1..256 required"));
@@ -368,14 +369,17 @@ absl::StatusOr<Registration> ParseRegistration(const v1::RegisterEngineRequest& 
     return InvalidField("device.kind",
                         absl::StrCat("device.kind (", device.kind(), ") must be CUDA or SIM"));
   }
-  if (device.kind() != daemon_device) {
-    return CacheError(
-        absl::StatusCode::kFailedPrecondition, v1::ERROR_REASON_DEVICE_UNAVAILABLE, "device.kind",
-        absl::StrCat(
-            "device.kind ", v1::DeviceKind_Name(device.kind()), " is not served: this daemon runs ",
-            daemon_device == v1::DEVICE_KIND_UNSPECIFIED ? std::string("no device backend")
-                                                         : v1::DeviceKind_Name(daemon_device),
-            " (config device.kind)"));
+  if (std::find(served.begin(), served.end(), device.kind()) == served.end()) {
+    const std::string kinds =
+        served.empty() ? std::string("no device backend")
+                       : absl::StrJoin(served, ", ", [](std::string* out, v1::DeviceKind kind) {
+                           out->append(v1::DeviceKind_Name(kind));
+                         });
+    return CacheError(absl::StatusCode::kFailedPrecondition, v1::ERROR_REASON_DEVICE_UNAVAILABLE,
+                      "device.kind",
+                      absl::StrCat("device.kind ", v1::DeviceKind_Name(device.kind()),
+                                   " is not served: this daemon serves ", kinds,
+                                   " (config device.kind, device.host_memory_engines)"));
   }
   if (device.uuid().size() != 16) {
     return InvalidField("device.uuid", absl::StrCat("device.uuid is ", device.uuid().size(),

@@ -18,6 +18,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "core/namespace_spec.h"
 #include "gpu/device_backend.h"
 #include "kvcellar/v1/cache_service.pb.h"
@@ -45,11 +46,12 @@ struct Registration {
   std::vector<std::string> cuda_ready_events;  // One 64-byte handle per ready slot.
 };
 
-// Validates and converts a registration. `daemon_device` is the kind of the daemon's backend
-// (UNSPECIFIED when it has none).
+// Validates and converts a registration. `served` are the device kinds the daemon has a backend
+// for (DeviceSet::kinds(); empty when it has none); a WORKER of another kind is
+// DEVICE_UNAVAILABLE.
 absl::StatusOr<Registration> ParseRegistration(const v1::RegisterEngineRequest& request,
                                                const CacheLimits& limits,
-                                               v1::DeviceKind daemon_device);
+                                               absl::Span<const v1::DeviceKind> served);
 
 // Converts a NamespaceSpec message (fields are checked by core::NamespaceSpec::Validate; errors
 // name `namespace_spec.<field>`).

@@ -3,10 +3,14 @@
 // (cache_test_harness.h). Bytes are checked byte for byte against the pattern each engine wrote.
 #include "server/cache_service.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <thread>
 
 #include "absl/time/clock.h"
 #include "tests/server/cache_test_harness.h"
+#include "tests/server/fake_cuda_device.h"
 
 namespace kvcellar::server::testing {
 namespace {
@@ -768,6 +772,154 @@ TEST(CacheServiceTest, OpaqueNamespaceScopesEngineKeys) {
   match.set_session_id(b.session);
   ASSERT_TRUE(h.Match(match, &m).ok());
   EXPECT_EQ(m.results(0).l2_hit_pages(), 0u);
+}
+
+// A host-memory engine whose KV lives in a memfd (SGLang's HiCache host pool) registers it by
+// /proc path; Backup reads from it and Load writes into it.
+TEST(CacheServiceTest, MemfdRegionByProcPathRoundTripsBytes) {
+  CacheHarness h;
+  const v1::NamespaceSpec spec = Spec();
+  // The engine's KV: a memfd holding the bytes a TestEngine seeded 1 has in its shm object.
+  TestEngine a(16, false, /*seed=*/1);
+  const uint64_t bytes = a.kv().memory().size();
+  const int fd = memfd_create("kvc-hicache-test", MFD_CLOEXEC);
+  ASSERT_GE(fd, 0) << strerror(errno);
+  ASSERT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  uint8_t* memfd = static_cast<uint8_t*>(p);
+  std::memcpy(memfd, a.kv().memory().data(), bytes);
+  const std::string shm_before = a.Snapshot();
+
+  v1::RegisterEngineRequest req = a.Register("inst-memfd", 0, spec);
+  const std::string path = absl::StrCat("/proc/", getpid(), "/fd/", fd);
+  for (v1::MemoryRegion& r : *req.mutable_layout()->mutable_regions()) r.set_sim_shm_name(path);
+  v1::RegisterEngineResponse resp;
+  Rpc r = h.RegisterEngine(req, &resp);
+  ASSERT_TRUE(r.ok()) << r.status.error_message();
+  const uint64_t session = resp.session_id();
+
+  const std::vector<core::PageKey> keys = CacheHarness::Keys(spec, Tokens(3, 3));
+  v1::OpResult backup = h.Wait(session, h.Backup(session, keys, 0, 3, {3, 4, 5}).op().op_id());
+  ASSERT_EQ(backup.state(), v1::OP_STATE_DONE);
+  EXPECT_EQ(backup.sequences(0).leading_ok_pages(), 3u);
+
+  // Load the pages into blocks 10..12 of the memfd, zeroed first.
+  auto at = [&](uint32_t layer, uint32_t buffer, uint32_t block) {
+    return memfd + (a.kv().Block(layer, buffer, block) - a.kv().memory().data());
+  };
+  for (uint32_t layer = 0; layer < kLayers; ++layer) {
+    for (uint32_t buffer = 0; buffer < 2; ++buffer) {
+      for (uint32_t block = 10; block < 13; ++block) {
+        std::memset(at(layer, buffer, block), 0, kBytesPerBlock);
+      }
+    }
+  }
+  v1::LoadResponse l;
+  ASSERT_TRUE(h.Load(LoadOf(session, keys, 0, 3, {10, 11, 12}), &l).ok());
+  v1::OpResult loaded = h.Wait(session, l.op().op_id());
+  ASSERT_EQ(loaded.state(), v1::OP_STATE_DONE);
+  EXPECT_THAT(Statuses(loaded.sequences(0)),
+              ElementsAre(v1::PAGE_STATUS_OK, v1::PAGE_STATUS_OK, v1::PAGE_STATUS_OK));
+  for (uint32_t i = 0; i < 3; ++i) {
+    for (uint32_t layer = 0; layer < kLayers; ++layer) {
+      for (uint32_t buffer = 0; buffer < 2; ++buffer) {
+        // The memfd's block 10+i now holds what the engine's block 3+i held.
+        EXPECT_EQ(std::memcmp(at(layer, buffer, 10 + i), a.kv().Block(layer, buffer, 3 + i),
+                              kBytesPerBlock),
+                  0)
+            << "page " << i << " layer " << layer << " buffer " << buffer;
+      }
+    }
+  }
+  // The daemon used the memfd, never the shm object the engine would have registered by name.
+  EXPECT_EQ(a.Snapshot(), shm_before);
+
+  v1::UnregisterEngineRequest unreg;
+  unreg.set_session_id(session);
+  v1::UnregisterEngineResponse unreg_resp;
+  EXPECT_TRUE(h.UnregisterEngine(unreg, &unreg_resp).ok());
+  munmap(p, bytes);
+  close(fd);
+}
+
+// A SIM registration whose memfd the daemon cannot find is refused, naming the region.
+TEST(CacheServiceTest, MissingMemfdIsRefusedNamingTheRegion) {
+  CacheHarness h;
+  TestEngine a(16, false, 1);
+  v1::RegisterEngineRequest req = a.Register("inst-memfd", 0, Spec());
+  req.mutable_layout()->mutable_regions(0)->set_sim_shm_name(
+      absl::StrCat("/proc/", getpid(), "/fd/999999"));
+  v1::RegisterEngineResponse resp;
+  Rpc r = h.RegisterEngine(req, &resp);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(r.field, "layout.regions[0]");
+  EXPECT_THAT(r.status.error_message(), HasSubstr("no such process or fd"));
+  EXPECT_EQ(h.service().GetCounts().sessions, 0u);
+}
+
+// A's registration as a CUDA engine would send it (IPC handles instead of shm names).
+v1::RegisterEngineRequest AsCuda(v1::RegisterEngineRequest r) {
+  r.mutable_device()->set_kind(v1::DEVICE_KIND_CUDA);
+  for (v1::MemoryRegion& region : *r.mutable_layout()->mutable_regions()) {
+    region.set_cuda_ipc_handle(std::string(gpu::kCudaIpcHandleBytes, 'h'));
+  }
+  r.clear_completion();
+  return r;
+}
+
+// CUDA primary plus the host-memory sim device: each session's calls reach its kind's backend.
+TEST(CacheServiceTest, EachSessionUsesTheBackendOfItsDeviceKind) {
+  FakeCudaDevice cuda;
+  HarnessOptions o;
+  o.primary = &cuda;
+  CacheHarness h(o);
+  EXPECT_EQ(h.service().device_kind(), v1::DEVICE_KIND_CUDA);
+  EXPECT_THAT(h.service().devices().kinds(),
+              ElementsAre(v1::DEVICE_KIND_CUDA, v1::DEVICE_KIND_SIM));
+
+  // Host-memory engines: the sim device maps and copies, byte for byte.
+  const v1::NamespaceSpec spec = Spec();
+  TestEngine a(16, false, /*seed=*/1);
+  TestEngine b(16, false, /*seed=*/2);
+  h.Register(a, "inst-a", 0, spec);
+  h.Register(b, "inst-b", 0, spec);
+  const std::vector<core::PageKey> keys = CacheHarness::Keys(spec, Tokens(5, 2));
+  EXPECT_EQ(h.Wait(a.session, h.Backup(a.session, keys, 0, 2, {6, 7}).op().op_id()).state(),
+            v1::OP_STATE_DONE);
+  v1::LoadResponse l;
+  ASSERT_TRUE(h.Load(LoadOf(b.session, keys, 0, 2, {1, 2}), &l).ok());
+  EXPECT_EQ(h.Wait(b.session, l.op().op_id()).state(), v1::OP_STATE_DONE);
+  EXPECT_EQ(b.CheckBlock(1, a.seed(), 6), "");
+  EXPECT_EQ(b.CheckBlock(2, a.seed(), 7), "");
+  EXPECT_EQ(cuda.open_calls.load(), 0);
+
+  // A CUDA engine goes to the CUDA backend (which, being a fake, cannot open it).
+  TestEngine c(16, false, 3);
+  v1::RegisterEngineResponse resp;
+  Rpc r = h.RegisterEngine(AsCuda(c.Register("inst-c", 0, spec)), &resp);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(r.status.error_message(), HasSubstr(FakeCudaDevice::kOpenError));
+  EXPECT_EQ(cuda.open_calls.load(), 1);
+  EXPECT_EQ(h.service().GetCounts().sessions, 2u);
+}
+
+TEST(CacheServiceTest, UnservedDeviceKindListsTheServedKinds) {
+  FakeCudaDevice cuda;
+  HarnessOptions o;
+  o.primary = &cuda;
+  o.serve_sim = false;  // device.host_memory_engines: false.
+  CacheHarness h(o);
+  TestEngine a(16, false, 1);
+  v1::RegisterEngineResponse resp;
+  Rpc r = h.RegisterEngine(a.Register("inst-a", 0, Spec()), &resp);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(r.reason, "ERROR_REASON_DEVICE_UNAVAILABLE");
+  EXPECT_EQ(r.field, "device.kind");
+  EXPECT_THAT(r.status.error_message(),
+              HasSubstr("device.kind DEVICE_KIND_SIM is not served: this daemon serves "
+                        "DEVICE_KIND_CUDA"));
+  EXPECT_EQ(cuda.open_calls.load(), 0);
 }
 
 }  // namespace

@@ -215,6 +215,10 @@ struct HarnessOptions {
   absl::Duration housekeeping_interval = absl::Milliseconds(10);
   // storage.* (L3): tiers "" = none.
   StorageConfig storage = DefaultConfig().storage;
+  // The devices: `primary` (e.g. a fake CUDA backend; not owned, outlives the harness) first when
+  // set, then the harness's sim device unless `serve_sim` is false.
+  gpu::DeviceBackend* primary = nullptr;
+  bool serve_sim = true;
 };
 
 class CacheHarness {
@@ -247,7 +251,12 @@ class CacheHarness {
     CacheServiceOptions options;
     options.config = config;
     options.pool = pool_.get();
-    options.device = device_.get();
+    if (o.primary != nullptr) {
+      EXPECT_TRUE(options.devices.Add(o.primary).ok());
+    }
+    if (o.serve_sim) {
+      EXPECT_TRUE(options.devices.Add(device_.get()).ok());
+    }
     options.daemon_epoch = 42;
     options.l3 = l3_.get();
     options.metrics = &registry_;

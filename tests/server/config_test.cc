@@ -104,6 +104,7 @@ TEST_F(ConfigTest, DefaultsMatchTheSpec) {
   EXPECT_EQ(c.sessions.lease_ms, 10000);
   EXPECT_EQ(c.sessions.pin_lease_ms, 30000);
   EXPECT_EQ(c.device.kind, DeviceKind::kAuto);
+  EXPECT_TRUE(c.device.host_memory_engines);
 
   absl::StatusOr<Config> loaded = LoadConfig(std::nullopt, {});
   ASSERT_TRUE(loaded.ok()) << loaded.status();
@@ -309,6 +310,27 @@ TEST_F(ConfigTest, EveryChoiceMapsToItsEnumerator) {
     absl::StatusOr<Config> c = LoadSets({absl::StrCat("log.level=", core::LogLevelName(level))});
     ASSERT_TRUE(c.ok()) << c.status();
     EXPECT_EQ(c->log.level, level);
+  }
+}
+
+TEST_F(ConfigTest, HostMemoryEnginesIsABoolean) {
+  absl::StatusOr<Config> off = LoadText("device:\n  kind: cuda\n  host_memory_engines: false\n");
+  ASSERT_TRUE(off.ok()) << off.status();
+  EXPECT_FALSE(off->device.host_memory_engines);
+  EXPECT_EQ(off->device.kind, DeviceKind::kCuda);
+  absl::StatusOr<Config> on =
+      LoadSets({"device.host_memory_engines=false", "device.host_memory_engines=True"});
+  ASSERT_TRUE(on.ok()) << on.status();
+  EXPECT_TRUE(on->device.host_memory_engines);
+  // A boolean prints bare and loads back.
+  EXPECT_THAT(ConfigToYaml(*off, false), HasSubstr("  host_memory_engines: false\n"));
+  EXPECT_THAT(ConfigToYaml(DefaultConfig(), false), HasSubstr("  host_memory_engines: true\n"));
+  EXPECT_NE(ConfigDigest(*off), ConfigDigest(DefaultConfig()));
+  // YAML 1.1's yes/no/on/off are not booleans here: ambiguous across YAML readers.
+  for (const char* bad : {"yes", "1", "on", ""}) {
+    EXPECT_THAT(ErrorOf(LoadSets({absl::StrCat("device.host_memory_engines=", bad)})),
+                HasSubstr("'device.host_memory_engines' expects true or false"))
+        << bad;
   }
 }
 

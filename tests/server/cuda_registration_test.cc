@@ -62,7 +62,7 @@ v1::RegisterEngineRequest CudaRegistration(uint32_t load_slots, uint32_t ready_s
 TEST(CudaRegistrationTest, LoadEventsAreSplitSlotMajor) {
   const CacheLimits limits = CacheLimits::FromConfig(DefaultConfig());
   absl::StatusOr<Registration> reg =
-      ParseRegistration(CudaRegistration(2, 1), limits, v1::DEVICE_KIND_CUDA);
+      ParseRegistration(CudaRegistration(2, 1), limits, {v1::DEVICE_KIND_CUDA});
   ASSERT_TRUE(reg.ok()) << reg.status();
   ASSERT_EQ(reg->engine.cuda_load_events.size(), 2u * kLayers);
   for (uint32_t i = 0; i < 2 * kLayers; ++i) {
@@ -76,7 +76,7 @@ TEST(CudaRegistrationTest, WrongLoadEventBytesNameTheField) {
   const CacheLimits limits = CacheLimits::FromConfig(DefaultConfig());
   v1::RegisterEngineRequest r = CudaRegistration(2, 0);
   r.mutable_completion()->mutable_cuda_events()->set_load_event_handles(std::string(64 * 3, 'x'));
-  absl::StatusOr<Registration> reg = ParseRegistration(r, limits, v1::DEVICE_KIND_CUDA);
+  absl::StatusOr<Registration> reg = ParseRegistration(r, limits, {v1::DEVICE_KIND_CUDA});
   ASSERT_FALSE(reg.ok());
   EXPECT_EQ(reg.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(reg.status().message()),
@@ -87,9 +87,28 @@ TEST(CudaRegistrationTest, WrongLoadEventBytesNameTheField) {
 TEST(CudaRegistrationTest, NoLoadSlotsNeedNoLoadEvents) {
   const CacheLimits limits = CacheLimits::FromConfig(DefaultConfig());
   absl::StatusOr<Registration> reg =
-      ParseRegistration(CudaRegistration(0, 2), limits, v1::DEVICE_KIND_CUDA);
+      ParseRegistration(CudaRegistration(0, 2), limits, {v1::DEVICE_KIND_CUDA});
   ASSERT_TRUE(reg.ok()) << reg.status();
   EXPECT_TRUE(reg->engine.cuda_load_events.empty());
+}
+
+TEST(CudaRegistrationTest, KindMustBeOneTheDaemonServes) {
+  const CacheLimits limits = CacheLimits::FromConfig(DefaultConfig());
+  // A CUDA daemon that also serves host-memory (SIM) engines takes CUDA registrations.
+  absl::StatusOr<Registration> reg = ParseRegistration(CudaRegistration(0, 0), limits,
+                                                       {v1::DEVICE_KIND_CUDA, v1::DEVICE_KIND_SIM});
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  EXPECT_EQ(reg->device_kind, v1::DEVICE_KIND_CUDA);
+  // A sim-only daemon refuses them and says what it serves.
+  reg = ParseRegistration(CudaRegistration(0, 0), limits, {v1::DEVICE_KIND_SIM});
+  ASSERT_FALSE(reg.ok());
+  EXPECT_EQ(reg.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(reg.status().message()),
+              HasSubstr("device.kind DEVICE_KIND_CUDA is not served: this daemon serves "
+                        "DEVICE_KIND_SIM"));
+  reg = ParseRegistration(CudaRegistration(0, 0), limits, {});
+  ASSERT_FALSE(reg.ok());
+  EXPECT_THAT(std::string(reg.status().message()), HasSubstr("serves no device backend"));
 }
 
 }  // namespace
