@@ -54,10 +54,10 @@ fi
 
 # The Python test environment: torch (CPU use of the PyPI wheel), transformers, pytest,
 # scikit-build-core. About 3 GiB; 2-3 minutes on a fresh machine.
-make_venv() {  # make_venv DIR REQUIREMENTS
-  local venv=$1 req=$2
+make_venv() {  # make_venv DIR REQUIREMENTS [REQUIREMENTS installed with --no-deps]
+  local venv=$1 req=$2 nodeps=${3:-}
   local stamp=$venv/.kvcellar-requirements
-  if [[ -x $venv/bin/python ]] && cmp -s "$req" "$stamp"; then
+  if [[ -x $venv/bin/python ]] && cmp -s <(cat "$req" ${nodeps:+"$nodeps"}) "$stamp"; then
     echo "install-deps: $venv up to date"
     return
   fi
@@ -66,10 +66,18 @@ make_venv() {  # make_venv DIR REQUIREMENTS
   rm -rf "$venv"
   "$py" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$req"
-  cp "$req" "$stamp"
+  if [[ -n $nodeps ]]; then
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r "$nodeps"
+  fi
+  cat "$req" ${nodeps:+"$nodeps"} > "$stamp"
   echo "install-deps: $venv ready"
 }
 make_venv "${KVCELLAR_VENV:-$root/.venv}" "$root/client/python/requirements-test.txt"
 # The vLLM connector's tests run against the real vLLM release, which pins its own torch: a venv
 # of its own (about 9 GiB, 3-5 minutes on a fresh machine).
 make_venv "${KVCELLAR_VLLM_VENV:-$root/.venv-vllm}" "$root/client/python/requirements-vllm.txt"
+# The SGLang backend's tests run against SGLang's own HiCache classes: a venv with sglang 0.5.23
+# installed without its CUDA serving stack (requirements-sglang.txt says why; about 6 GiB,
+# 2 minutes on a fresh machine).
+make_venv "${KVCELLAR_SGLANG_VENV:-$root/.venv-sglang}" "$root/client/python/requirements-sglang.txt" \
+  "$root/client/python/requirements-sglang-nodeps.txt"

@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 import socket as socketlib
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
@@ -58,9 +58,10 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from ..client import PREFETCH_POLICIES, WRITE_POLICIES, BackupSeq, Client, LoadSeq, Op, Session
+from ..client import BackupSeq, Client, LoadSeq, Op, Session
 from ..keys import Namespace, as_tokens, page_keys
 from ..layout import KvLayout, kv_dtype_for
+from ._options import parse_options
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -101,35 +102,7 @@ class ConnectorOptions:
     @classmethod
     def parse(cls, extra: Any) -> "ConnectorOptions":
         """Raises ValueError naming every unknown or wrongly-typed key."""
-        if not isinstance(extra, dict):
-            raise ValueError(f"kv_connector_extra_config: expected a dict, got "
-                             f"{type(extra).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ValueError(f"kv_connector_extra_config: unknown key(s) {unknown}; known: "
-                             f"{sorted(known)}")
-        bad = []
-        for name in ("socket", "instance_id", "prefetch_policy", "write_policy"):
-            if name in extra and extra[name] is not None and not isinstance(extra[name], str):
-                bad.append(f"{name} (expected a str, got {type(extra[name]).__name__})")
-        if "tenant" in extra and not isinstance(extra["tenant"], str):
-            bad.append(f"tenant (expected a str, got {type(extra['tenant']).__name__})")
-        for name in ("rpc_timeout_ms", "register_timeout_ms", "pin_lease_ms", "load_timeout_ms"):
-            v = extra.get(name, 0)
-            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**32:
-                bad.append(f"{name} (expected an int in [0, 2**32), got {v!r})")
-        if extra.get("prefetch_policy") not in PREFETCH_POLICIES:
-            bad.append(f"prefetch_policy ({extra['prefetch_policy']!r} is not one of "
-                       f"{[p for p in PREFETCH_POLICIES if p]})")
-        if extra.get("write_policy") not in WRITE_POLICIES:
-            bad.append(f"write_policy ({extra['write_policy']!r} is not one of "
-                       f"{[p for p in WRITE_POLICIES if p]})")
-        if "instance_id" in extra and extra["instance_id"] == "":
-            bad.append("instance_id (must not be empty)")
-        if bad:
-            raise ValueError("kv_connector_extra_config: " + "; ".join(bad))
-        return cls(**extra)
+        return parse_options(cls, extra, "kv_connector_extra_config")
 
 
 # ---- metadata: scheduler -> workers, plain data (pickled inside SchedulerOutput) ------------
