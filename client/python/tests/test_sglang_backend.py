@@ -360,7 +360,11 @@ def test_tp_ranks_hit_only_pages_every_rank_has_stored(daemon, tmp_path):
         cfg = HiCacheStorageConfig(tp_rank=rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                    attn_cp_size=1, is_mla_model=False,
                                    enable_storage_metrics=False, is_page_first_layout=True,
-                                   model_name=MODEL, extra_config=extra_config(daemon.socket))
+                                   model_name=MODEL,
+                                   # One process per rank in SGLang: one instance each (the
+                                   # default instance id has the pid in it).
+                                   extra_config=extra_config(daemon.socket,
+                                                             instance_id=f"rank-{rank}"))
         _, host = host_pool()
         be = StorageBackendFactory.create_backend("dynamic", cfg, host)
         be.register_mem_pool_host(host)
