@@ -21,3 +21,18 @@ GOLDEN_KEYS = ROOT / "tests" / "data" / "keys_golden.json"
 
 def bin_path(name: str) -> str:
     return os.path.join(BIN_DIR, name)
+
+
+def run_bench(script, *args: str, timeout: int = 300):
+    """Runs a benchmark script (client/python/bench/) under this interpreter; returns the
+    completed process and the names in the first column of its Markdown table."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                          timeout=timeout)
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    names = [line.split("|")[1].strip() for line in rows[1:]] if rows else []
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    if rows:
+        assert rows[0].startswith("| call |"), proc.stdout
+    return proc, names

@@ -7,12 +7,10 @@ Skipped only when kvcellar_bench_pyclient has not been built (KVCELLAR_BIN_DIR, 
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, bin_path
+from conftest import ROOT, bin_path, run_bench
 
 SCRIPT = ROOT / "client" / "python" / "bench" / "bench_calls.py"
 CXX_BENCH = bin_path("kvcellar_bench_pyclient")
@@ -25,26 +23,21 @@ pytestmark = pytest.mark.skipif(not os.access(CXX_BENCH, os.X_OK),
                                 reason=f"{CXX_BENCH} not built")
 
 
-def run_script(*extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *SMOKE_ARGS, *extra],
-                          capture_output=True, text=True, timeout=120)
+def run_script(*extra: str):
+    return run_bench(SCRIPT, *SMOKE_ARGS, *extra, timeout=120)
 
 
 def test_table_has_every_call():
-    proc = run_script()
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
-    assert rows[0].startswith("| call |")
-    names = [line.split("|")[1].strip() for line in rows[1:]]
+    proc, names = run_script()
     assert names == CALLS, proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     for line in rows[1:]:
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert len(cells) == 8 and cells[-1] in ("yes", "NO"), line
 
 
 def test_json_has_every_call():
-    proc = run_script("--json")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc, _ = run_script("--json")
     doc = json.loads(proc.stdout)
     assert [r["call"] for r in doc["rows"]] == CALLS
     for r in doc["rows"]:

@@ -6,12 +6,10 @@ Runs in .venv-sglang, like test_sglang_backend.py.
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, run_bench
 
 if os.environ.get("KVCELLAR_REQUIRE_ENGINES") != "1":
     pytest.importorskip("sglang")
@@ -22,22 +20,13 @@ SMOKE_ARGS = ["--pages", "8", "--layers", "2", "--iterations", "3", "--warmup", 
 CALLS = ["memcpy", "batch_set_v1", "batch_get_v1", "batch_exists"]
 
 
-def run_script(*extra):
-    return subprocess.run([sys.executable, str(SCRIPT), *SMOKE_ARGS, *extra],
-                          capture_output=True, text=True, timeout=300)
-
-
 def test_table_has_every_call():
-    proc = run_script()
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
-    assert rows[0].startswith("| call |")
-    assert [r.split("|")[1].strip() for r in rows[1:]] == CALLS, proc.stdout
+    proc, names = run_bench(SCRIPT, *SMOKE_ARGS)
+    assert names == CALLS, proc.stdout
 
 
 def test_json_rows():
-    proc = run_script("--json", "--layout", "layer_first")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc, _ = run_bench(SCRIPT, *SMOKE_ARGS, "--json", "--layout", "layer_first")
     out = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert [r["call"] for r in out["rows"]] == CALLS
     assert out["layout"] == "layer_first" and out["pages"] == 8
