@@ -11,11 +11,12 @@
 // Trust and permissions: re-opening another process's fd through /proc is a ptrace-mode access
 // check, so the daemon must run as the engine's uid (or have CAP_SYS_PTRACE) and share its PID
 // namespace (the pid is read in the daemon's namespace). The daemon maps whatever a connecting
-// engine names, read-write, and a process that truncates an object another process has mapped
-// makes that process's next access fault (SIGBUS): the daemon trusts the engines that may connect
-// (the socket's permissions decide who can). A /proc name must lead to shared memory (a regular
-// file on tmpfs or hugetlbfs, as memfds and /dev/shm objects are), never to a disk file, pipe or
-// device.
+// engine names, read-write (the socket's permissions decide who may connect). A process that
+// truncates an object another process has mapped makes that process's next access fault
+// (SIGBUS): the sim device's copies of engine memory run under a fault guard
+// (gpu/bus_fault_guard.h), so such an engine fails only its own ops; the completion regions
+// (signal words) are not guarded yet. A /proc name must lead to shared memory (a regular file on
+// tmpfs or hugetlbfs, as memfds and /dev/shm objects are), never to a disk file, pipe or device.
 #ifndef KVCELLAR_GPU_SHM_MAPPING_H_
 #define KVCELLAR_GPU_SHM_MAPPING_H_
 

@@ -8,6 +8,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
+#include "gpu/bus_fault_guard.h"
 #include "gpu/completion.h"
 #include "gpu/shm_mapping.h"
 
@@ -26,6 +27,9 @@ class SimDevice::Engine {
   CompletionRegion completion;  // !valid() when the engine registered none.
   // Set first thing in Close(): queued tasks of this engine skip their copies.
   std::atomic<bool> closing{false};
+  // A copy took a SIGBUS on this engine's memory (it truncated or shrank a registered object):
+  // every later op of the engine fails at submission.
+  std::atomic<bool> faulted{false};
 
   // Counts an op as active; false once the engine is closed.
   bool BeginOp() {
@@ -103,6 +107,8 @@ class SimDevice::Op final : public DeviceOp {
   // A task skipped its copies (cancel or close): the op finishes CANCELLED and stops signalling
   // layers.
   std::atomic<bool> skipped{false};
+  // A task's copy faulted on the engine's memory (with skipped set): the op finishes failed.
+  std::atomic<bool> faulted{false};
 
   // Scatter only: tasks still to finish per layer, and in-order publication of landed layers.
   std::unique_ptr<std::atomic<uint32_t>[]> layer_pending;
@@ -168,6 +174,10 @@ class SimDevice::Op final : public DeviceOp {
 
 namespace {
 
+constexpr char kEngineMemoryGone[] =
+    "engine memory fault: a registered shared-memory object of the engine was truncated or "
+    "shrunk under the daemon's mapping (SIGBUS on copy); the engine must register again";
+
 void FinishOp(SimDevice::Op& op) {
   const bool ok = !op.skipped.load(std::memory_order_acquire);
   SimDevice::Engine& engine = *op.engine;
@@ -178,10 +188,15 @@ void FinishOp(SimDevice::Op& op) {
       engine.completion.SignalFailed(op.signal.slot, op.signal.ticket);
     }
   }
-  op.Finish(ok ? absl::OkStatus()
-               : absl::CancelledError(engine.closing.load(std::memory_order_acquire)
-                                          ? "engine mapping closed"
-                                          : "cancelled"));
+  if (ok) {
+    op.Finish(absl::OkStatus());
+  } else if (op.faulted.load(std::memory_order_acquire)) {
+    op.Finish(absl::FailedPreconditionError(kEngineMemoryGone));
+  } else {
+    op.Finish(absl::CancelledError(engine.closing.load(std::memory_order_acquire)
+                                       ? "engine mapping closed"
+                                       : "cancelled"));
+  }
   // Last: once no op is active the mapping may unmap the regions and the completion region.
   engine.EndOp();
 }
@@ -253,6 +268,23 @@ void CopyScatter(const SimDevice::Engine& e, const SimDevice::Op& op, const Task
   }
 }
 
+// One task's copies, run under RunCatchingBusFaults: raw pointers and loops only, no locks.
+struct CopyArgs {
+  const SimDevice::Engine* engine;
+  const SimDevice::Op* op;
+  const Task* task;
+  bool scatter;
+};
+
+void RunCopy(void* p) {
+  const CopyArgs& a = *static_cast<const CopyArgs*>(p);
+  if (a.scatter) {
+    CopyScatter(*a.engine, *a.op, *a.task);
+  } else {
+    CopyGather(*a.engine, *a.op, *a.task);
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<SimDevice>> SimDevice::Create(Options options) {
@@ -264,6 +296,7 @@ absl::StatusOr<std::unique_ptr<SimDevice>> SimDevice::Create(Options options) {
         static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 4));
   }
   if (options.task_bytes == 0) return absl::InvalidArgumentError("task_bytes is 0");
+  InstallBusFaultHandler();
   return std::unique_ptr<SimDevice>(new SimDevice(std::move(options)));
 }
 
@@ -407,6 +440,9 @@ absl::StatusOr<OpHandle> SimDevice::Submit(EngineMapping& mapping, absl::Span<co
     op->wait_fence = true;
     op->fence_counter = fence.counter;
   }
+  if (engine->faulted.load(std::memory_order_acquire)) {
+    return absl::FailedPreconditionError(kEngineMemoryGone);
+  }
   if (!engine->BeginOp()) {
     return absl::FailedPreconditionError("engine: mapping is closed");
   }
@@ -458,17 +494,25 @@ void SimDevice::RunTask(Op& op, size_t task) {
   const Task& t = op.tasks[task];
   Engine& engine = *op.engine;
   const bool copy = !op.cancel_requested() && !engine.closing.load(std::memory_order_acquire) &&
-                    !op.skipped.load(std::memory_order_relaxed);
-  if (copy) {
-    if (op.kind() == DeviceOp::Kind::kScatter) {
-      CopyScatter(engine, op, t);
-    } else {
-      CopyGather(engine, op, t);
+                    !op.skipped.load(std::memory_order_relaxed) &&
+                    !engine.faulted.load(std::memory_order_acquire);
+  const bool scatter = op.kind() == DeviceOp::Kind::kScatter;
+  CopyArgs args{&engine, &op, &t, scatter};
+  if (copy && !RunCatchingBusFaults(&RunCopy, &args)) {
+    // Only this engine's op fails; the daemon and every other engine carry on.
+    if (!engine.faulted.exchange(true, std::memory_order_acq_rel)) {
+      KVLOG(Error, "engine memory fault",
+            {{"regions", engine.shms.size()}, {"op_kind", scatter ? "scatter" : "gather"}});
     }
-  } else {
+    op.faulted.store(true, std::memory_order_release);
+    op.skipped.store(true, std::memory_order_release);
+  } else if (!copy) {
+    if (engine.faulted.load(std::memory_order_acquire)) {
+      op.faulted.store(true, std::memory_order_release);
+    }
     op.skipped.store(true, std::memory_order_release);
   }
-  if (op.kind() == DeviceOp::Kind::kScatter) {
+  if (scatter) {
     // The acq_rel decrements chain every task's copies of a layer to whichever task publishes it.
     const uint32_t first = engine.segs[t.seg_begin].layer;
     const uint32_t last = engine.segs[t.seg_end - 1].layer;

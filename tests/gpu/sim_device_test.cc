@@ -2,11 +2,13 @@
 // would have to pass, on any machine.
 #include "gpu/sim_device.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <csignal>
 #include <random>
 #include <thread>
 
@@ -496,6 +498,80 @@ TEST(SimDeviceTest, ConcurrentSubmittersEachGetTheirBytes) {
   }
   for (std::thread& th : threads) th.join();
   EXPECT_EQ(failures.load(), 0);
+}
+
+// --- Hostile engines ---------------------------------------------------------------------------
+
+// Shrinks the engine's KV object to nothing under every mapping of it, as a buggy or hostile
+// engine could at any moment: later accesses to its pages raise SIGBUS.
+void Truncate(const SimEngineKvCache& kv) {
+  const std::string name = kv.Spec().layout.regions[0].handle;
+  const int fd = shm_open(name.c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0) << name;
+  ASSERT_EQ(ftruncate(fd, 0), 0);
+  close(fd);
+}
+
+TEST(SimDeviceTest, AnEngineThatTruncatesItsMemoryFailsOnlyItsOwnOps) {
+  const SimKvShape shape{4, 64, 4096, false, SimKvShape::Arrangement::kLayerFirst, 0};
+  auto dev = MakeDevice(16 << 10, 2);
+  SimEngineKvCache victim = MakeKv(shape);
+  SimEngineKvCache other = MakeKv(shape);
+  FillEngine(victim, 1);
+  FillEngine(other, 2);
+  auto vm = Open(*dev, victim);
+  auto om = Open(*dev, other);
+  Pages pages(8, vm->page_object_bytes());
+  std::vector<CopyItem> items;
+  for (uint32_t i = 0; i < 8; ++i) items.push_back({i, pages[i]});
+
+  Truncate(victim);
+  // A Gather reads the missing pages: the copy faults, the op fails and names why.
+  OpHandle g = *dev->SubmitGather(*vm, items, ReadyFence::Ready(), {});
+  ASSERT_TRUE(g->Wait(kWait));
+  EXPECT_EQ(g->status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(g->status().message()), HasSubstr("truncated"));
+  // Every later op of that engine fails at once, Scatters (writes) included.
+  absl::StatusOr<OpHandle> s = dev->SubmitScatter(*vm, items, {});
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition);
+
+  // The other engine, on the same copy threads, is untouched: both directions, every byte.
+  OpHandle og = *dev->SubmitGather(*om, items, ReadyFence::Ready(), {});
+  ASSERT_TRUE(og->Wait(kWait));
+  ASSERT_TRUE(og->status().ok()) << og->status();
+  for (uint32_t i = 0; i < 8; ++i) EXPECT_EQ(CheckPage(other.layout(), pages[i], 2, i), "");
+  for (CopyItem& it : items) it.device_block += 32;
+  OpHandle os = *dev->SubmitScatter(*om, items, {});
+  ASSERT_TRUE(os->Wait(kWait));
+  ASSERT_TRUE(os->status().ok()) << os->status();
+  for (uint32_t i = 0; i < 8; ++i) EXPECT_EQ(CheckBlock(other, 32 + i, 2, i), "");
+}
+
+TEST(SimDeviceTest, AScatterIntoTruncatedMemoryFailsInsteadOfCrashing) {
+  const SimKvShape shape{2, 32, 8192, false, SimKvShape::Arrangement::kBlockFirst, 0};
+  auto dev = MakeDevice(64 << 10, 2);
+  SimEngineKvCache kv = MakeKv(shape);
+  auto m = Open(*dev, kv);
+  Pages pages(4, m->page_object_bytes());
+  std::vector<CopyItem> items;
+  for (uint32_t i = 0; i < 4; ++i) items.push_back({i, pages[i]});
+  Truncate(kv);
+  OpHandle s = *dev->SubmitScatter(*m, items, {0, 1});
+  ASSERT_TRUE(s->Wait(kWait));
+  EXPECT_EQ(s->status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// A SIGBUS outside a guarded copy still kills the process, as before the guard existed.
+TEST(SimDeviceDeathTest, AFaultOutsideACopyStillKillsTheProcess) {
+  auto dev = MakeDevice();  // Installs the handler.
+  EXPECT_EXIT(
+      {
+        SimEngineKvCache kv = MakeKv({1, 4, 4096, false, SimKvShape::Arrangement::kLayerFirst, 0});
+        Truncate(kv);
+        volatile uint8_t* p = kv.Block(0, 0, 0);
+        *p = 1;
+      },
+      ::testing::KilledBySignal(SIGBUS), "");
 }
 
 // --- Across processes -------------------------------------------------------------------------

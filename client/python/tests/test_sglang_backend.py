@@ -464,3 +464,32 @@ def test_get_stats_reports_the_pages_moved(daemon, engines):
     assert all(bw > 0 for bw in m.backup_bandwidth + m.prefetch_bandwidth)
     m = a.backend.get_stats()
     assert m.backup_pgs == [] and m.prefetch_pgs == []
+
+
+def test_an_engine_that_truncates_its_host_pool_loses_only_its_own_cache(daemon, engines):
+    """A buggy or hostile engine shrinks its registered memfd under the daemon's mapping: the
+    daemon's copies into and out of it fault, which fails that engine's gets and sets (misses)
+    while the daemon and every other engine carry on, byte-exact."""
+    victim = engines(daemon.socket)
+    other = engines(daemon.socket)
+    assert victim.session_active() and other.session_active()
+    tokens = tokens_for(12, 8)
+    idx = victim.write(tokens, seed=12)
+    assert victim.backup(idx, tokens)[0] == len(tokens)
+    os.ftruncate(victim.host.fd, 0)  # the test touches the victim's pool no more
+    keys = get_hash_str(tokens, prior_hash=None, page_size=PAGE)
+    info = HiCacheStorageExtraInfo(prefix_keys=[])
+    assert victim.backend.batch_get_v1(keys, idx, info) == [False] * len(keys)
+    fresh = get_hash_str(tokens_for(13, 8), prior_hash=None, page_size=PAGE)
+    assert victim.backend.batch_set_v1(fresh, idx, info) == [False] * len(fresh)
+    assert daemon.proc.poll() is None, daemon.log()
+    daemon.wait_for_line("engine memory fault")
+    # The pages the victim stored before are intact, and another engine loads them.
+    completed, landed = other.prefetch(tokens)
+    assert completed == len(tokens)
+    more = tokens_for(14, 6)
+    idx2 = other.write(more, seed=14)
+    assert other.backup(idx2, more)[0] == len(more)
+    completed, landed2 = other.prefetch(more)
+    assert completed == len(more)
+    assert all(torch.equal(x, y) for x, y in zip(other.pages(idx2), other.pages(landed2)))
