@@ -1,5 +1,6 @@
 #include "gpu/bus_fault_guard.h"
 
+#include <atomic>
 #include <csetjmp>
 #include <csignal>
 #include <mutex>
@@ -11,6 +12,22 @@ namespace {
 // thread only; read by the handler, which runs on the faulting thread.
 thread_local sigjmp_buf* tl_guard = nullptr;
 struct sigaction g_previous;
+std::atomic<bool> g_installed{false};
+
+struct WordAccess {
+  uint64_t* word;
+  uint64_t value;
+};
+
+void StoreWord(void* p) {
+  auto* a = static_cast<WordAccess*>(p);
+  std::atomic_ref<uint64_t>(*a->word).store(a->value, std::memory_order_release);
+}
+
+void LoadWord(void* p) {
+  auto* a = static_cast<WordAccess*>(p);
+  a->value = std::atomic_ref<uint64_t>(*a->word).load(std::memory_order_acquire);
+}
 
 void OnBusFault(int sig, siginfo_t* info, void* context) {
   if (sigjmp_buf* guard = tl_guard) {
@@ -45,7 +62,27 @@ void InstallBusFaultHandler() {
     sa.sa_flags = SA_SIGINFO | SA_NODEFER;
     sigemptyset(&sa.sa_mask);
     sigaction(SIGBUS, &sa, &g_previous);
+    g_installed.store(true, std::memory_order_release);
   });
+}
+
+bool BusFaultHandlerInstalled() { return g_installed.load(std::memory_order_acquire); }
+
+bool StoreSharedWord(uint64_t* word, uint64_t value) {
+  WordAccess a{word, value};
+  if (!BusFaultHandlerInstalled()) {
+    StoreWord(&a);
+    return true;
+  }
+  return RunCatchingBusFaults(&StoreWord, &a);
+}
+
+bool LoadSharedWord(const uint64_t* word, uint64_t* value) {
+  WordAccess a{const_cast<uint64_t*>(word), 0};
+  const bool ok = BusFaultHandlerInstalled() ? RunCatchingBusFaults(&LoadWord, &a)
+                                             : (LoadWord(&a), true);
+  *value = ok ? a.value : 0;
+  return ok;
 }
 
 bool RunCatchingBusFaults(void (*fn)(void*), void* arg) {

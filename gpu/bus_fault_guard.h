@@ -14,6 +14,8 @@
 #ifndef KVCELLAR_GPU_BUS_FAULT_GUARD_H_
 #define KVCELLAR_GPU_BUS_FAULT_GUARD_H_
 
+#include <cstdint>
+
 namespace kvcellar::gpu {
 
 // Installs the handler (idempotent, thread-safe). Call before the first guarded copy.
@@ -22,6 +24,16 @@ void InstallBusFaultHandler();
 // Runs fn(arg); false when it took a SIGBUS (fn stopped at the fault). InstallBusFaultHandler
 // must have run. Guarded calls do not nest on one thread.
 bool RunCatchingBusFaults(void (*fn)(void*), void* arg);
+
+// Whether this process installed the handler (the daemon does, through its sim device; engine
+// processes never do: the client library leaves their signal handlers alone).
+bool BusFaultHandlerInstalled();
+
+// Release store / acquire load of a 64-bit word in shared memory another process may truncate
+// (signal words): with the handler installed, a fault drops the store or reads 0, and the
+// functions return false; without it they are plain atomic accesses.
+bool StoreSharedWord(uint64_t* word, uint64_t value);
+bool LoadSharedWord(const uint64_t* word, uint64_t* value);
 
 }  // namespace kvcellar::gpu
 

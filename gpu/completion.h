@@ -50,6 +50,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "gpu/bus_fault_guard.h"
 #include "gpu/shm_mapping.h"
 
 namespace kvcellar::gpu {
@@ -136,11 +137,13 @@ class CompletionRegion {
   uint64_t* Word(uint64_t offset) const {
     return reinterpret_cast<uint64_t*>(shm_.data() + offset);
   }
-  void Store(uint64_t offset, uint64_t v) const {
-    std::atomic_ref<uint64_t>(*Word(offset)).store(v, std::memory_order_release);
-  }
+  // The engine may truncate the region under the daemon: in the daemon a faulting access reads
+  // 0 (nothing signalled, so waits time out) or is dropped (gpu/bus_fault_guard.h).
+  void Store(uint64_t offset, uint64_t v) const { StoreSharedWord(Word(offset), v); }
   uint64_t Load(uint64_t offset) const {
-    return std::atomic_ref<uint64_t>(*Word(offset)).load(std::memory_order_acquire);
+    uint64_t v = 0;
+    LoadSharedWord(Word(offset), &v);
+    return v;
   }
   absl::Status WaitWord(uint64_t offset, uint32_t slot, uint64_t ticket, absl::Time deadline) const;
 

@@ -23,6 +23,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "gpu/bus_fault_guard.h"
+
 namespace kvcellar::gpu {
 
 class SimSignalLayout {
@@ -98,11 +100,13 @@ class SimSignalLayout {
   SimSignalLayout(uint8_t* base, uint32_t load_slots, uint32_t num_layers, uint32_t ready_slots)
       : base_(base), load_slots_(load_slots), num_layers_(num_layers), ready_slots_(ready_slots) {}
 
-  void Store(uint64_t offset, uint64_t v) const {
-    std::atomic_ref<uint64_t>(*Word(offset)).store(v, std::memory_order_release);
-  }
+  // The engine may truncate the region under the daemon: in the daemon a faulting access reads
+  // 0 (nothing published) or is dropped (gpu/bus_fault_guard.h).
+  void Store(uint64_t offset, uint64_t v) const { StoreSharedWord(Word(offset), v); }
   uint64_t Load(uint64_t offset) const {
-    return std::atomic_ref<uint64_t>(*Word(offset)).load(std::memory_order_acquire);
+    uint64_t v = 0;
+    LoadSharedWord(Word(offset), &v);
+    return v;
   }
 
  private:

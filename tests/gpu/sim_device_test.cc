@@ -561,6 +561,36 @@ TEST(SimDeviceTest, AScatterIntoTruncatedMemoryFailsInsteadOfCrashing) {
   EXPECT_EQ(s->status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+TEST(SimDeviceTest, AnEngineThatTruncatesItsCompletionRegionCannotCrashTheDevice) {
+  const SimKvShape shape{3, 16, 4096, false, SimKvShape::Arrangement::kLayerFirst, 0};
+  auto dev = MakeDevice(16 << 10, 2);
+  SimEngineKvCache kv = MakeKv(shape);
+  FillEngine(kv, 5);
+  auto m = Open(*dev, kv);
+  Pages pages(4, m->page_object_bytes());
+  std::vector<CopyItem> items;
+  for (uint32_t i = 0; i < 4; ++i) items.push_back({i, pages[i]});
+  const std::string name = kv.Spec().completion_region;
+  const int fd = shm_open(name.c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0) << name;
+  ASSERT_EQ(ftruncate(fd, 0), 0);
+  close(fd);
+  // The daemon's layer and done signals fall on missing pages: dropped, the copies still land.
+  OpHandle g = *dev->SubmitGather(*m, items, ReadyFence::Ready(), {});
+  ASSERT_TRUE(g->Wait(kWait));
+  ASSERT_TRUE(g->status().ok()) << g->status();
+  for (CopyItem& it : items) it.device_block += 8;
+  OpHandle s = *dev->SubmitScatter(*m, items, {0, 1});
+  ASSERT_TRUE(s->Wait(kWait));
+  EXPECT_TRUE(s->status().ok()) << s->status();
+  // A Gather gated on the engine's fence reads 0 there: it waits, and cancels cleanly.
+  OpHandle f = *dev->SubmitGather(*m, items, ReadyFence::Counter(1), {});
+  EXPECT_FALSE(f->Wait(absl::Milliseconds(100)));
+  f->Cancel();
+  ASSERT_TRUE(f->Wait(kWait));
+  EXPECT_EQ(f->status().code(), absl::StatusCode::kCancelled);
+}
+
 // A SIGBUS outside a guarded copy still kills the process, as before the guard existed.
 TEST(SimDeviceDeathTest, AFaultOutsideACopyStillKillsTheProcess) {
   auto dev = MakeDevice();  // Installs the handler.
