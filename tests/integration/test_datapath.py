@@ -7,6 +7,7 @@ mid-op, the daemon killed and restarted under running engines, and 16 engines at
 Interpreter: Debian's /usr/bin/python3 (python3-grpcio, python3-pytest).
 """
 import ctypes
+import glob
 import os
 import signal
 import subprocess
@@ -16,9 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import BIN_DIR, Daemon
-from engine_sim import (DAEMON_ARGS, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, EngineProcess,
-                        engine_binary, engines, evict_l2, metric, namespaces, optional_admin,
-                        require_cache_service, run_engine, status, wait_until)
+from engine_sim import (DAEMON_ARGS, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, SHM_PREFIX,
+                        EngineProcess, engine_binary, engines, evict_l2, metric, namespaces,
+                        optional_admin, remove_engine_shm, require_cache_service, run_engine,
+                        status, wait_until)
 
 # A small model: 2 layers, 4 KiB per buffer per block, 16 tokens per page.
 GEOMETRY = dict(layers=2, block_bytes=4096, blocks=64, page_size=16, model="it-model")
@@ -178,6 +180,41 @@ def test_killed_engine_pins_are_released_after_the_lease(cache_daemon):
     if ev is not None:
         assert ev.skipped_pinned_pages == 0
         assert sum(t.pages for t in ev.evicted) >= 5
+
+
+def test_an_engine_truncating_its_shared_memory_under_traffic_harms_only_itself(daemon_factory):
+    """A buggy or hostile engine shrinks its KV object and its signal region to nothing while
+    the daemon copies for it and for three other engines: the daemon's copies of the victim's
+    memory fault and fail the victim's ops only; the daemon stays up, and the others finish their
+    random traffic with every loaded byte verified."""
+    d = daemon_factory(args=DAEMON_ARGS, name="truncate")
+    require_cache_service(d)
+    sock = d.socket
+    traffic = dict(tokens_seed=51, docs=6, max_pages=6, think_ms=0, **GEOMETRY)
+    others = [EngineProcess(sock, "random", instance=f"other-{i}", seed=17, duration_s=8,
+                            **traffic) for i in range(3)]
+    victim = EngineProcess(sock, "random", instance="victim", seed=17, duration_s=30, **traffic)
+    time.sleep(2.5)  # everyone in the middle of Match/Load/Backup
+    objects = glob.glob(f"/dev/shm/{SHM_PREFIX}-{victim.proc.pid}-*")
+    assert len(objects) == 2, objects  # its KV pool and its signal region
+    for path in objects:
+        os.truncate(path, 0)
+    # The victim's own process takes SIGBUS on its memory: its problem, not the node's.
+    victim.proc.wait(timeout=60)
+    remove_engine_shm(victim.proc.pid)
+    for r in [o.finish(timeout=60) for o in others]:
+        assert r.rc == EXIT_OK, r.describe()
+        assert r["mismatched_bytes"] == 0
+        assert r["loaded_pages"] > 0, r.describe()
+    assert d.proc.poll() is None, d.log()
+    print("daemon copies that faulted on the victim's memory:",
+          sum("engine memory fault" in line for line in d.lines))
+    # Still serving: a fresh engine stores and loads, byte-exact.
+    fresh = dict(tokens_seed=52, pages=4, **GEOMETRY)
+    assert run_engine(sock, "backup", instance="after-b", seed=19, **fresh).rc == EXIT_OK
+    r = run_engine(sock, "load", instance="after-l", verify_seed=19, first_block=10,
+                   expect_hits=4, **fresh)
+    assert r.rc == EXIT_OK, r.describe()
 
 
 def test_daemon_killed_and_restarted_under_running_engines(daemon_factory):
