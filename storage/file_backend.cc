@@ -31,6 +31,11 @@ namespace kvcellar::storage {
 namespace {
 
 constexpr uint64_t kBlock = kFileHeaderBlockBytes;
+// A Get reads this much past the end of its slot, into a buffer of its own, so that bytes after
+// the payload reach the verifier even when the object fills the slot exactly (the usual case:
+// the namespace fixes the object size). An intact file ends where its payload does, so the probe
+// reads nothing and costs no I/O; it is one block so that O_DIRECT accepts it.
+constexpr uint64_t kTailProbe = kBlock;
 // "<ns16>/<kk>/<key64>.<shard>" is at most 95 characters; the temp suffix adds
 // ".tmp-" + host (at most kMaxHostChars) + "-<pid>-<seq>" (at most 32).
 constexpr size_t kMaxHostChars = 64;
@@ -320,8 +325,10 @@ class FileBackend::Impl {
     ObjectStatus status = ObjectStatus::kOk;
     ObjectDefect defect = ObjectDefect::kNone;
     int fd = -1;
-    uint8_t* block = nullptr;  // 4 KiB header buffer while the task holds an I/O slot.
-    struct iovec iov[2];
+    // While the task holds an I/O slot: the 4 KiB header buffer, then the Get's tail probe
+    // (kTailProbe bytes at block + kBlock).
+    uint8_t* block = nullptr;
+    struct iovec iov[3];
     uint64_t io_total = 0;
     uint64_t io_done = 0;
     uint64_t payload = 0;   // Get: payload bytes served.
@@ -402,6 +409,7 @@ class FileBackend::Impl {
 
   void Submit(Task* t) { engine_->Submit(&t->op); }
   void PrepOpen(Task* t, const char* path, int flags);
+  void PrepTransferRest(Task* t, IoOp::Code code);
   void PrepReadRest(Task* t);
   void PrepWriteRest(Task* t);
   void PrepSimple(Task* t, IoOp::Code code, Stage stage);
@@ -445,7 +453,8 @@ class FileBackend::Impl {
   std::atomic<bool> direct_ok_{true};
   std::atomic<uint64_t> temp_seq_{0};
   StatsCounters stats_;
-  uint8_t* blocks_ = nullptr;  // max_inflight_objects header buffers, 4 KiB-aligned.
+  // max_inflight_objects slots of [header block][tail probe], 4 KiB-aligned.
+  uint8_t* blocks_ = nullptr;
   std::thread scanner_;
   std::thread sweeper_;
   std::atomic<bool> stop_scan_{false};
@@ -502,12 +511,13 @@ absl::Status FileBackend::Impl::Init() {
   engine_ = *std::move(engine);
 
   const size_t nblocks = options_.max_inflight_objects;
-  blocks_ = static_cast<uint8_t*>(std::aligned_alloc(kBlock, nblocks * kBlock));
+  constexpr uint64_t kSlotBytes = kBlock + kTailProbe;
+  blocks_ = static_cast<uint8_t*>(std::aligned_alloc(kBlock, nblocks * kSlotBytes));
   if (blocks_ == nullptr) return absl::ResourceExhaustedError("header buffers");
   {
     absl::MutexLock lock(&mu_);
     free_blocks_.reserve(nblocks);
-    for (size_t i = 0; i < nblocks; ++i) free_blocks_.push_back(blocks_ + i * kBlock);
+    for (size_t i = 0; i < nblocks; ++i) free_blocks_.push_back(blocks_ + i * kSlotBytes);
   }
 
   sweeper_ = std::thread([this] { SweepThread(); });
@@ -825,28 +835,33 @@ void FileBackend::Impl::PrepSimple(Task* t, IoOp::Code code, Stage stage) {
   t->op.datasync = true;
 }
 
-// The rest of the read: [header block][destination], from io_done on.
-void FileBackend::Impl::PrepReadRest(Task* t) {
-  t->op.code = IoOp::Code::kReadv;
+// The rest of a transfer over [header block][buf, len][tail probe], from io_done to io_total: a
+// Get's io_total takes in the probe, a Put's ends with the payload.
+void FileBackend::Impl::PrepTransferRest(Task* t, IoOp::Code code) {
+  const struct {
+    uint8_t* base;
+    uint64_t bytes;
+  } parts[3] = {{t->block, kBlock}, {t->buf, t->len}, {t->block + kBlock, kTailProbe}};
+  int n = 0;
+  uint64_t start = 0;  // File offset of the part.
+  for (const auto& part : parts) {
+    const uint64_t end = std::min(start + part.bytes, t->io_total);
+    if (t->io_done < end) {
+      const uint64_t from = std::max(t->io_done, start);
+      t->iov[n++] = {part.base + (from - start), end - from};
+    }
+    start += part.bytes;
+  }
+  t->op.code = code;
   t->op.fd = t->fd;
   t->op.offset = t->io_done;
-  if (t->io_done < kBlock) {
-    t->iov[0] = {t->block + t->io_done, kBlock - t->io_done};
-    t->iov[1] = {t->buf, t->len};
-    t->op.iov = t->iov;
-    t->op.iovcnt = 2;
-  } else {
-    const uint64_t off = t->io_done - kBlock;
-    t->iov[0] = {t->buf + off, t->len - off};
-    t->op.iov = t->iov;
-    t->op.iovcnt = 1;
-  }
+  t->op.iov = t->iov;
+  t->op.iovcnt = n;
 }
 
-void FileBackend::Impl::PrepWriteRest(Task* t) {
-  PrepReadRest(t);  // Same geometry: header block then the payload, from io_done on.
-  t->op.code = IoOp::Code::kWritev;
-}
+void FileBackend::Impl::PrepReadRest(Task* t) { PrepTransferRest(t, IoOp::Code::kReadv); }
+
+void FileBackend::Impl::PrepWriteRest(Task* t) { PrepTransferRest(t, IoOp::Code::kWritev); }
 
 void FileBackend::Impl::FinishExpired(Task* t) {
   t->batch->deadline_exceeded.store(true, std::memory_order_relaxed);
@@ -955,7 +970,7 @@ void FileBackend::Impl::AdvanceGet(Task* t, int64_t res) {
       t->fd = static_cast<int>(res);
       t->stage = kRead;
       t->io_done = 0;
-      t->io_total = kBlock + t->len;
+      t->io_total = kBlock + t->len + kTailProbe;
       PrepReadRest(t);
       return Submit(t);
 
@@ -969,7 +984,8 @@ void FileBackend::Impl::AdvanceGet(Task* t, int64_t res) {
       t->io_done += static_cast<uint64_t>(res);
       // A short read before EOF (network file systems may return one) continues, but only as far
       // as the header says the object goes: a slot larger than the object must not cost a
-      // second read just to see EOF.
+      // second read just to see EOF. (So bytes after the payload go unseen only when a short
+      // read happens to end exactly where the payload does.)
       if (res > 0 && t->io_done >= kBlock && t->io_done < t->io_total &&
           (!t->direct || t->io_done % kBlock == 0)) {
         ObjectHeader h;
@@ -979,6 +995,8 @@ void FileBackend::Impl::AdvanceGet(Task* t, int64_t res) {
           return Submit(t);
         }
       }
+      // Everything read past the header block counts as payload, the probe included: bytes
+      // after the payload are a size mismatch like any other (VerifyObject).
       const uint64_t header_bytes = std::min<uint64_t>(t->io_done, kBlock);
       const uint64_t payload_bytes = t->io_done > kBlock ? t->io_done - kBlock : 0;
       ExpectedObject expected;

@@ -77,8 +77,9 @@ struct FileBackendOptions {
   FsyncPolicy fsync = FsyncPolicy::kNone;
   bool direct_io = true;
   IoEngineOptions io;
-  // Objects with I/O in flight at once (each holds one 4 KiB header buffer); the rest of a batch
-  // waits in a queue. 64 keeps an NVMe device's queues busy with large objects.
+  // Objects with I/O in flight at once (each holds 8 KiB: a header buffer, and a block a read
+  // probes past its slot with to see bytes after the payload); the rest of a batch waits in a
+  // queue. 64 keeps an NVMe device's queues busy with large objects.
   uint32_t max_inflight_objects = 64;
   size_t max_batch_items = 8192;
   uint64_t max_object_bytes = uint64_t{1} << 30;

@@ -26,7 +26,8 @@
 //   file:  [header, zero-padded to kFileHeaderBlockBytes = 4 KiB][payload]. The padding keeps the
 //          payload 4 KiB-aligned in the file, so one O_DIRECT readv fills a 4 KiB header buffer and
 //          the host slot straight from the device, and a write is one writev from the slot. The
-//          file's length is exactly 4 KiB + payload size. (Header at the end would save the 4 KiB
+//          file's length is exactly 4 KiB + payload size (the same readv reads one more block into
+//          a probe buffer, so a longer file is caught). (Header at the end would save the 4 KiB
 //          - 1.6% of a 256 KiB object, 0.1% of 4 MiB - but a reader would have to learn the
 //          payload size before it could find the header: a stat, or a second read.)
 //   redis: [header (128 bytes)][payload] as one string value; no alignment to keep.
@@ -95,8 +96,12 @@ struct ExpectedObject {
 };
 
 // The full check of a read object: the header (`header_available` bytes at `header`), its identity
-// against `expected`, and the payload: `payload_available` bytes were read at `payload` (never more
-// than expected.capacity), and must be exactly the header's payload size with a matching CRC.
+// against `expected`, and the payload. `payload_available` is how many bytes the reader found after
+// the header: it must be exactly the header's payload size (fewer: kTruncated; more, i.e. bytes
+// appended after the payload: kSizeMismatch), and the payload's CRC must match. A reader must
+// therefore look past the payload (the file backend reads a probe block beyond its slot; Redis
+// returns the whole value) and may report more than expected.capacity; only the first
+// min(header's payload size, capacity) bytes at `payload` are read.
 // On kNone, *out (when given) holds the header.
 ObjectDefect VerifyObject(const uint8_t* header, size_t header_available,
                           const ExpectedObject& expected, const uint8_t* payload,

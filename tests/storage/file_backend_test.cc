@@ -337,11 +337,23 @@ TEST_P(FileBackendCorruptionTest, TruncatedFile) {
 TEST_P(FileBackendCorruptionTest, TrailingGarbage) {
   std::ofstream(PathOf(TestKey(1), 0), std::ios::app) << "junk";
   std::ofstream(PathOf(TestKey(2), 0), std::ios::app) << "junk";
-  // A slot with room past the object sees the extra bytes: size mismatch.
+  // A slot with room past the object sees the extra bytes in the slot: size mismatch.
   ExpectCaught(ns_, TestKey(1), 0, 2 * kSize);
-  // An exact slot reads header and payload only: the junk is never read, let alone served, and
-  // the payload it does serve checks out.
-  EXPECT_EQ(GetOne(*b_, ns_, TestKey(2), 0, kSize, kSize), ObjectStatus::kOk);
+  // An exact slot (the usual case: the namespace fixes the object size) sees them too, through
+  // the read's probe past the slot; the intact payload in front of them is not served.
+  ExpectCaught(ns_, TestKey(2), 0, kSize);
+}
+
+TEST_P(FileBackendCorruptionTest, TrailingBytesAfterAnExactSlotObject) {
+  // One byte, and a whole block, appended to objects that fill the reader's slot exactly.
+  std::ofstream(PathOf(TestKey(1), 0), std::ios::app) << 'x';
+  std::ofstream(PathOf(TestKey(2), 0), std::ios::app) << std::string(kBlock, '\0');
+  ExpectCaught(ns_, TestKey(1), 0, kSize);
+  ExpectCaught(ns_, TestKey(2), 0, kSize);
+  // An intact object of the same size still reads whole: the probe finds nothing past it.
+  ASSERT_EQ(PutOne(*b_, ns_, TestKey(3), 0, kSize), ObjectStatus::kOk);
+  EXPECT_EQ(GetOne(*b_, ns_, TestKey(3), 0, kSize, kSize), ObjectStatus::kOk);
+  EXPECT_EQ(b_->Stats().corrupt_removed, 2u);
 }
 
 TEST_P(FileBackendCorruptionTest, ForeignKeyShardAndNamespace) {

@@ -100,6 +100,18 @@ TEST_F(ObjectFormatTest, EveryDefectIsNamed) {
   EXPECT_EQ(Verify(), ObjectDefect::kNone);
 }
 
+TEST_F(ObjectFormatTest, BytesAfterThePayloadAreASizeMismatchEvenPastTheCapacity) {
+  // A slot exactly the payload's size: the reader saw more bytes than its slot (the file
+  // backend's probe block); the payload in the slot is intact, the object is not.
+  ExpectedObject e{&ns_, &key_, 3, payload_.size()};
+  EXPECT_EQ(VerifyObject(header_, sizeof(header_), e, payload_.data(), payload_.size()),
+            ObjectDefect::kNone);
+  EXPECT_EQ(VerifyObject(header_, sizeof(header_), e, payload_.data(), payload_.size() + 1),
+            ObjectDefect::kSizeMismatch);
+  EXPECT_EQ(VerifyObject(header_, sizeof(header_), e, payload_.data(), payload_.size() + 4096),
+            ObjectDefect::kSizeMismatch);
+}
+
 TEST_F(ObjectFormatTest, EverySingleBitFlipInTheHeaderIsCaught) {
   for (size_t byte = 0; byte < kObjectHeaderBytes; ++byte) {
     for (int bit = 0; bit < 8; ++bit) {

@@ -180,6 +180,28 @@ TEST_F(RedisBackendTest, CorruptTornAndForeignValuesAreRemovedAndCounted) {
   EXPECT_EQ(s.op(OpKind::kGet).by_status[size_t(ObjectStatus::kChecksumError)], 5u);
 }
 
+TEST_F(RedisBackendTest, BytesAppendedAfterThePayloadAreRemovedAndCounted) {
+  auto b = Create(Options());
+  ASSERT_NE(b, nullptr);
+  constexpr size_t kSize = 50000;
+  for (int i = 0; i < 3; ++i) ASSERT_EQ(PutOne(*b, ns_, TestKey(i), 0, kSize), ObjectStatus::kOk);
+  auto key = [&](int i) { return b->ObjectKey(ns_, TestKey(i), 0); };
+  // 0: one byte past an object that fills the slot exactly; 1: bytes that still fit a larger
+  // slot. Both: intact header and payload, then extra bytes.
+  server_->Command({"APPEND", key(0), "x"});
+  server_->Command({"APPEND", key(1), "junk"});
+  const size_t capacity[2] = {kSize, 2 * kSize};
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(GetOne(*b, ns_, TestKey(i), 0, capacity[i]), ObjectStatus::kChecksumError) << i;
+    EXPECT_EQ(server_->CommandInt({"EXISTS", key(i)}), 0) << i;
+    EXPECT_EQ(GetOne(*b, ns_, TestKey(i), 0, capacity[i]), ObjectStatus::kNotFound) << i;
+  }
+  EXPECT_EQ(GetOne(*b, ns_, TestKey(2), 0, kSize, kSize), ObjectStatus::kOk);
+  BackendStats s = b->Stats();
+  EXPECT_EQ(s.corrupt_removed, 2u);
+  EXPECT_EQ(s.op(OpKind::kGet).by_status[size_t(ObjectStatus::kChecksumError)], 2u);
+}
+
 TEST_F(RedisBackendTest, ServerDownFailsFastThenRecovers) {
   auto b = Create(Options());
   ASSERT_NE(b, nullptr);
