@@ -45,6 +45,30 @@ constexpr char kTempMarker[] = ".tmp-";
 constexpr size_t kScanInsertChunk = 4096;
 // How often the sweeper looks for queued objects past their deadline while the queue is not empty.
 constexpr absl::Duration kSweepPeriod = absl::Milliseconds(2);
+// Modes of the directories and objects the tier creates, whatever the umask: owner only. A cached
+// KV page is the prompt in another form; only the daemon's user reads it. Daemons sharing a
+// directory (`shared`) run as one user (docs/storage.md "Permissions").
+constexpr mode_t kDirMode = 0700;
+constexpr mode_t kObjectMode = 0600;
+
+// The process umask, read without changing it (umask(2) reads only by setting, which races with
+// other threads creating files): the "Umask:" line of /proc/self/status (Linux 4.7+). nullopt
+// where that is missing.
+std::optional<mode_t> ReadProcessUmask() {
+  FILE* f = std::fopen("/proc/self/status", "re");
+  if (f == nullptr) return std::nullopt;
+  std::optional<mode_t> mask;
+  char line[256];
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    unsigned int m = 0;
+    if (std::sscanf(line, "Umask: %o", &m) == 1) {
+      mask = static_cast<mode_t>(m);
+      break;
+    }
+  }
+  std::fclose(f);
+  return mask;
+}
 
 uint64_t RoundUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 // Disk footprint of an object: the header block plus the payload in whole blocks.
@@ -416,6 +440,7 @@ class FileBackend::Impl {
   void CleanupPut(Task* t, ObjectStatus status);
   void DisableDirect(int err);
   void EnsureDirs(Task* t);
+  int MakeDir(int dirfd, const char* path) const;
   void Publish(Task* t);
   void Forget(const ObjKey& id);
   void CountCorrupt(Task* t);
@@ -448,6 +473,10 @@ class FileBackend::Impl {
   std::string name_;
   std::string host_id_;
   int root_fd_ = -1;
+  // The umask (read at Open) takes bits of kDirMode or kObjectMode away, or is unknown: each
+  // directory and object is chmod-ed to its mode after it is created. A umask only ever narrows
+  // a mode, and the usual ones (022, 027, 077) leave the owner's bits: no chmod then.
+  bool chmod_after_create_ = true;
   const pid_t pid_ = getpid();
   std::unique_ptr<IoEngine> engine_;
   std::atomic<bool> direct_ok_{true};
@@ -490,11 +519,15 @@ absl::Status FileBackend::Impl::Init() {
   if (host_id_.size() > kMaxHostChars) host_id_.resize(kMaxHostChars);
   direct_ok_.store(options_.direct_io);
 
-  // mkdir -p root.
+  const std::optional<mode_t> mask = ReadProcessUmask();
+  chmod_after_create_ = !mask.has_value() || (*mask & (kDirMode | kObjectMode)) != 0;
+
+  // mkdir -p root. Directories that exist keep their mode (an operator's choice); what the tier
+  // creates, from the first missing parent down, is kDirMode.
   for (size_t pos = 1; pos <= options_.root.size(); ++pos) {
     if (pos == options_.root.size() || options_.root[pos] == '/') {
       std::string prefix = options_.root.substr(0, pos);
-      if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
+      if (MakeDir(AT_FDCWD, prefix.c_str()) != 0 && errno != EEXIST) {
         return absl::InternalError(
             absl::StrCat("root: mkdir ", prefix, ": ", std::strerror(errno)));
       }
@@ -825,7 +858,7 @@ void FileBackend::Impl::PrepOpen(Task* t, const char* path, int flags) {
   t->op.fd = root_fd_;
   t->op.path = path;
   t->op.flags = flags | O_CLOEXEC | (t->direct ? O_DIRECT : 0);
-  t->op.mode = 0644;
+  t->op.mode = kObjectMode;
 }
 
 void FileBackend::Impl::PrepSimple(Task* t, IoOp::Code code, Stage stage) {
@@ -1075,6 +1108,8 @@ void FileBackend::Impl::AdvancePut(Task* t, int64_t res) {
         return Finish(t, s);
       }
       t->fd = static_cast<int>(res);
+      // Only where the umask took the owner's bits (never by default): a synchronous fchmod.
+      if (chmod_after_create_) ::fchmod(t->fd, kObjectMode);
       std::memset(t->block, 0, kBlock);
       EncodeObjectHeader(MakeObjectHeader(t->batch->ns, t->id.key, t->id.shard, t->buf, t->len,
                                           static_cast<uint64_t>(absl::ToUnixMillis(absl::Now()))),
@@ -1218,9 +1253,16 @@ void FileBackend::Impl::EnsureDirs(Task* t) {
   char dir[kMaxRelPath];
   char* end = FormatLeafDir(t->id.ns_prefix, t->id.key, dir);
   end[-3] = '\0';  // "<ns16>"
-  ::mkdirat(root_fd_, dir, 0755);
+  MakeDir(root_fd_, dir);
   end[-3] = '/';
-  ::mkdirat(root_fd_, dir, 0755);
+  MakeDir(root_fd_, dir);
+}
+
+// mkdirat with kDirMode exactly, whatever the umask. Returns mkdirat's result, errno with it.
+int FileBackend::Impl::MakeDir(int dirfd, const char* path) const {
+  if (::mkdirat(dirfd, path, kDirMode) != 0) return -1;
+  if (chmod_after_create_) ::fchmodat(dirfd, path, kDirMode, 0);
+  return 0;
 }
 
 void FileBackend::Impl::Publish(Task* t) {

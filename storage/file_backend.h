@@ -7,7 +7,9 @@
 // <ns> is the first 8 bytes of the namespace digest in hex (16 characters), <key> the page key in
 // hex (64), <kk> its first two characters: 256 leaf directories per namespace keep directories
 // small (a million objects: ~4000 per directory). The header inside each file carries the full
-// namespace digest, so a prefix collision is caught on read like any foreign object.
+// namespace digest, so a prefix collision is caught on read like any foreign object. What the tier
+// creates is owner-only whatever the umask: directories 0700, objects 0600 (a page is the prompt
+// in another form); daemons sharing a directory run as one user.
 //
 // Writes: a temp file in the object's own directory (same directory: rename is atomic on every
 // POSIX and network file system that matters, and cross-directory renames are expensive on

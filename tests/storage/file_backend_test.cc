@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "core/log.h"
 #include "gtest/gtest.h"
@@ -381,6 +382,58 @@ TEST_P(FileBackendCorruptionTest, ObjectLargerThanTheSlot) {
 TEST_P(FileBackendCorruptionTest, NotAnObjectAtAll) {
   std::ofstream(PathOf(TestKey(1), 0), std::ios::trunc) << std::string(kBlock + kSize, 'x');
   ExpectCaught(ns_, TestKey(1), 0);
+}
+
+// ---- Permissions -----------------------------------------------------------------------------
+
+// Sets the process umask for a scope.
+class ScopedUmask {
+ public:
+  explicit ScopedUmask(mode_t mask) : old_(::umask(mask)) {}
+  ~ScopedUmask() { ::umask(old_); }
+
+ private:
+  mode_t old_;
+};
+
+TEST_P(FileBackendTest, CreatedTreeIsOwnerOnlyWhateverTheUmask) {
+  // 022: the usual umask, which left objects 0644 and directories 0755. 0: no help from the
+  // umask at all. 0277: one that takes the owner's write bit, which a chmod must restore.
+  for (mode_t mask : {mode_t{022}, mode_t{0}, mode_t{0277}}) {
+    SCOPED_TRACE(absl::StrCat("umask 0", absl::Hex(mask)));
+    const std::string top = absl::StrCat(dir_.path(), "/umask", mask);
+    {
+      ScopedUmask scoped(mask);
+      FileBackendOptions o = Options();
+      o.root = top + "/parent/l3";  // Parents the tier creates too.
+      std::unique_ptr<FileBackend> b = Open(o);
+      ASSERT_NE(b, nullptr);
+      for (int i = 0; i < 6; ++i) {
+        ASSERT_EQ(PutOne(*b, ns_, TestKey(i), i % 2, 3 * kBlock), ObjectStatus::kOk);
+      }
+      // Another namespace, and an unaligned object (buffered I/O).
+      ASSERT_EQ(PutOne(*b, TestNamespace(1), TestKey(0), 0, 1000), ObjectStatus::kOk);
+      EXPECT_EQ(GetOne(*b, ns_, TestKey(1), 1, 3 * kBlock, 3 * kBlock), ObjectStatus::kOk);
+    }
+    size_t dirs = 0, files = 0;
+    struct stat st;
+    ASSERT_EQ(::stat(top.c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 07777, 0700u) << top;
+    for (const fs::directory_entry& e : fs::recursive_directory_iterator(top)) {
+      ASSERT_EQ(::lstat(e.path().c_str(), &st), 0) << e.path();
+      if (S_ISDIR(st.st_mode)) {
+        EXPECT_EQ(st.st_mode & 07777, 0700u) << e.path();
+        ++dirs;
+      } else {
+        EXPECT_TRUE(S_ISREG(st.st_mode)) << e.path();
+        EXPECT_EQ(st.st_mode & 07777, 0600u) << e.path();
+        ++files;
+      }
+    }
+    // parent, l3, two namespaces with their leaves.
+    EXPECT_GE(dirs, 2u + 2u + 2u);
+    EXPECT_EQ(files, 7u);
+  }
 }
 
 // ---- Concurrency, deadlines, API contract ------------------------------------------------------
