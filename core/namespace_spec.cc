@@ -6,6 +6,7 @@
 #include <array>
 
 #include "absl/strings/str_cat.h"
+#include "core/quote.h"
 
 namespace kvcellar::core {
 namespace {
@@ -67,7 +68,7 @@ absl::StatusOr<LayoutKind> ParseLayoutKind(absl::string_view name) {
   if (name == "mha" || name == "gqa") return LayoutKind::kMha;
   if (name == "mla") return LayoutKind::kMla;
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown KV layout \"", name, "\"; expected mha, gqa or mla"));
+      absl::StrCat("unknown KV layout ", Quote(name), "; expected mha, gqa or mla"));
 }
 
 absl::Span<const absl::string_view> SupportedKvDtypes() { return kKvDtypes; }
@@ -83,8 +84,8 @@ absl::Status NamespaceSpec::Validate() const {
   if (!dtype_ok) {
     std::string list;
     for (absl::string_view d : kKvDtypes) absl::StrAppend(&list, list.empty() ? "" : ", ", d);
-    return absl::InvalidArgumentError(absl::StrCat("namespace kv_dtype \"", kv_dtype,
-                                                   "\" is not supported; expected one of: ", list));
+    return absl::InvalidArgumentError(absl::StrCat("namespace kv_dtype ", Quote(kv_dtype),
+                                                   " is not supported; expected one of: ", list));
   }
   if (page_size == 0 || page_size > kMaxPageSize) {
     return absl::InvalidArgumentError(absl::StrCat("namespace page_size ", page_size,

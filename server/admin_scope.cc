@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "core/quote.h"
 #include "server/status_util.h"
 
 namespace kvcellar::server {
@@ -66,8 +67,9 @@ absl::StatusOr<AdminTiers> ParseTiers(const google::protobuf::RepeatedField<int>
                                              "does not name"));
     }
     if (std::find(known.begin(), known.end(), backends[i]) == known.end()) {
-      return InvalidField(name, absl::StrCat(name, ": no L3 backend is named \"", backends[i],
-                                             "\"", known.empty() ? " (no L3 is configured)" : ""));
+      return InvalidField(name, absl::StrCat(name, ": no L3 backend is named ",
+                                             core::Quote(backends[i]),
+                                             known.empty() ? " (no L3 is configured)" : ""));
     }
     out.l3_backends.push_back(backends[i]);
   }

@@ -6,6 +6,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "core/quote.h"
 #include "server/status_util.h"
 
 namespace kvcellar::server {
@@ -134,8 +135,8 @@ absl::Status SessionRegistry::CheckAddLocked(const SessionInfo& info, bool repla
   if (instance.ns_digest != info.ns->digest()) {
     return CacheError(absl::StatusCode::kFailedPrecondition, v1::ERROR_REASON_GROUP_MISMATCH,
                       "namespace_spec",
-                      absl::StrCat("namespace_spec: instance \"", info.instance_id,
-                                   "\" is registered with another namespace (digest ",
+                      absl::StrCat("namespace_spec: instance ", core::Quote(info.instance_id),
+                                   " is registered with another namespace (digest ",
                                    instance.ns_digest.Hex().substr(0, 16),
                                    "...); every session "
                                    "of an instance must send the same namespace_spec"));
@@ -144,8 +145,8 @@ absl::Status SessionRegistry::CheckAddLocked(const SessionInfo& info, bool repla
     return CacheError(
         absl::StatusCode::kFailedPrecondition, v1::ERROR_REASON_GROUP_MISMATCH,
         "namespace_spec.tp_size",
-        absl::StrCat("namespace_spec.tp_size (", info.tp_size, "): instance \"", info.instance_id,
-                     "\" is registered with tp_size ", instance.tp_size));
+        absl::StrCat("namespace_spec.tp_size (", info.tp_size, "): instance ",
+                     core::Quote(info.instance_id), " is registered with tp_size ", instance.tp_size));
   }
   // A holder whose lease has lapsed (not reaped yet) is as good as gone: it is replaced.
   std::shared_ptr<Session> holder = Holder(instance, info);
@@ -154,10 +155,10 @@ absl::Status SessionRegistry::CheckAddLocked(const SessionInfo& info, bool repla
         absl::StatusCode::kAlreadyExists, v1::ERROR_REASON_SESSION_EXISTS,
         info.is_worker() ? "rank" : "role",
         info.is_worker()
-            ? absl::StrCat("instance \"", info.instance_id, "\" rank ", info.rank,
+            ? absl::StrCat("instance ", core::Quote(info.instance_id), " rank ", info.rank,
                            " already has a live session; set replace_existing to replace it")
-            : absl::StrCat("instance \"", info.instance_id,
-                           "\" already has a live SCHEDULER session; set replace_existing to "
+            : absl::StrCat("instance ", core::Quote(info.instance_id),
+                           " already has a live SCHEDULER session; set replace_existing to "
                            "replace it"));
   }
   return absl::OkStatus();

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "core/quote.h"
 #include "server/status_util.h"
 
 namespace kvcellar::server {
@@ -31,15 +32,15 @@ absl::StatusOr<std::shared_ptr<SimCounterChannel>> SimCounterChannel::Open(
   absl::StatusOr<gpu::ShmMapping> shm = gpu::ShmMapping::Open(name, need);
   if (!shm.ok()) {
     return HandleError(kNameField,
-                       absl::StrCat(kNameField, " \"", name, "\": ", shm.status().message()));
+                       absl::StrCat(kNameField, " ", core::Quote(name), ": ", shm.status().message()));
   }
   if (!HasMagic(shm->data())) {
-    return HandleError(kNameField, absl::StrCat(kNameField, " \"", name,
-                                                "\": not a KVCSIG01 signal region (bad magic)"));
+    return HandleError(kNameField, absl::StrCat(kNameField, " ", core::Quote(name),
+                                                ": not a KVCSIG01 signal region (bad magic)"));
   }
   const Header header = ReadHeader(shm->data());
   if (header.version != kVersion) {
-    return HandleError(kNameField, absl::StrCat(kNameField, " \"", name, "\": header version ",
+    return HandleError(kNameField, absl::StrCat(kNameField, " ", core::Quote(name), ": header version ",
                                                 header.version, ", expected ", kVersion));
   }
   struct Check {
@@ -52,7 +53,7 @@ absl::StatusOr<std::shared_ptr<SimCounterChannel>> SimCounterChannel::Open(
         Check{"layout.layers", header.num_layers, num_layers},
         Check{"completion.num_ready_slots", header.num_ready_slots, num_ready_slots}}) {
     if (c.have != c.want) {
-      return HandleError(c.field, absl::StrCat(kNameField, " \"", name, "\": the header says ",
+      return HandleError(c.field, absl::StrCat(kNameField, " ", core::Quote(name), ": the header says ",
                                                c.have, " for ", c.field, ", the registration ",
                                                c.want));
     }

@@ -2,7 +2,9 @@
 // service: every kind of bad request is rejected whole, with the gRPC code, the
 // kvcellar-error-reason and kvcellar-error-field trailers the proto documents, and nothing is
 // copied or changed: the engine's blocks, the index and the pool are exactly as before.
+#include <atomic>
 #include <functional>
+#include <thread>
 
 #include "tests/server/cache_test_harness.h"
 
@@ -317,6 +319,44 @@ TEST_F(CacheValidationTest, WaitOpsAndReleaseRejections) {
   v1::HeartbeatResponse hr;
   ASSERT_TRUE(h_->Heartbeat(hb, &hr).ok());
   EXPECT_EQ(hr.state(), v1::SESSION_STATE_UNKNOWN);
+}
+
+// Audit: a long bad value is quoted by a bounded prefix. Echoed whole, an 8000-byte kv_dtype
+// made the status message exceed gRPC's metadata limit: RESOURCE_EXHAUSTED for this call, and
+// failures for other calls on the connection. A valid call runs alongside on the same channel.
+TEST_F(CacheValidationTest, LongBadValuesAreQuotedByABoundedPrefix) {
+  std::atomic<bool> stop{false};
+  std::atomic<int> good_calls{0};
+  std::atomic<int> failed_calls{0};
+  std::thread valid([&] {
+    while (!stop.load()) {
+      v1::MatchRequest m;
+      m.set_session_id(scheduler_);
+      m.add_sequences()->set_page_keys(KeyBlob(keys_, 0, 2));
+      v1::MatchResponse resp;
+      (h_->Match(m, &resp).ok() ? good_calls : failed_calls).fetch_add(1);
+    }
+  });
+  TestEngine b(16, false, 2);
+  for (size_t bytes : {size_t{8000}, size_t{100000}}) {
+    v1::RegisterEngineRequest r = b.Register("inst-b", 0, Spec());
+    r.mutable_namespace_spec()->set_kv_dtype(std::string(bytes, 'q'));
+    v1::RegisterEngineResponse resp;
+    Rpc rpc = h_->RegisterEngine(r, &resp);
+    EXPECT_EQ(rpc.status.error_code(), kInvalid) << rpc.status.error_message().substr(0, 200);
+    EXPECT_EQ(rpc.field, "namespace_spec.kv_dtype");
+    EXPECT_THAT(rpc.status.error_message(), HasSubstr(absl::StrCat("... (", bytes, " bytes)")));
+    EXPECT_LT(rpc.status.error_message().size(), 512u);
+    // The same through the scheduler path and the instance id quoting.
+    r.set_role(v1::SESSION_ROLE_SCHEDULER);
+    rpc = h_->RegisterEngine(r, &resp);
+    EXPECT_EQ(rpc.status.error_code(), kInvalid);
+    EXPECT_LT(rpc.status.error_message().size(), 512u);
+  }
+  while (good_calls.load() < 3) absl::SleepFor(absl::Milliseconds(1));
+  stop = true;
+  valid.join();
+  EXPECT_EQ(failed_calls.load(), 0);
 }
 
 }  // namespace
