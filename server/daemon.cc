@@ -16,6 +16,7 @@
 #include "server/build_info.h"
 #include "server/cache_service.h"
 #include "server/http_server.h"
+#include "server/malformed_request.h"
 #include "server/metrics.h"
 #include "server/process_metrics.h"
 #include "server/rpc_metrics.h"
@@ -128,9 +129,14 @@ absl::Status Daemon::StartListeners() {
     if (absl::Status s = PrepareUnixSocketPath(*admin_socket_); !s.ok()) return s;
   }
 
+  // Before any request can arrive: protobuf's parse errors go to KVLOG, not raw to stderr.
+  InstallProtobufLogHandler();
   auto add_common = [this](grpc::ServerBuilder& builder) {
     builder.SetMaxReceiveMessageSize(static_cast<int>(config_.server.max_message_bytes));
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> factories;
+    // First: server interceptors see PRE_SEND_STATUS in list order, and the metrics should count
+    // the INVALID_ARGUMENT a malformed request is given, not gRPC's UNIMPLEMENTED.
+    factories.push_back(std::make_unique<MalformedRequestInterceptorFactory>());
     factories.push_back(std::make_unique<RpcMetricsInterceptorFactory>(&DefaultRegistry()));
     builder.experimental().SetInterceptorCreators(std::move(factories));
   };

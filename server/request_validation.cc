@@ -8,7 +8,10 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "core/page_key.h"
+#include "core/quote.h"
+#include "core/radix_index.h"
 #include "gpu/kv_layout.h"
+#include "gpu/shm_mapping.h"
 #include "server/status_util.h"
 
 namespace kvcellar::server {
@@ -24,6 +27,20 @@ absl::Status CheckLength(absl::string_view field, absl::string_view value, size_
   if (value.size() > max) {
     return InvalidField(
         field, absl::StrCat(field, " is ", value.size(), " bytes, more than the limit of ", max));
+  }
+  return absl::OkStatus();
+}
+
+// A SIM shm name the daemon will open: 1..255 bytes and of a form ShmMapping opens (a POSIX name
+// or "/proc/<pid>/fd/<fd>"). Checked here so that a malformed name is the caller's
+// INVALID_ARGUMENT naming the field, not a failed open (HANDLE_OPEN_FAILED) later.
+absl::Status CheckShmName(absl::string_view field, absl::string_view name) {
+  if (name.empty() || name.size() > kMaxShmNameBytes ||
+      !gpu::ShmMapping::CheckName(name).ok()) {
+    return InvalidField(
+        field, absl::StrCat(field, " ", core::Quote(name),
+                            " is not a shm name: \"/\" then 1..254 bytes, none of them \"/\" or "
+                            "NUL, or exactly /proc/<pid>/fd/<fd>"));
   }
   return absl::OkStatus();
 }
@@ -168,13 +185,13 @@ absl::StatusOr<gpu::KvLayout> ParseLayout(const v1::KvLayout& in, const core::Na
     const std::string prefix = absl::StrCat("layout.regions[", i, "]");
     gpu::MemoryRegion region;
     if (kind == v1::DEVICE_KIND_SIM) {
-      if (r.handle_case() != v1::MemoryRegion::kSimShmName || r.sim_shm_name().empty() ||
-          r.sim_shm_name().size() > kMaxShmNameBytes) {
-        std::string field = absl::StrCat(prefix, ".sim_shm_name");
+      const std::string field = absl::StrCat(prefix, ".sim_shm_name");
+      if (r.handle_case() != v1::MemoryRegion::kSimShmName) {
         return InvalidField(field, absl::StrCat(field,
                                                 ": a SIM device region needs a shm name or a "
                                                 "/proc/<pid>/fd/<fd> path of 1..255 bytes"));
       }
+      if (absl::Status s = CheckShmName(field, r.sim_shm_name()); !s.ok()) return s;
       region.handle = r.sim_shm_name();
     } else {
       if (r.handle_case() != v1::MemoryRegion::kCudaIpcHandle ||
@@ -247,9 +264,8 @@ absl::Status ParseCompletion(const v1::RegisterEngineRequest& request, v1::Devic
     }
     if (c.signals_case() == v1::CompletionChannel::kSimCounters) {
       const std::string& name = c.sim_counters().shm_name();
-      if (name.empty() || name.size() > kMaxShmNameBytes) {
-        return InvalidField("completion.sim_counters.shm_name",
-                            "completion.sim_counters.shm_name: 1..255 bytes required");
+      if (absl::Status s = CheckShmName("completion.sim_counters.shm_name", name); !s.ok()) {
+        return s;
       }
       out->sim_counters_name = name;
       out->sim_counters_bytes = c.sim_counters().size_bytes();
@@ -330,6 +346,15 @@ absl::StatusOr<core::NamespaceSpec> ParseNamespaceSpec(const v1::NamespaceSpec& 
     return InvalidField(absl::StrCat("namespace_spec.", field),
                         absl::StrCat("namespace_spec.", field, ": ", msg));
   }
+  // core allows tp_size up to kMaxTpSize; an MHA/GQA page has one shard per rank, and the index
+  // tracks a page's shards in a mask of kMaxShardsPerPage bits. Checked here, for every role, so
+  // that no session is accepted into a namespace whose index cannot exist.
+  if (spec.ShardsPerPage() > static_cast<uint32_t>(core::kMaxShardsPerPage)) {
+    return InvalidField("namespace_spec.tp_size",
+                        absl::StrCat("namespace_spec.tp_size (", spec.tp_size,
+                                     ") is more than ", core::kMaxShardsPerPage,
+                                     ", the most shards an MHA/GQA page can have (one per rank)"));
+  }
   return spec;
 }
 
@@ -402,8 +427,8 @@ absl::Status CheckWorker(const SessionInfo& session, absl::string_view rpc) {
   if (session.is_worker()) return absl::OkStatus();
   return CacheError(absl::StatusCode::kFailedPrecondition, v1::ERROR_REASON_WRONG_ROLE,
                     "session_id",
-                    absl::StrCat(rpc, " needs a WORKER session; session ", session.id,
-                                 " is a SCHEDULER (it registered no device memory)"));
+                    absl::StrCat(rpc, " needs a WORKER session; session_id ", session.id,
+                                 " is a SCHEDULER session (it registered no device memory)"));
 }
 
 absl::Status ValidateMatch(const v1::MatchRequest& request, const core::NamespaceSpec& spec,

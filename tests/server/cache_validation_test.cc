@@ -149,7 +149,8 @@ TEST_F(CacheValidationTest, LoadRejections) {
   r = GoodLoad();
   r.set_session_id(scheduler_);
   Rejected("scheduler", [&] { return DoLoad(r); },
-           {kPrecondition, "ERROR_REASON_WRONG_ROLE", "session_id"});
+           {kPrecondition, "ERROR_REASON_WRONG_ROLE", "session_id",
+            absl::StrCat("session_id ", scheduler_, " is a SCHEDULER")});
 
   r = GoodLoad();
   r.set_signal_layers(true);
@@ -188,7 +189,8 @@ TEST_F(CacheValidationTest, BackupRejections) {
   r = GoodBackup();
   r.set_session_id(scheduler_);
   Rejected("scheduler", [&] { return DoBackup(r); },
-           {kPrecondition, "ERROR_REASON_WRONG_ROLE", "session_id"});
+           {kPrecondition, "ERROR_REASON_WRONG_ROLE", "session_id",
+            absl::StrCat("session_id ", scheduler_, " is a SCHEDULER")});
 }
 
 TEST_F(CacheValidationTest, MatchRejections) {
@@ -319,6 +321,49 @@ TEST_F(CacheValidationTest, WaitOpsAndReleaseRejections) {
   v1::HeartbeatResponse hr;
   ASSERT_TRUE(h_->Heartbeat(hb, &hr).ok());
   EXPECT_EQ(hr.state(), v1::SESSION_STATE_UNKNOWN);
+}
+
+// Audit: a tp_size the index cannot hold (its shard mask has core::kMaxShardsPerPage bits) is
+// the caller's INVALID_ARGUMENT naming the field, for a WORKER and a SCHEDULER alike; before,
+// a WORKER failed inside the radix index and a SCHEDULER was accepted.
+TEST_F(CacheValidationTest, TpSizeBeyondTheShardMaskIsRejectedForEveryRole) {
+  TestEngine b(16, false, 2);
+  for (uint32_t tp : {65u, 1000u, 1024u}) {
+    v1::RegisterEngineRequest r = b.Register("inst-b", 0, Spec(tp));
+    Rejected(absl::StrCat("worker tp ", tp), [&] { return DoRegister(r); },
+             {kInvalid, "ERROR_REASON_INVALID_FIELD", "namespace_spec.tp_size",
+              absl::StrCat("namespace_spec.tp_size (", tp, ")")});
+    r.set_role(v1::SESSION_ROLE_SCHEDULER);
+    Rejected(absl::StrCat("scheduler tp ", tp), [&] { return DoRegister(r); },
+             {kInvalid, "ERROR_REASON_INVALID_FIELD", "namespace_spec.tp_size"});
+  }
+  // 64 ranks fit the mask; an MLA page has one shard whatever the TP size.
+  v1::RegisterEngineRequest r = b.Register("inst-c", 0, Spec(64));
+  r.set_role(v1::SESSION_ROLE_SCHEDULER);
+  EXPECT_TRUE(DoRegister(r).ok());
+  r = b.Register("inst-d", 0, Spec(1000, /*mla=*/true));
+  r.set_role(v1::SESSION_ROLE_SCHEDULER);
+  EXPECT_TRUE(DoRegister(r).ok());
+}
+
+// Audit: a shm name ShmMapping cannot open by its form is INVALID_ARGUMENT naming the field, not
+// a failed open (FAILED_PRECONDITION, HANDLE_OPEN_FAILED).
+TEST_F(CacheValidationTest, MalformedShmNamesAreInvalidArguments) {
+  TestEngine b(16, false, 2);
+  const std::string bad[] = {"kvc-no-leading-slash", std::string("/kvc\0nul", 8), "/a/b",
+                             "/proc/1/fd/x", "/proc/self/fd/3", std::string(300, 'x')};
+  for (const std::string& name : bad) {
+    v1::RegisterEngineRequest r = b.Register("inst-b", 0, Spec());
+    r.mutable_layout()->mutable_regions(0)->set_sim_shm_name(name);
+    Rejected("region", [&] { return DoRegister(r); },
+             {kInvalid, "ERROR_REASON_INVALID_FIELD", "layout.regions[0].sim_shm_name",
+              "layout.regions[0].sim_shm_name \""});
+    r = b.Register("inst-b", 0, Spec());
+    r.mutable_completion()->mutable_sim_counters()->set_shm_name(name);
+    Rejected("counters", [&] { return DoRegister(r); },
+             {kInvalid, "ERROR_REASON_INVALID_FIELD", "completion.sim_counters.shm_name"});
+  }
+  EXPECT_TRUE(DoRegister(b.Register("inst-b", 0, Spec())).ok());
 }
 
 // Audit: a long bad value is quoted by a bounded prefix. Echoed whole, an 8000-byte kv_dtype
