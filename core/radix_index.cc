@@ -1171,7 +1171,12 @@ RadixIndexStats RadixIndex::Stats() const {
   absl::ReaderMutexLock lock(&mu_);
   RadixIndexStats stats = counters_;
   stats.l2_bytes = L2BytesLocked();
+  stats.l2_inflight_bytes = counters_.l2_inflight_objects * object_bytes_;
   stats.memory_bytes = MemoryBytesLocked();
+  // pinned_ is dense: O(pinned pages), not O(index).
+  for (const PinRecord& r : pinned_) {
+    stats.pinned_bytes += std::popcount(r.node->resident | r.node->writing) * object_bytes_;
+  }
   return stats;
 }
 

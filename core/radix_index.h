@@ -225,8 +225,12 @@ struct RadixIndexStats {
   uint64_t l2_objects = 0;           // Committed (page, shard) objects in L2.
   uint64_t l2_inflight_objects = 0;  // Objects being written to L2: slot held, invisible.
   uint64_t l2_bytes = 0;             // (l2_objects + l2_inflight_objects) * object_bytes.
+  uint64_t l2_inflight_bytes = 0;    // l2_inflight_objects * object_bytes.
   std::array<uint64_t, kMaxL3Tiers> l3_objects{};  // Objects per L3 tier.
   uint64_t pinned_pages = 0;
+  // Slot bytes of pinned pages' L2 objects (committed or being written): what pins keep from
+  // eviction. Computed by Stats() over the pinned pages.
+  uint64_t pinned_bytes = 0;
   uint64_t pins = 0;          // Sum of pin counts over pages and owners.
   uint64_t memory_bytes = 0;  // Heap memory of the index: nodes, hash set, pins, policy.
   // Cumulative.

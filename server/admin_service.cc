@@ -110,6 +110,8 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetStatus(grpc::CallbackServerContex
   v1::HostPoolStatus* pool = response->mutable_pool();
   pool->set_capacity_bytes(info.pool_capacity_bytes);
   pool->set_used_bytes(info.pool_used_bytes);
+  pool->set_pinned_bytes(info.pool_pinned_bytes);
+  pool->set_in_flight_bytes(info.pool_in_flight_bytes);
   pool->set_huge_pages(info.pool_huge_pages);
   pool->set_shm_name(config_.pool.shm_name);
   pool->set_warm_restarted(info.pool_reattached);

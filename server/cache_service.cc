@@ -135,29 +135,27 @@ void CacheServiceImpl::AddCollectors() {
     out.AddGauge("kvcellar_pins", "Live Match pins.", pins_.size());
     out.AddGauge("kvcellar_ops_in_flight", "Load and Backup ops not yet terminal.",
                  ops_.unfinished());
-    uint64_t pages = 0, objects = 0, inflight = 0, pinned = 0, bytes = 0;
-    for (const std::shared_ptr<Namespace>& ns : namespaces_.Snapshot()) {
-      if (ns->index() == nullptr) continue;
-      const core::RadixIndexStats s = ns->index()->Stats();
-      pages += s.l2_pages;
-      objects += s.l2_objects;
-      inflight += s.l2_inflight_objects;
-      pinned += s.pinned_pages;
-      bytes += s.l2_bytes;
-    }
+    const L2Usage l2 = GetL2Usage();
     const MetricWriter::Label resident[] = {{"state", "resident"}};
     const MetricWriter::Label in_flight[] = {{"state", "in_flight"}};
-    out.AddGauge("kvcellar_l2_pages", "Pages with a committed shard in L2.", pages);
+    out.AddGauge("kvcellar_l2_pages", "Pages with a committed shard in L2.", l2.pages);
     out.AddGauge("kvcellar_l2_objects",
                  "(page, shard) objects in L2: resident (committed) or in_flight (being written, "
                  "invisible).",
-                 objects, resident);
+                 l2.objects, resident);
     out.AddGauge("kvcellar_l2_objects",
                  "(page, shard) objects in L2: resident (committed) or in_flight (being written, "
                  "invisible).",
-                 inflight, in_flight);
-    out.AddGauge("kvcellar_l2_pinned_pages", "L2 pages pinned by a Match or a copy.", pinned);
-    out.AddGauge("kvcellar_l2_bytes", "Pool slot bytes held by L2 objects.", bytes);
+                 l2.in_flight_objects, in_flight);
+    out.AddGauge("kvcellar_l2_pinned_pages", "L2 pages pinned by a Match or a copy.",
+                 l2.pinned_pages);
+    out.AddGauge("kvcellar_l2_pinned_bytes",
+                 "Pool slot bytes of pinned L2 pages' objects: not evictable now.",
+                 l2.pinned_bytes);
+    out.AddGauge("kvcellar_l2_in_flight_bytes",
+                 "Pool slot bytes of L2 objects being written (Backup, Prefetch), not yet visible.",
+                 l2.in_flight_bytes);
+    out.AddGauge("kvcellar_l2_bytes", "Pool slot bytes held by L2 objects.", l2.bytes);
   });
   metrics_.AddCollector(
       [this, cap = static_cast<size_t>(config_.http.max_namespace_series)](MetricWriter& out) {
@@ -186,6 +184,32 @@ void CacheServiceImpl::SetDraining() {
 
 CacheServiceImpl::Counts CacheServiceImpl::GetCounts() const {
   return {sessions_.sessions(), sessions_.instances(), namespaces_.size()};
+}
+
+CacheServiceImpl::L2Usage CacheServiceImpl::GetL2Usage() const {
+  L2Usage u;
+  for (const std::shared_ptr<Namespace>& ns : namespaces_.Snapshot()) {
+    if (ns->index() == nullptr) continue;
+    const core::RadixIndexStats s = ns->index()->Stats();
+    u.pages += s.l2_pages;
+    u.objects += s.l2_objects;
+    u.in_flight_objects += s.l2_inflight_objects;
+    u.in_flight_bytes += s.l2_inflight_bytes;
+    u.pinned_pages += s.pinned_pages;
+    u.pinned_bytes += s.pinned_bytes;
+    u.bytes += s.l2_bytes;
+  }
+  return u;
+}
+
+void CacheServiceImpl::FillInfo(DaemonInfo* info) const {
+  const Counts counts = GetCounts();
+  info->sessions = counts.sessions;
+  info->instances = counts.instances;
+  info->namespaces = counts.namespaces;
+  const L2Usage l2 = GetL2Usage();
+  info->pool_pinned_bytes = l2.pinned_bytes;
+  info->pool_in_flight_bytes = l2.in_flight_bytes;
 }
 
 CacheServiceImpl::EndCounts CacheServiceImpl::EndSession(const std::shared_ptr<Session>& session,

@@ -48,6 +48,7 @@
 #include "server/cache_metrics.h"
 #include "server/config.h"
 #include "server/device_mover.h"
+#include "server/daemon_info.h"
 #include "server/device_set.h"
 #include "server/l3_prefetcher.h"
 #include "server/l3_tiers.h"
@@ -125,6 +126,21 @@ class CacheServiceImpl final : public kvcellar::v1::CacheService::CallbackServic
     size_t namespaces = 0;
   };
   Counts GetCounts() const;
+  // L2 occupancy summed over the namespaces' indexes: the numbers behind the kvcellar_l2_*
+  // gauges and GetStatus's pool fields, read at call time.
+  struct L2Usage {
+    uint64_t pages = 0;              // Pages with a committed shard.
+    uint64_t objects = 0;            // Committed (page, shard) objects.
+    uint64_t in_flight_objects = 0;  // Objects being written (slot held, invisible).
+    uint64_t in_flight_bytes = 0;    // Their slot bytes.
+    uint64_t pinned_pages = 0;
+    uint64_t pinned_bytes = 0;       // Slot bytes of pinned pages' objects.
+    uint64_t bytes = 0;              // Slot bytes of all objects, in flight included.
+  };
+  L2Usage GetL2Usage() const;
+  // The cache's part of DaemonInfo (GetStatus): sessions, instances, namespaces, and the pool's
+  // pinned and in-flight bytes, from the same sources as the metrics.
+  void FillInfo(DaemonInfo* info) const;
   // The primary device's kind (UNSPECIFIED without one) and every kind served.
   v1::DeviceKind device_kind() const { return devices_.primary_kind(); }
   const DeviceSet& devices() const { return devices_; }

@@ -244,12 +244,7 @@ DaemonInfo Daemon::Info() const {
     info.pool_huge_pages = pool_->backing() != core::HugePageBacking::kNone;
     info.pool_reattached = pool_->reattached();
   }
-  if (cache_service_ != nullptr) {
-    const CacheServiceImpl::Counts counts = cache_service_->GetCounts();
-    info.sessions = counts.sessions;
-    info.instances = counts.instances;
-    info.namespaces = counts.namespaces;
-  }
+  if (cache_service_ != nullptr) cache_service_->FillInfo(&info);
   if (device_ != nullptr) info.device_kind = std::string(device_->name());
   info.ready = started_ && !shutting_down_;
   info.draining = shutting_down_;

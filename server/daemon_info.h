@@ -26,6 +26,10 @@ struct DaemonInfo {
   std::string config_file;  // "" when running on defaults and overrides.
   uint64_t pool_capacity_bytes = 0;
   uint64_t pool_used_bytes = 0;
+  // Of the used bytes: slots of pinned pages, and slots being written (CacheServiceImpl's
+  // L2Usage, as kvcellar_l2_pinned_bytes and kvcellar_l2_in_flight_bytes).
+  uint64_t pool_pinned_bytes = 0;
+  uint64_t pool_in_flight_bytes = 0;
   bool pool_huge_pages = false;
   bool pool_reattached = false;
   // CacheService: live sessions, distinct instances among them, namespaces known; the device
