@@ -733,7 +733,7 @@ uint64_t RadixIndex::EvictBytesLocked(uint64_t bytes, std::vector<ReleasedObject
   while (freed < bytes) {
     const size_t objects = EvictOne(evicted);
     if (objects == 0) break;
-    freed += objects * object_bytes_;
+    freed += objects * object_bytes();
   }
   return freed;
 }
@@ -804,7 +804,7 @@ HolderEvictResult RadixIndex::EvictHolders(absl::Span<const SlotHolder> holders,
 }
 
 uint64_t RadixIndex::L2BytesLocked() const {
-  return (counters_.l2_objects + counters_.l2_inflight_objects) * object_bytes_;
+  return (counters_.l2_objects + counters_.l2_inflight_objects) * object_bytes();
 }
 
 void RadixIndex::SetCapacity(uint64_t capacity_bytes) {
@@ -1171,13 +1171,30 @@ RadixIndexStats RadixIndex::Stats() const {
   absl::ReaderMutexLock lock(&mu_);
   RadixIndexStats stats = counters_;
   stats.l2_bytes = L2BytesLocked();
-  stats.l2_inflight_bytes = counters_.l2_inflight_objects * object_bytes_;
+  stats.l2_inflight_bytes = counters_.l2_inflight_objects * object_bytes();
   stats.memory_bytes = MemoryBytesLocked();
   // pinned_ is dense: O(pinned pages), not O(index).
   for (const PinRecord& r : pinned_) {
-    stats.pinned_bytes += std::popcount(r.node->resident | r.node->writing) * object_bytes_;
+    stats.pinned_bytes += std::popcount(r.node->resident | r.node->writing) * object_bytes();
   }
   return stats;
+}
+
+bool RadixIndex::Empty() const {
+  absl::MutexLock lock(&mu_);
+  return nodes_.empty() && doomed_.empty();
+}
+
+absl::Status RadixIndex::ResetObjectBytes(uint64_t object_bytes) {
+  if (object_bytes == 0) return absl::InvalidArgumentError("radix index: object_bytes must be > 0");
+  absl::MutexLock lock(&mu_);
+  if (!nodes_.empty() || !doomed_.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("radix index: object_bytes can change only while no page is indexed (",
+                     nodes_.size(), " are)"));
+  }
+  object_bytes_.store(object_bytes, std::memory_order_release);
+  return absl::OkStatus();
 }
 
 absl::Status RadixIndex::CheckInvariants() const {

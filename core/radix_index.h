@@ -49,6 +49,7 @@
 #define KVCELLAR_CORE_RADIX_INDEX_H_
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -383,7 +384,14 @@ class RadixIndex {
 
   int shards_per_page() const { return shards_per_page_; }
   int l3_tiers() const { return l3_tiers_; }
-  uint64_t object_bytes() const { return object_bytes_; }
+  uint64_t object_bytes() const { return object_bytes_.load(std::memory_order_acquire); }
+
+  // True when the index holds no page at all: no node (no L2 or L3 copy, nothing in flight,
+  // pinned or doomed).
+  bool Empty() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Sets object_bytes anew, only while Empty() (a namespace whose geometry nobody holds any more
+  // takes the next engine's): FailedPrecondition otherwise, and nothing changes.
+  absl::Status ResetObjectBytes(uint64_t object_bytes) ABSL_LOCKS_EXCLUDED(mu_);
   absl::string_view policy_name() const { return policy_name_; }
 
  private:
@@ -473,10 +481,11 @@ class RadixIndex {
   uint64_t MemoryBytesLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status CheckShardSet(ShardMask shards) const;
 
-  // Immutable after construction.
+  // Immutable after construction, but object_bytes_, which changes only while the index is
+  // empty (ResetObjectBytes, under mu_).
   const int shards_per_page_;
   const int l3_tiers_;
-  const uint64_t object_bytes_;
+  std::atomic<uint64_t> object_bytes_;
   const double high_watermark_;
   const double low_watermark_;
   const absl::string_view policy_name_;

@@ -227,7 +227,10 @@ CacheServiceImpl::EndCounts CacheServiceImpl::EndSession(const std::shared_ptr<S
   counts.ops_completed = before > counts.ops_cancelled ? before - counts.ops_cancelled : 0;
   // Closing the mapping waits for copies in progress and ends the ones not started: after this
   // the daemon never touches the engine's memory again.
+  // A worker's mapping comes out of Close() once: release its hold on the geometry once too.
+  const bool held_layout = info.is_worker() && mapping != nullptr;
   mapping.reset();
+  if (held_layout) info.ns->ReleaseLayout();
   for (const std::shared_ptr<OpRecord>& op : cancelled) {
     if (op->device != nullptr) op->device->Wait(kCancelledOpWait);
     ops_.TryFinalize(*op);
@@ -339,6 +342,7 @@ absl::Status CacheServiceImpl::DoRegister(grpc::CallbackServerContext* context,
   auto session = std::make_shared<Session>(std::move(info), std::move(mapping), deadline);
   std::shared_ptr<Session> replaced;
   if (absl::Status s = sessions_.Add(session, request.replace_existing(), &replaced); !s.ok()) {
+    if (reg->worker) ns->ReleaseLayout();  // A refused registration holds nothing.
     return s;  // The mapping closes with `session`.
   }
   if (replaced != nullptr) {

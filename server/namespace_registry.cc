@@ -41,32 +41,46 @@ void Namespace::AppendIndexKeys(absl::string_view blob, std::vector<core::PageKe
   for (size_t i = 0; i < n; ++i) out->push_back(IndexKey(blob.data() + i * core::kPageKeyBytes));
 }
 
+constexpr char kHeldBy[] =
+    " (fixed by the engines registered in it, and held while they or its pages remain)";
+
+absl::Status Namespace::CheckGeometry(const gpu::KvLayout& layout) const {
+  if (layout.layers.size() != geometry_.layers) {
+    return GroupMismatch("layout.layers",
+                         absl::StrCat("layout.layers: ", layout.layers.size(),
+                                      " layers, but this namespace's pages have ",
+                                      geometry_.layers, kHeldBy));
+  }
+  for (size_t i = 0; i < layout.layers.size(); ++i) {
+    const auto& [k, v] = geometry_.buffer_bytes[i];
+    const gpu::LayerLayout& l = layout.layers[i];
+    if (l.k.bytes_per_block != k) {
+      std::string field = absl::StrCat("layout.layers[", i, "].k.bytes_per_block");
+      return GroupMismatch(field, absl::StrCat(field, " (", l.k.bytes_per_block,
+                                               ") differs from this namespace's ", k, kHeldBy));
+    }
+    const uint64_t vb = l.v.has_value() ? l.v->bytes_per_block : 0;
+    if (vb != v) {
+      std::string field = absl::StrCat("layout.layers[", i, "].v.bytes_per_block");
+      return GroupMismatch(
+          field, absl::StrCat(field, " (", vb, ") differs from this namespace's ", v, kHeldBy));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Namespace::AdoptLayout(const gpu::KvLayout& layout) {
   absl::MutexLock lock(&mu_);
+  core::RadixIndex* const index = index_.load(std::memory_order_acquire);
+  absl::Status mismatch;
   if (has_geometry_) {
-    if (layout.layers.size() != geometry_.layers) {
-      return GroupMismatch(
-          "layout.layers",
-          absl::StrCat("layout.layers: ", layout.layers.size(),
-                       " layers, but this namespace's pages have ", geometry_.layers,
-                       " (fixed by the first engine that registered it)"));
+    mismatch = CheckGeometry(layout);
+    if (mismatch.ok()) {
+      ++holders_;
+      return mismatch;
     }
-    for (size_t i = 0; i < layout.layers.size(); ++i) {
-      const auto& [k, v] = geometry_.buffer_bytes[i];
-      const gpu::LayerLayout& l = layout.layers[i];
-      if (l.k.bytes_per_block != k) {
-        std::string field = absl::StrCat("layout.layers[", i, "].k.bytes_per_block");
-        return GroupMismatch(field, absl::StrCat(field, " (", l.k.bytes_per_block,
-                                                 ") differs from this namespace's ", k));
-      }
-      const uint64_t vb = l.v.has_value() ? l.v->bytes_per_block : 0;
-      if (vb != v) {
-        std::string field = absl::StrCat("layout.layers[", i, "].v.bytes_per_block");
-        return GroupMismatch(field,
-                             absl::StrCat(field, " (", vb, ") differs from this namespace's ", v));
-      }
-    }
-    return absl::OkStatus();
+    // Another geometry: refused while a session or a page holds the current one.
+    if (holders_ > 0 || !index->Empty()) return mismatch;
   }
 
   const uint64_t object_bytes = layout.PageObjectBytes();
@@ -77,16 +91,24 @@ absl::Status Namespace::AdoptLayout(const gpu::KvLayout& layout) {
                                " bytes does not fit an L2 slot: ", size_class.status().message()));
   }
   const uint64_t slot_bytes = pool_->slot_sizes()[*size_class];
-  core::RadixIndexOptions options;
-  options.shards_per_page = shards_;
-  options.l3_tiers = l3_tiers_;
-  // Accounting in slot bytes: what the pool actually spends per object.
-  options.object_bytes = slot_bytes;
-  options.capacity_bytes = 0;  // The pool-wide watermarks are enforced by L2Space.
-  options.policy = policy_;
-  absl::StatusOr<std::unique_ptr<core::RadixIndex>> index = core::RadixIndex::Create(options);
-  if (!index.ok()) return index.status();
+  if (index != nullptr) {
+    // Accounting in slot bytes, as at creation. Fails (and the geometry stays) if a page
+    // arrived since Empty(), e.g. an L3 prefetch of a scheduler's Match.
+    if (!index->ResetObjectBytes(slot_bytes).ok()) return mismatch;
+  } else {
+    core::RadixIndexOptions options;
+    options.shards_per_page = shards_;
+    options.l3_tiers = l3_tiers_;
+    // Accounting in slot bytes: what the pool actually spends per object.
+    options.object_bytes = slot_bytes;
+    options.capacity_bytes = 0;  // The pool-wide watermarks are enforced by L2Space.
+    options.policy = policy_;
+    absl::StatusOr<std::unique_ptr<core::RadixIndex>> created = core::RadixIndex::Create(options);
+    if (!created.ok()) return created.status();
+    owned_index_ = *std::move(created);
+  }
 
+  const bool refixed = has_geometry_;
   Geometry g;
   g.layers = static_cast<uint32_t>(layout.layers.size());
   for (const gpu::LayerLayout& l : layout.layers) {
@@ -94,11 +116,11 @@ absl::Status Namespace::AdoptLayout(const gpu::KvLayout& layout) {
   }
   geometry_ = std::move(g);
   has_geometry_ = true;
-  owned_index_ = *std::move(index);
+  ++holders_;
   object_bytes_.store(object_bytes, std::memory_order_release);
   slot_bytes_.store(slot_bytes, std::memory_order_release);
   index_.store(owned_index_.get(), std::memory_order_release);
-  KVLOG(Info, "namespace geometry fixed",
+  KVLOG(Info, refixed ? "namespace geometry fixed anew" : "namespace geometry fixed",
         {{"ns_digest", digest_.Hex().substr(0, 16)},
          {"model_id", spec_.model_id},
          {"layers", geometry_.layers},
@@ -106,6 +128,11 @@ absl::Status Namespace::AdoptLayout(const gpu::KvLayout& layout) {
          {"object_bytes", object_bytes},
          {"slot_bytes", slot_bytes}});
   return absl::OkStatus();
+}
+
+void Namespace::ReleaseLayout() {
+  absl::MutexLock lock(&mu_);
+  if (holders_ > 0) --holders_;
 }
 
 NamespaceRegistry::NamespaceRegistry(core::HostPool* pool, core::EvictionPolicyKind policy,

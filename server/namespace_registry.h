@@ -11,7 +11,11 @@
 // bytes then the V bytes. Two engines may share objects only when they agree on the layer count
 // and every buffer's bytes per block; otherwise the same bytes would mean different things. The
 // first WORKER registration fixes the geometry and creates the index; later ones are checked
-// against it (FAILED_PRECONDITION, ERROR_REASON_GROUP_MISMATCH, naming the field). SCHEDULER
+// against it (FAILED_PRECONDITION, ERROR_REASON_GROUP_MISMATCH, naming the field). The geometry
+// binds only while something holds it: a WORKER session that adopted it (until ReleaseLayout) or
+// a page of the namespace in the index (any tier, in flight, pinned). Once neither is left (the
+// engines ended, the pages were evicted or cleared), the next worker's layout is adopted anew,
+// so a stray registration cannot lock a namespace's geometry for the daemon's life. SCHEDULER
 // sessions register no layout: until a worker arrives the namespace has no index and every Match
 // misses.
 //
@@ -67,17 +71,21 @@ class Namespace {
   // Appends the index keys of a blob of N concatenated 32-byte keys (length checked before).
   void AppendIndexKeys(absl::string_view blob, std::vector<core::PageKey>* out) const;
 
-  // nullptr until the first WORKER fixed the geometry; never changes after.
+  // nullptr until the first WORKER fixed the geometry; never changes after (a new geometry
+  // reconfigures the same, empty, index).
   core::RadixIndex* index() const { return index_.load(std::memory_order_acquire); }
   // Bytes of one (page, shard) object, and of the pool slot that holds it; 0 before the geometry.
   uint64_t object_bytes() const { return object_bytes_.load(std::memory_order_acquire); }
   uint64_t slot_bytes() const { return slot_bytes_.load(std::memory_order_acquire); }
 
-  // Fixes the geometry from `layout` (first worker) or checks `layout` against it. Errors:
-  // FAILED_PRECONDITION / GROUP_MISMATCH naming the differing field ("layout.layers[3].v.
-  // bytes_per_block"); INVALID_ARGUMENT when the page object is larger than the pool's largest
-  // slot. Nothing changes on error.
+  // Fixes the geometry from `layout` (the first worker, or the first once nothing holds the old
+  // geometry) or checks `layout` against it, and on success counts the caller as holding it
+  // until ReleaseLayout. Errors: FAILED_PRECONDITION / GROUP_MISMATCH naming the differing field
+  // ("layout.layers[3].v.bytes_per_block"); INVALID_ARGUMENT when the page object is larger than
+  // the pool's largest slot. Nothing changes on error.
   absl::Status AdoptLayout(const gpu::KvLayout& layout);
+  // A session that adopted the layout ended (or its registration failed after adopting).
+  void ReleaseLayout();
 
   // Lookups, hits and churn of this namespace since daemon start.
   NamespaceCounters& counters() const { return counters_; }
@@ -88,6 +96,8 @@ class Namespace {
     // Per layer: K (or MLA latent) bytes per block, then V bytes (0 for MLA).
     std::vector<std::pair<uint64_t, uint64_t>> buffer_bytes;
   };
+  // OK when `layout` has the current geometry; else GROUP_MISMATCH naming the field.
+  absl::Status CheckGeometry(const gpu::KvLayout& layout) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   const core::NamespaceSpec spec_;
   const core::PageKey digest_;
@@ -100,6 +110,8 @@ class Namespace {
   absl::Mutex mu_;
   bool has_geometry_ ABSL_GUARDED_BY(mu_) = false;
   Geometry geometry_ ABSL_GUARDED_BY(mu_);
+  // Sessions holding the geometry (AdoptLayout minus ReleaseLayout).
+  int holders_ ABSL_GUARDED_BY(mu_) = 0;
   std::unique_ptr<core::RadixIndex> owned_index_ ABSL_GUARDED_BY(mu_);
   std::atomic<core::RadixIndex*> index_{nullptr};
   std::atomic<uint64_t> object_bytes_{0};

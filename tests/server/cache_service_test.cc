@@ -922,5 +922,45 @@ TEST(CacheServiceTest, UnservedDeviceKindListsTheServedKinds) {
   EXPECT_EQ(cuda.open_calls.load(), 0);
 }
 
+// A namespace's page geometry binds only while a session or a page holds it: a stray
+// registration with another block size, once gone, does not lock the namespace for the daemon's
+// life (the audit's reproduction: 8192-byte blocks, unregistered, then 4096-byte engines refused).
+TEST(NamespaceGeometryTest, HeldOnlyWhileSessionsOrPagesRemain) {
+  CacheHarness h;
+  const v1::NamespaceSpec spec = Spec();
+  auto unregister = [&](uint64_t session) {
+    v1::UnregisterEngineRequest u;
+    u.set_session_id(session);
+    v1::UnregisterEngineResponse ur;
+    ASSERT_TRUE(h.UnregisterEngine(u, &ur).ok());
+  };
+  auto refused = [&](TestEngine& e, const std::string& instance) {
+    v1::RegisterEngineResponse resp;
+    Rpc r = h.RegisterEngine(e.Register(instance, 0, spec), &resp);
+    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_EQ(r.reason, "ERROR_REASON_GROUP_MISMATCH");
+    EXPECT_THAT(r.status.error_message(), HasSubstr("held while"));
+  };
+  TestEngine big(16, false, 1, 2 * kBytesPerBlock);
+  TestEngine small(16, false, 2);
+  h.Register(big, "big", 0, spec);
+  refused(small, "small");  // while `big` is registered
+  unregister(big.session);
+  h.Register(small, "small", 0, spec);  // nothing holds 8192 any more: 4096 is adopted
+
+  // `small` stores pages and leaves: the pages hold the geometry.
+  const std::vector<core::PageKey> keys = CacheHarness::Keys(spec, Tokens(3, 4));
+  h.Wait(small.session, h.Backup(small.session, keys, 0, 4, {0, 1, 2, 3}).op().op_id());
+  unregister(small.session);
+  TestEngine big2(16, false, 4, 2 * kBytesPerBlock);
+  refused(big2, "big2");
+  // The pages go (as an admin Clear takes them): the next engine's geometry is adopted, and it
+  // stores and loads at that size.
+  h.ClearIndexes();
+  h.Register(big2, "big2", 0, spec);
+  h.Wait(big2.session, h.Backup(big2.session, keys, 0, 2, {5, 6}).op().op_id());
+  EXPECT_EQ(h.L2Hits(big2.session, Tokens(3, 4)), 2u);
+}
+
 }  // namespace
 }  // namespace kvcellar::server::testing
