@@ -132,6 +132,9 @@ std::string FieldPath(const pb::Descriptor* root, absl::string_view full_name) {
 
 grpc::experimental::Interceptor* MalformedRequestInterceptorFactory::CreateServerInterceptor(
     grpc::experimental::ServerRpcInfo* info) {
+  // Unary calls only: there a request that never arrives parsed is a malformed one. On a stream
+  // (gRPC reflection, health Watch) the last receive comes back empty when the client half-closes.
+  if (info->type() != grpc::experimental::ServerRpcInfo::Type::UNARY) return nullptr;
   return new MalformedRequestInterceptor(info);
 }
 
