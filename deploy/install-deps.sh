@@ -18,8 +18,6 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   # Core libraries.
   libabsl-dev liburing-dev libssl-dev libyaml-cpp-dev libhiredis-dev
-  # Metrics HTTP listener (header-only).
-  libcpp-httplib-dev
   # Tests and benchmarks.
   libgtest-dev libgmock-dev libbenchmark-dev
   # Real components the tests drive.
