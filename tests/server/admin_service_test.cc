@@ -104,14 +104,8 @@ TEST(AdminStatusTest, PoolFieldsEqualTheMetricsWithPinsAndCopiesInFlight) {
   // 2 more pages in flight: the Backup waits for a ready signal the engine has not published.
   const std::vector<uint32_t> more = Tokens(2, 2);
   const auto more_keys = CacheHarness::Keys(spec, more);
-  v1::BackupRequest req;
-  req.set_session_id(a.session);
-  v1::BackupSequence* seq = req.add_sequences();
-  seq->set_page_keys(KeyBlob(more_keys));
-  seq->add_device_blocks(40);
-  seq->add_device_blocks(41);
-  req.mutable_ready()->set_slot(1);
-  req.mutable_ready()->set_sim_token(7);
+  v1::BackupRequest req =
+      CacheHarness::GatedBackup(a.session, more_keys, {40, 41}, 1, 7);
   v1::BackupResponse pending;
   ASSERT_TRUE(h.Backup(req, &pending).ok());
   ASSERT_EQ(pending.op().state(), v1::OP_STATE_PENDING);

@@ -234,14 +234,8 @@ TEST(CacheServiceTest, LoadRacingAnUnfinishedBackupMissesAndNeverSeesPartialByte
   const std::vector<uint32_t> tokens = Tokens(5, 2);
   const std::vector<core::PageKey> keys = CacheHarness::Keys(spec, tokens);
 
-  v1::BackupRequest req;
-  req.set_session_id(a.session);
-  v1::BackupSequence* seq = req.add_sequences();
-  seq->set_page_keys(KeyBlob(keys));
-  seq->add_device_blocks(0);
-  seq->add_device_blocks(1);
-  req.mutable_ready()->set_slot(1);
-  req.mutable_ready()->set_sim_token(7);
+  v1::BackupRequest req =
+      CacheHarness::GatedBackup(a.session, keys, {0, 1}, 1, 7);
   v1::BackupResponse pending;
   ASSERT_TRUE(h.Backup(req, &pending).ok());
   EXPECT_EQ(pending.op().state(), v1::OP_STATE_PENDING);
@@ -278,14 +272,8 @@ TEST(CacheServiceTest, ReadySignalTimeoutAbortsAndFreesSlots) {
   TestEngine a(16, false, 1);
   h.Register(a, "inst-a", 0, spec);
   const std::vector<core::PageKey> keys = CacheHarness::Keys(spec, Tokens(6, 2));
-  v1::BackupRequest req;
-  req.set_session_id(a.session);
-  v1::BackupSequence* seq = req.add_sequences();
-  seq->set_page_keys(KeyBlob(keys));
-  seq->add_device_blocks(0);
-  seq->add_device_blocks(1);
-  req.mutable_ready()->set_slot(0);
-  req.mutable_ready()->set_sim_token(3);
+  v1::BackupRequest req =
+      CacheHarness::GatedBackup(a.session, keys, {0, 1}, 0, 3);
   req.set_ready_timeout_ms(50);
   v1::BackupResponse pending;
   ASSERT_TRUE(h.Backup(req, &pending).ok());
@@ -308,14 +296,8 @@ TEST(CacheServiceTest, BlocksOfAnUnfinishedOpAreBusy) {
   TestEngine a(16, false, 1);
   h.Register(a, "inst-a", 0, spec);
   const std::vector<core::PageKey> keys = CacheHarness::Keys(spec, Tokens(8, 2));
-  v1::BackupRequest req;
-  req.set_session_id(a.session);
-  v1::BackupSequence* seq = req.add_sequences();
-  seq->set_page_keys(KeyBlob(keys));
-  seq->add_device_blocks(2);
-  seq->add_device_blocks(3);
-  req.mutable_ready()->set_slot(0);
-  req.mutable_ready()->set_sim_token(1);
+  v1::BackupRequest req =
+      CacheHarness::GatedBackup(a.session, keys, {2, 3}, 0, 1);
   v1::BackupResponse pending;
   ASSERT_TRUE(h.Backup(req, &pending).ok());
 
@@ -602,13 +584,8 @@ TEST(CacheServiceTest, WaitOpsReportsUnknownAndReleaseReportsOps) {
   h.Register(a, "inst-a", 0, spec);
   h.Register(b, "inst-b", 0, spec);
   const auto keys = CacheHarness::Keys(spec, Tokens(1, 1));
-  v1::BackupRequest req;
-  req.set_session_id(a.session);
-  v1::BackupSequence* seq = req.add_sequences();
-  seq->set_page_keys(KeyBlob(keys));
-  seq->add_device_blocks(0);
-  req.mutable_ready()->set_slot(0);
-  req.mutable_ready()->set_sim_token(9);
+  v1::BackupRequest req =
+      CacheHarness::GatedBackup(a.session, keys, {0}, 0, 9);
   v1::BackupResponse pending;
   ASSERT_TRUE(h.Backup(req, &pending).ok());
   const uint64_t op = pending.op().op_id();
@@ -664,14 +641,8 @@ TEST(CacheServiceTest, UnregisterEndsTheSessionAfterItsOps) {
   TestEngine a(16, false, 1);
   h.Register(a, "inst-a", 0, spec);
   const auto keys = CacheHarness::Keys(spec, Tokens(1, 2));
-  v1::BackupRequest req;
-  req.set_session_id(a.session);
-  v1::BackupSequence* seq = req.add_sequences();
-  seq->set_page_keys(KeyBlob(keys));
-  seq->add_device_blocks(0);
-  seq->add_device_blocks(1);
-  req.mutable_ready()->set_slot(0);
-  req.mutable_ready()->set_sim_token(1);
+  v1::BackupRequest req =
+      CacheHarness::GatedBackup(a.session, keys, {0, 1}, 0, 1);
   v1::BackupResponse pending;
   ASSERT_TRUE(h.Backup(req, &pending).ok());
 

@@ -364,6 +364,21 @@ class CacheHarness {
     return resp;
   }
 
+  // A Backup of `keys` (one sequence from page 0) from `blocks`, gated on ready token `token` of
+  // ready slot `slot`: PENDING until the engine publishes it.
+  static v1::BackupRequest GatedBackup(uint64_t session, const std::vector<core::PageKey>& keys,
+                                       const std::vector<uint32_t>& blocks, uint32_t slot,
+                                       uint64_t token) {
+    v1::BackupRequest req;
+    req.set_session_id(session);
+    v1::BackupSequence* seq = req.add_sequences();
+    seq->set_page_keys(KeyBlob(keys));
+    for (uint32_t b : blocks) seq->add_device_blocks(b);
+    req.mutable_ready()->set_slot(slot);
+    req.mutable_ready()->set_sim_token(token);
+    return req;
+  }
+
   // Waits (up to 10 s) for op `id`; returns its result.
   v1::OpResult Wait(uint64_t session, uint64_t id) {
     v1::WaitOpsRequest req;

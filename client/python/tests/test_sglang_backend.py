@@ -181,6 +181,18 @@ class Engine:
         return completed, op.host_indices
 
 
+def round_trip(writer, reader, tokens, seed):
+    """`writer` stores fresh KV for `tokens`, `reader` prefetches it: every byte equal. Returns
+    the writer's slots and page hashes."""
+    idx = writer.write(tokens, seed=seed)
+    saved, hashes = writer.backup(idx, tokens)
+    assert saved == len(tokens)
+    completed, landed = reader.prefetch(tokens)
+    assert completed == len(tokens)
+    assert all(torch.equal(x, y) for x, y in zip(writer.pages(idx), reader.pages(landed)))
+    return idx, hashes
+
+
 def l3_writes_ok(d):
     """kvcellar_l3_writes_total{result="ok"} from the daemon's /metrics."""
     with urllib.request.urlopen(f"http://{d.http}/metrics", timeout=5) as r:
@@ -276,13 +288,7 @@ def test_pages_backed_up_by_one_engine_are_prefetched_byte_exact_by_another(daem
     a = engines(daemon.socket, layout=layout)
     b = engines(daemon.socket, layout=layout)
     assert a.session_active() and b.session_active()
-    tokens = tokens_for(1, 200)  # 200 pages: two 128-page chunks each way
-    idx = a.write(tokens, seed=1)
-    saved, hashes = a.backup(idx, tokens)
-    assert saved == len(tokens)
-    completed, landed = b.prefetch(tokens)
-    assert completed == len(tokens)
-    assert all(torch.equal(x, y) for x, y in zip(a.pages(idx), b.pages(landed)))
+    _, hashes = round_trip(a, b, tokens_for(1, 200), seed=1)  # two 128-page chunks each way
     # A continuation from a host-resident prefix: keys chained from its last hash.
     more = tokens_for(2, 10)
     idx2 = a.write(more, seed=2)
@@ -309,12 +315,7 @@ def test_mla_pages_round_trip(daemon, engines):
     a = engines(daemon.socket, mla=True)
     b = engines(daemon.socket, mla=True)
     assert a.session_active() and b.session_active()
-    tokens = tokens_for(5, 40)
-    idx = a.write(tokens, seed=5)
-    assert a.backup(idx, tokens)[0] == len(tokens)
-    completed, landed = b.prefetch(tokens)
-    assert completed == len(tokens)
-    assert all(torch.equal(x, y) for x, y in zip(a.pages(idx), b.pages(landed)))
+    round_trip(a, b, tokens_for(5, 40), seed=5)
 
 
 def test_pages_only_in_l3_are_brought_back_by_batch_exists(daemon_factory, engines, tmp_path):
@@ -485,11 +486,6 @@ def test_an_engine_that_truncates_its_host_pool_loses_only_its_own_cache(daemon,
     assert daemon.proc.poll() is None, daemon.log()
     daemon.wait_for_line("engine memory fault")
     # The pages the victim stored before are intact, and another engine loads them.
-    completed, landed = other.prefetch(tokens)
+    completed, _ = other.prefetch(tokens)
     assert completed == len(tokens)
-    more = tokens_for(14, 6)
-    idx2 = other.write(more, seed=14)
-    assert other.backup(idx2, more)[0] == len(more)
-    completed, landed2 = other.prefetch(more)
-    assert completed == len(more)
-    assert all(torch.equal(x, y) for x, y in zip(other.pages(idx2), other.pages(landed2)))
+    round_trip(other, other, tokens_for(14, 6), seed=14)
