@@ -118,6 +118,16 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetStatus(grpc::CallbackServerContex
   response->set_device_kind(info.device_kind == "sim"    ? v1::DEVICE_KIND_SIM
                             : info.device_kind == "cuda" ? v1::DEVICE_KIND_CUDA
                                                          : v1::DEVICE_KIND_UNSPECIFIED);
+  for (const L3TierInfo& t : info.l3_tiers) {
+    v1::L3TierStatus* out = response->add_l3_tiers();
+    out->set_name(t.name);
+    out->set_kind(t.kind);
+    out->set_healthy(t.healthy);
+    out->set_used_bytes(t.used_bytes);
+    out->set_capacity_bytes(t.capacity_bytes);
+    out->set_last_error(t.last_error);
+    out->set_last_error_unix_ms(t.last_error_unix_ms);
+  }
   response->set_sessions(static_cast<uint32_t>(info.sessions));
   response->set_instances(static_cast<uint32_t>(info.instances));
   response->set_namespaces(static_cast<uint32_t>(info.namespaces));

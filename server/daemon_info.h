@@ -18,6 +18,17 @@ struct ListenerInfo {
   Security security;
 };
 
+// One L3 tier as GetStatus reports it (the backend's own statistics).
+struct L3TierInfo {
+  std::string name;
+  std::string kind;  // "file", "redis", "redis-cluster"
+  bool healthy = true;
+  uint64_t used_bytes = 0;
+  uint64_t capacity_bytes = 0;
+  std::string last_error;  // "" if none since start
+  int64_t last_error_unix_ms = 0;
+};
+
 struct DaemonInfo {
   absl::Time start_time;
   uint64_t epoch = 0;  // Random per start: clients tell a restarted daemon apart.
@@ -40,6 +51,7 @@ struct DaemonInfo {
   std::string device_kind;
   bool ready = false;
   bool draining = false;
+  std::vector<L3TierInfo> l3_tiers;  // In lookup order.
 };
 
 }  // namespace kvcellar::server

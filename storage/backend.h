@@ -32,14 +32,17 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "core/page_key.h"
@@ -203,6 +206,13 @@ struct BackendStats {
   uint64_t redirects = 0;      // Redis Cluster MOVED + ASK followed.
   uint64_t topology_refreshes = 0;
   uint64_t reconnects = 0;
+  // False while the backend fails: its latest batch (or Exists) came back with every object
+  // kRetry or kDeviceError (unreachable, I/O errors); true again after one that reached it.
+  bool healthy = true;
+  // The latest failed object (any status but kOk and kNotFound): "<op>: <status>", e.g.
+  // "put: rejected", and when (Unix ms); "" and 0 if none since start.
+  std::string last_error;
+  int64_t last_error_unix_ms = 0;
 
   const OpStats& op(OpKind k) const { return ops[static_cast<size_t>(k)]; }
 };
@@ -225,6 +235,7 @@ class StatsCounters {
       if (counts[i] != 0) op.by_status[i].fetch_add(counts[i], std::memory_order_relaxed);
     }
     if (deadline_exceeded) op.deadline_exceeded.fetch_add(1, std::memory_order_relaxed);
+    RecordHealth(kind, counts);
   }
   // Exists counts one object per key examined; status per key.
   void RecordExists(size_t keys, const ExistsResult& r) {
@@ -233,11 +244,14 @@ class StatsCounters {
     op.objects.fetch_add(keys, std::memory_order_relaxed);
     op.by_status[static_cast<size_t>(ObjectStatus::kOk)].fetch_add(r.present_prefix,
                                                                    std::memory_order_relaxed);
+    std::array<uint64_t, kObjectStatusCount> counts{};
+    counts[static_cast<size_t>(ObjectStatus::kOk)] = r.present_prefix;
     if (keys > r.present_prefix) {
-      op.by_status[static_cast<size_t>(r.status == ObjectStatus::kOk ? ObjectStatus::kNotFound
-                                                                     : r.status)]
-          .fetch_add(1, std::memory_order_relaxed);
+      const ObjectStatus s = r.status == ObjectStatus::kOk ? ObjectStatus::kNotFound : r.status;
+      op.by_status[static_cast<size_t>(s)].fetch_add(1, std::memory_order_relaxed);
+      counts[static_cast<size_t>(s)] = 1;
     }
+    RecordHealth(OpKind::kExists, counts);
   }
   std::atomic<uint64_t> corrupt_removed{0};
   std::atomic<uint64_t> evicted_objects{0};
@@ -265,6 +279,14 @@ class StatsCounters {
     out->redirects = redirects.load(std::memory_order_relaxed);
     out->topology_refreshes = topology_refreshes.load(std::memory_order_relaxed);
     out->reconnects = reconnects.load(std::memory_order_relaxed);
+    out->healthy = !failing_.load(std::memory_order_relaxed);
+    const uint64_t e = last_error_.load(std::memory_order_relaxed);
+    if (e != 0) {
+      out->last_error_unix_ms = static_cast<int64_t>(e >> 16);
+      out->last_error =
+          absl::StrCat(OpKindName(static_cast<OpKind>((e >> 8) & 0xff)), ": ",
+                       ObjectStatusName(static_cast<ObjectStatus>(e & 0xff)));
+    }
   }
 
  private:
@@ -275,7 +297,30 @@ class StatsCounters {
     std::atomic<uint64_t> deadline_exceeded{0};
     std::array<std::atomic<uint64_t>, kObjectStatusCount> by_status{};
   };
+  // Health from one batch's outcome counts: failing when it reached nothing (every object
+  // kRetry or kDeviceError), healthy once one reached the backend; the latest failure noted.
+  void RecordHealth(OpKind kind, const std::array<uint64_t, kObjectStatusCount>& counts) {
+    const auto n = [&](ObjectStatus st) { return counts[static_cast<size_t>(st)]; };
+    const uint64_t reached = n(ObjectStatus::kOk) + n(ObjectStatus::kNotFound) +
+                             n(ObjectStatus::kRejected) + n(ObjectStatus::kChecksumError);
+    const uint64_t unreached = n(ObjectStatus::kRetry) + n(ObjectStatus::kDeviceError);
+    if (reached + unreached == 0) return;
+    failing_.store(reached == 0, std::memory_order_relaxed);
+    for (ObjectStatus st : {ObjectStatus::kRejected, ObjectStatus::kRetry,
+                            ObjectStatus::kDeviceError, ObjectStatus::kChecksumError}) {
+      if (n(st) == 0) continue;
+      const uint64_t ms = static_cast<uint64_t>(absl::ToUnixMillis(absl::Now()));
+      last_error_.store((ms << 16) | (uint64_t{static_cast<uint8_t>(kind)} << 8) |
+                            static_cast<uint8_t>(st),
+                        std::memory_order_relaxed);
+      break;
+    }
+  }
+
   std::array<Op, kOpKindCount> ops_{};
+  std::atomic<bool> failing_{false};
+  // (Unix ms << 16) | (OpKind << 8) | ObjectStatus of the latest failure; 0: none.
+  std::atomic<uint64_t> last_error_{0};
 };
 
 // ---- Future-like handle -----------------------------------------------------------------------

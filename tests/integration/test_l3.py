@@ -13,7 +13,7 @@ import time
 import pytest
 
 from engine_sim import (DAEMON_ARGS, EXIT_MISMATCH, EXIT_OK, EngineProcess, metric, run_engine,
-                        wait_until)
+                        status, wait_until)
 from redis_util import RedisCluster, RedisServer
 
 # 2 layers x (K + V) x 4 KiB = 16 KiB page objects: O_DIRECT-sized, small enough to be quick.
@@ -133,6 +133,10 @@ def test_redis_stopped_mid_run_is_a_miss_and_counted(daemon_factory, redis):
     b = l3_daemon(daemon_factory, tiers, name="b", subdir="b")
     backup(a, seed=41, tokens_seed=7, pages=6)
     wait_written(a, 6)
+    (tier,) = status(a).l3_tiers  # GetStatus reports the tier as the metrics do
+    assert (tier.name, tier.kind, tier.healthy, tier.last_error) == ("redis", "redis", True, "")
+    assert tier.used_bytes == 0 and tier.capacity_bytes == 0  # Redis keeps no daemon-side count
+    before_ms = int(time.time() * 1000)
     redis.stop()
 
     # Reads: a miss, no RPC error, the engine goes on.
@@ -144,6 +148,9 @@ def test_redis_stopped_mid_run_is_a_miss_and_counted(daemon_factory, redis):
     wait_until(lambda: l3_written(a, result="failed") >= 4, timeout=20, what="failed writes")
     assert metric(a, "kvcellar_l3_objects_total", tier="redis", op="put", status="retry") >= 4
     assert metric(a, "kvcellar_rpc_requests_total", code="OK") > 0
+    (tier,) = status(a).l3_tiers
+    assert not tier.healthy, tier
+    assert tier.last_error == "put: retry" and tier.last_error_unix_ms >= before_ms, tier
 
 
 def test_prefetch_policies_against_a_paused_redis(daemon_factory, redis):

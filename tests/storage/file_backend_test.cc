@@ -221,7 +221,12 @@ TEST_P(FileBackendTest, CapacityEvictsColdestFirst) {
   ASSERT_NE(b, nullptr);
   EXPECT_EQ(PutOne(*b, ns_, TestKey(50), 0, 11 * footprint), ObjectStatus::kRejected);
   EXPECT_EQ(PutOne(*b, ns_, TestKey(51), 0, 64 * 1024 + 4096), ObjectStatus::kRejected);
-  EXPECT_EQ(b->Stats().op(OpKind::kPut).by_status[size_t(ObjectStatus::kRejected)], 2u);
+  s = b->Stats();
+  EXPECT_EQ(s.op(OpKind::kPut).by_status[size_t(ObjectStatus::kRejected)], 2u);
+  // A refusal is an error to report, but the tier answered: it stays healthy.
+  EXPECT_EQ(s.last_error, "put: rejected");
+  EXPECT_GT(s.last_error_unix_ms, 0);
+  EXPECT_TRUE(s.healthy);
 }
 
 TEST_P(FileBackendTest, RestartRebuildsIndexAndCapacityOrder) {
@@ -306,6 +311,8 @@ class FileBackendCorruptionTest : public FileBackendTest {
     BackendStats s = b_->Stats();
     EXPECT_EQ(s.corrupt_removed, before + 1);
     EXPECT_GE(s.op(OpKind::kGet).by_status[size_t(ObjectStatus::kChecksumError)], 1u);
+    EXPECT_EQ(s.last_error, "get: checksum_error");
+    EXPECT_TRUE(s.healthy);
     EXPECT_EQ(GetOne(*b_, ns, key, shard, capacity), ObjectStatus::kNotFound);
   }
 
