@@ -155,6 +155,10 @@ grpc::ServerUnaryReactor* AdminServiceImpl::ListEngines(grpc::CallbackServerCont
                                                         v1::ListEnginesResponse* response) {
   absl::Status s = CheckAccess(context, "ListEngines", /*mutates=*/false);
   if (s.ok()) s = cache_->ListEngines(*request, response);
+  if (s.ok() && !MayMutate(context)) {
+    // A session id is its holder's credential: only admin callers see them.
+    for (v1::EngineSession& e : *response->mutable_sessions()) e.set_session_id(0);
+  }
   return Finish(context, ToGrpcStatus(s, context));
 }
 

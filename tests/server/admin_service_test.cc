@@ -33,7 +33,7 @@ std::map<std::string, double> Samples(const std::string& text) {
 // Daemon::Info fills it, on a gRPC server of its own.
 class AdminHarness {
  public:
-  explicit AdminHarness(CacheHarness& cache) : config_(DefaultConfig()) {
+  explicit AdminHarness(CacheHarness& cache, bool admin = true) : config_(DefaultConfig()) {
     service_ = std::make_unique<AdminServiceImpl>(
         [&cache] {
           DaemonInfo info;
@@ -41,7 +41,7 @@ class AdminHarness {
           cache.service().FillInfo(&info);
           return info;
         },
-        config_, /*allow_mutations=*/true, &cache.service().admin());
+        config_, /*allow_mutations=*/admin, &cache.service().admin());
     static std::atomic<int> counter{0};
     socket_ = absl::StrCat("/tmp/kvc-admin-test-", getpid(), "-", counter.fetch_add(1), ".sock");
     ::unlink(socket_.c_str());
@@ -55,6 +55,14 @@ class AdminHarness {
   ~AdminHarness() {
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     ::unlink(socket_.c_str());
+  }
+
+  v1::ListEnginesResponse Engines() {
+    grpc::ClientContext ctx;
+    v1::ListEnginesResponse resp;
+    grpc::Status s = stub_->ListEngines(&ctx, v1::ListEnginesRequest(), &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return resp;
   }
 
   v1::GetStatusResponse Status() {
@@ -139,6 +147,23 @@ TEST(AdminStatusTest, PoolFieldsEqualTheMetricsWithPinsAndCopiesInFlight) {
   EXPECT_EQ(after.pool().in_flight_bytes(), 0u);
   EXPECT_EQ(metrics["kvcellar_l2_pinned_bytes"], 0);
   EXPECT_EQ(metrics["kvcellar_l2_in_flight_bytes"], 0);
+}
+
+// Session ids are credentials: the engine socket's listing leaves them out, the admin socket's
+// has them (#13: any peer could read every session's id and act as that session).
+TEST(AdminServiceTest, OnlyAdminCallersSeeSessionIds) {
+  CacheHarness h;
+  TestEngine a(16, false, 1);
+  h.Register(a, "inst-a", 0, Spec());
+  AdminHarness admin(h, /*admin=*/true);
+  AdminHarness engine_socket(h, /*admin=*/false);
+  const v1::ListEnginesResponse full = admin.Engines();
+  ASSERT_EQ(full.sessions_size(), 1);
+  EXPECT_EQ(full.sessions(0).session_id(), a.session);
+  const v1::ListEnginesResponse redacted = engine_socket.Engines();
+  ASSERT_EQ(redacted.sessions_size(), 1);
+  EXPECT_EQ(redacted.sessions(0).session_id(), 0u);
+  EXPECT_EQ(redacted.sessions(0).instance_id(), "inst-a");
 }
 
 }  // namespace
