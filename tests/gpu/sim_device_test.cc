@@ -502,15 +502,17 @@ TEST(SimDeviceTest, ConcurrentSubmittersEachGetTheirBytes) {
 
 // --- Hostile engines ---------------------------------------------------------------------------
 
-// Shrinks the engine's KV object to nothing under every mapping of it, as a buggy or hostile
-// engine could at any moment: later accesses to its pages raise SIGBUS.
-void Truncate(const SimEngineKvCache& kv) {
-  const std::string name = kv.Spec().layout.regions[0].handle;
+// Shrinks shm object `name` to nothing under every mapping of it, as a buggy or hostile engine
+// could at any moment: later accesses to its pages raise SIGBUS.
+void TruncateShm(const std::string& name) {
   const int fd = shm_open(name.c_str(), O_RDWR, 0);
   ASSERT_GE(fd, 0) << name;
   ASSERT_EQ(ftruncate(fd, 0), 0);
   close(fd);
 }
+
+// The engine's KV object.
+void Truncate(const SimEngineKvCache& kv) { TruncateShm(kv.Spec().layout.regions[0].handle); }
 
 TEST(SimDeviceTest, AnEngineThatTruncatesItsMemoryFailsOnlyItsOwnOps) {
   const SimKvShape shape{4, 64, 4096, false, SimKvShape::Arrangement::kLayerFirst, 0};
@@ -570,11 +572,7 @@ TEST(SimDeviceTest, AnEngineThatTruncatesItsCompletionRegionCannotCrashTheDevice
   Pages pages(4, m->page_object_bytes());
   std::vector<CopyItem> items;
   for (uint32_t i = 0; i < 4; ++i) items.push_back({i, pages[i]});
-  const std::string name = kv.Spec().completion_region;
-  const int fd = shm_open(name.c_str(), O_RDWR, 0);
-  ASSERT_GE(fd, 0) << name;
-  ASSERT_EQ(ftruncate(fd, 0), 0);
-  close(fd);
+  TruncateShm(kv.Spec().completion_region);
   // The daemon's layer and done signals fall on missing pages: dropped, the copies still land.
   OpHandle g = *dev->SubmitGather(*m, items, ReadyFence::Ready(), {});
   ASSERT_TRUE(g->Wait(kWait));

@@ -81,12 +81,6 @@ class AdminHarness {
   std::unique_ptr<v1::AdminService::Stub> stub_;
 };
 
-std::vector<uint32_t> Blocks(uint32_t first, uint32_t n) {
-  std::vector<uint32_t> b(n);
-  for (uint32_t i = 0; i < n; ++i) b[i] = first + i;
-  return b;
-}
-
 TEST(AdminStatusTest, PoolFieldsEqualTheMetricsWithPinsAndCopiesInFlight) {
   CacheHarness h;
   AdminHarness admin(h);

@@ -19,16 +19,6 @@ using ::testing::AnyOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-std::vector<uint32_t> Range(uint32_t first, uint32_t n) {
-  std::vector<uint32_t> v(n);
-  for (uint32_t i = 0; i < n; ++i) v[i] = first + i;
-  return v;
-}
-
-std::vector<int> Statuses(const v1::SequenceResult& r) {
-  return std::vector<int>(r.page_status().begin(), r.page_status().end());
-}
-
 v1::LoadRequest LoadOf(uint64_t session, const std::vector<core::PageKey>& keys, size_t begin,
                        size_t end, const std::vector<uint32_t>& blocks) {
   v1::LoadRequest req;
@@ -330,7 +320,7 @@ TEST(CacheServiceTest, MatchPinsSurviveEvictionAndReleaseDropsThem) {
     prompts.push_back(Tokens(100 + p, 8));
     const auto keys = CacheHarness::Keys(spec, prompts.back());
     v1::OpResult done =
-        h.Wait(a.session, h.Backup(a.session, keys, 0, 8, Range(0, 8)).op().op_id());
+        h.Wait(a.session, h.Backup(a.session, keys, 0, 8, Blocks(0, 8)).op().op_id());
     ASSERT_EQ(done.sequences(0).leading_ok_pages(), 8u);
   }
   EXPECT_EQ(h.PoolSlotsUsed(), kSlotsPerRegion);
@@ -349,7 +339,7 @@ TEST(CacheServiceTest, MatchPinsSurviveEvictionAndReleaseDropsThem) {
   for (uint32_t p = 8; p < 12; ++p) {
     const auto keys = CacheHarness::Keys(spec, Tokens(100 + p, 8));
     v1::OpResult done =
-        h.Wait(a.session, h.Backup(a.session, keys, 0, 8, Range(0, 8)).op().op_id());
+        h.Wait(a.session, h.Backup(a.session, keys, 0, 8, Blocks(0, 8)).op().op_id());
     EXPECT_EQ(done.sequences(0).leading_ok_pages(), 8u) << "eviction made room";
   }
   EXPECT_GT(h.IndexStats().evicted_pages, 0u);
@@ -384,7 +374,7 @@ TEST(CacheServiceTest, FullPoolOfPinnedPagesIsNoSpace) {
   const uint64_t scheduler = h.RegisterScheduler("inst-s", spec);
   const std::vector<uint32_t> big = Tokens(1, 64);
   const auto keys = CacheHarness::Keys(spec, big);
-  h.Wait(a.session, h.Backup(a.session, keys, 0, 64, Range(0, 64)).op().op_id());
+  h.Wait(a.session, h.Backup(a.session, keys, 0, 64, Blocks(0, 64)).op().op_id());
   v1::MatchRequest match;
   match.set_session_id(scheduler);
   match.set_pin(true);
@@ -712,7 +702,7 @@ TEST(CacheServiceTest, WatermarkEvictionBringsThePoolDown) {
   h.Register(a, "inst-a", 0, spec);
   for (uint32_t p = 0; p < 5; ++p) {
     const auto keys = CacheHarness::Keys(spec, Tokens(200 + p, 8));
-    h.Wait(a.session, h.Backup(a.session, keys, 0, 8, Range(0, 8)).op().op_id());
+    h.Wait(a.session, h.Backup(a.session, keys, 0, 8, Blocks(0, 8)).op().op_id());
   }
   EXPECT_EQ(h.PoolSlotsUsed(), 40u);  // 62.5% of 64 slots.
   h.service().Housekeep();

@@ -196,6 +196,18 @@ inline std::vector<uint32_t> Tokens(uint32_t prompt, uint32_t pages) {
   return t;
 }
 
+// Device blocks first, first + 1, ..., n of them.
+inline std::vector<uint32_t> Blocks(uint32_t first, uint32_t n) {
+  std::vector<uint32_t> v(n);
+  for (uint32_t i = 0; i < n; ++i) v[i] = first + i;
+  return v;
+}
+
+// A sequence result's per-page statuses as ints (for ElementsAre against v1::PAGE_STATUS_*).
+inline std::vector<int> Statuses(const v1::SequenceResult& r) {
+  return std::vector<int>(r.page_status().begin(), r.page_status().end());
+}
+
 inline std::string KeyBlob(const std::vector<core::PageKey>& keys, size_t begin = 0,
                            size_t end = ~size_t{0}) {
   std::string out;

@@ -19,16 +19,6 @@ using ::testing::HasSubstr;
 constexpr uint64_t kBigBytesPerBlock = 4 * kBytesPerBlock;
 constexpr uint32_t kPromptPages = 16;
 
-std::vector<uint32_t> Blocks(uint32_t first, uint32_t n) {
-  std::vector<uint32_t> v(n);
-  for (uint32_t i = 0; i < n; ++i) v[i] = first + i;
-  return v;
-}
-
-std::vector<int> Statuses(const v1::SequenceResult& r) {
-  return std::vector<int>(r.page_status().begin(), r.page_status().end());
-}
-
 core::RadixIndex* IndexOf(CacheHarness& h, const std::string& model) {
   for (const auto& ns : h.service().namespaces().Snapshot()) {
     if (ns->spec().model_id == model) return ns->index();
