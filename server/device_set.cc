@@ -47,11 +47,13 @@ v1::DeviceKind DeviceSet::primary_kind() const {
   return kinds_.empty() ? v1::DEVICE_KIND_UNSPECIFIED : kinds_.front();
 }
 
-std::string DeviceSet::KindNames() const {
-  if (kinds_.empty()) return "none";
-  return absl::StrJoin(kinds_, ", ", [](std::string* out, v1::DeviceKind kind) {
+std::string DeviceKindNames(absl::Span<const v1::DeviceKind> kinds, absl::string_view if_none) {
+  if (kinds.empty()) return std::string(if_none);
+  return absl::StrJoin(kinds, ", ", [](std::string* out, v1::DeviceKind kind) {
     out->append(v1::DeviceKind_Name(kind));
   });
 }
+
+std::string DeviceSet::KindNames() const { return DeviceKindNames(kinds_, "none"); }
 
 }  // namespace kvcellar::server

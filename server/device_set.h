@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "gpu/device_backend.h"
 #include "kvcellar/v1/common.pb.h"
@@ -26,6 +27,9 @@ namespace kvcellar::server {
 // The kind a backend serves, from its name(): "cuda" -> CUDA, "sim" -> SIM; UNSPECIFIED for
 // nullptr or another name.
 v1::DeviceKind KindOf(const gpu::DeviceBackend* backend);
+
+// For messages: "DEVICE_KIND_CUDA, DEVICE_KIND_SIM"; `if_none` when `kinds` is empty.
+std::string DeviceKindNames(absl::Span<const v1::DeviceKind> kinds, absl::string_view if_none);
 
 class DeviceSet {
  public:

@@ -5,13 +5,13 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "core/page_key.h"
 #include "core/quote.h"
 #include "core/radix_index.h"
 #include "gpu/kv_layout.h"
 #include "gpu/shm_mapping.h"
+#include "server/device_set.h"
 #include "server/status_util.h"
 
 namespace kvcellar::server {
@@ -395,11 +395,7 @@ absl::StatusOr<Registration> ParseRegistration(const v1::RegisterEngineRequest& 
                         absl::StrCat("device.kind (", device.kind(), ") must be CUDA or SIM"));
   }
   if (std::find(served.begin(), served.end(), device.kind()) == served.end()) {
-    const std::string kinds =
-        served.empty() ? std::string("no device backend")
-                       : absl::StrJoin(served, ", ", [](std::string* out, v1::DeviceKind kind) {
-                           out->append(v1::DeviceKind_Name(kind));
-                         });
+    const std::string kinds = DeviceKindNames(served, "no device backend");
     return CacheError(absl::StatusCode::kFailedPrecondition, v1::ERROR_REASON_DEVICE_UNAVAILABLE,
                       "device.kind",
                       absl::StrCat("device.kind ", v1::DeviceKind_Name(device.kind()),
