@@ -26,6 +26,7 @@ the controller's entry points in their order), and the ranks of a TP group, whic
 process's parallel context here; the TP test builds each rank's backend through the factory
 with that rank's HiCacheStorageConfig.
 """
+import hashlib
 import logging
 import os
 import signal
@@ -277,6 +278,19 @@ def test_the_layout_names_exactly_the_bytes_sglangs_zero_copy_calls_name(layout,
         assert mine == list(zip(ptrs, sizes))
     # One page object holds every byte of SGLang's page: the flat page's size.
     assert kv.page_object_bytes == host.get_dummy_flat_data_page().numel() * 2
+
+
+def test_keys_are_sglangs_digests_and_other_strings_are_hashed():
+    digests = get_hash_str(tokens_for(15, 3), prior_hash=None, page_size=PAGE)
+    assert _keys_array(digests).tobytes() == b"".join(bytes.fromhex(k) for k in digests)
+    spaced = "  " + digests[0][:62]  # 64 characters, but fromhex would skip the spaces
+    mixed = _keys_array([digests[0], "not-a-digest", spaced, digests[1]])
+    assert mixed.shape == (4, 32)
+    assert bytes(mixed[0]) == bytes.fromhex(digests[0])
+    assert bytes(mixed[1]) == hashlib.sha256(b"not-a-digest").digest()
+    assert bytes(mixed[2]) == hashlib.sha256(spaced.encode()).digest()
+    assert bytes(mixed[3]) == bytes.fromhex(digests[1])
+    assert _keys_array([]).shape == (0, 32)
 
 
 # ---- the data path ------------------------------------------------------------------------------
