@@ -26,7 +26,7 @@
 // Owners and region release. Whoever allocates a slot may say whose object it holds (SlotOwner:
 // namespace id, page key, shard). The pool stores that record with the slot and never reads it; it
 // is what lets the server find the pages living in one region, evict exactly them and so move the
-// region to another size class (server/l2_space.h, "region release", after CacheLib's slab
+// region to another size class (server/l2/l2_space.h, "region release", after CacheLib's slab
 // release). Cost: 40 bytes per slot, allocated with a region's other per-slot arrays the first
 // time a class uses it: at most 40 / 64 KiB = 0.06% of the pool with the default classes (the
 // smallest is 64 KiB), 1% with a 4 KiB class. A region being released is *draining*: no slot of

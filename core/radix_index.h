@@ -310,7 +310,7 @@ class RadixIndex {
   uint64_t EvictBytes(uint64_t bytes, std::vector<ReleasedObject>* evicted)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Region release (server/l2_space.h): evicts the pages holding the given slots, and with each
+  // Region release (server/l2/l2_space.h): evicts the pages holding the given slots, and with each
   // every descendant holding L2, since eviction is leaf first and L2 stays prefix-closed. A page
   // goes only when neither it nor any of those descendants is busy (pinned or in flight); such a
   // page and its ancestors among the holders stay (blocked). A holder whose page does not hold

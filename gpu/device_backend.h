@@ -2,7 +2,7 @@
 //
 // One instance per device kind serves every engine of that kind on the node (a daemon with a CUDA
 // device may also run a SimDevice for engines whose KV lives in host memory:
-// server/device_set.h). The server opens an EngineMapping per registered engine (RegisterEngine)
+// server/datapath/device_set.h). The server opens an EngineMapping per registered engine (RegisterEngine)
 // and submits one batched op per RPC: a Gather for Backup (device blocks -> host page objects)
 // and a Scatter for Load (host page objects -> device blocks). Ops are asynchronous; the server
 // polls or waits on the returned DeviceOp.

@@ -1,7 +1,7 @@
 // SimDevice: the host-shared-memory DeviceBackend, with the CUDA backend's semantics.
 //
 // Two uses: production, for engines whose KV lives in host memory (SGLang's HiCache host pool),
-// served beside the CUDA device on GPU nodes (server/device_set.h); and the GPU stand-in on
+// served beside the CUDA device on GPU nodes (server/datapath/device_set.h); and the GPU stand-in on
 // machines without one, for integrations and tests.
 //
 // Engine "device memory" is shared memory that the engine process creates: a POSIX shm object

@@ -23,11 +23,11 @@
 #include "grpcpp/server.h"
 #include "core/host_pool.h"
 #include "gpu/device_backend.h"
-#include "server/config.h"
-#include "server/l3_tier_admin.h"
-#include "server/l3_tiers.h"
-#include "server/daemon_info.h"
-#include "server/device_set.h"
+#include "server/config/config.h"
+#include "server/l3/l3_tier_admin.h"
+#include "server/l3/l3_tiers.h"
+#include "server/admin/daemon_info.h"
+#include "server/datapath/device_set.h"
 
 namespace kvcellar::server {
 

@@ -18,7 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "core/log.h"
 #include "server/build_info.h"
-#include "server/config.h"
+#include "server/config/config.h"
 #include "server/daemon.h"
 #include "server/sd_notify.h"
 

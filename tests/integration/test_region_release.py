@@ -1,4 +1,4 @@
-"""Two models with different page object sizes on one small host pool (server/l2_space.h,
+"""Two models with different page object sizes on one small host pool (server/l2/l2_space.h,
 "Region release"): real kvcellard, real kvcellar-engine-sim processes, every byte verified.
 
 Model A fills every region of the pool with 64 KiB objects; model B's 1 MiB objects need a

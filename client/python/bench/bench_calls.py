@@ -95,7 +95,7 @@ OP_WAIT_MS = 5000
 # Longest wait for the C++ side's turn (its slowest call, or its setup: registering and caching
 # its prompt) on a loaded 2-core machine, with a wide margin; only there so a stuck peer fails.
 TURN_TIMEOUT_S = 120
-# The prompt's pin lasts the whole benchmark: the daemon's longest lease (server/cache_limits.h).
+# The prompt's pin lasts the whole benchmark: the daemon's longest lease (server/config/cache_limits.h).
 PIN_LEASE_MS = 3600 * 1000
 # Backup-and-pin attempts for the prompt (see PyCalls.cache_prompt).
 CACHE_ATTEMPTS = 5

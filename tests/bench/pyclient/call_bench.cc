@@ -26,7 +26,7 @@ constexpr absl::Duration kOpWait = absl::Seconds(5);
 constexpr uint32_t kSlots = 4;
 // Fresh Backup keys of different seeds never meet: the seed takes the high bits of the counter.
 constexpr int kSeedShift = 40;
-// The prompt's pin lasts the whole run: the daemon's longest lease (server/cache_limits.h).
+// The prompt's pin lasts the whole run: the daemon's longest lease (server/config/cache_limits.h).
 constexpr uint32_t kPinLeaseMs = 3600 * 1000;
 // Backup-and-pin attempts for the prompt (see CacheAndPinPrompt).
 constexpr int kCacheAttempts = 5;

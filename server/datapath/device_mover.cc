@@ -1,0 +1,577 @@
+#include "server/datapath/device_mover.h"
+
+#include <algorithm>
+#include <chrono>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "core/log.h"
+#include "server/rpc/request_validation.h"
+#include "server/status_util.h"
+
+namespace kvcellar::server {
+namespace {
+
+using v1::PageStatus;
+
+// Pins an op takes for itself (a Load's pages while they are copied, a Backup's parents while it
+// makes room) end when the op is finalized or its submission ends. The lease only matters if that
+// never happens (a bug): then the pages unpin after 10 minutes, far longer than any copy.
+constexpr absl::Duration kOwnPinLease = absl::Minutes(10);
+
+// The backend that opened the session's mapping: the one of its kind. Never nullptr for a WORKER
+// session (RegisterEngine admits only a served kind, and the set does not change).
+gpu::DeviceBackend* DeviceOf(const DeviceSet& devices, const SessionInfo& info) {
+  return devices.For(info.device_kind);
+}
+
+template <typename Sequences>
+std::vector<uint32_t> SequenceStarts(const Sequences& sequences) {
+  std::vector<uint32_t> begin;
+  begin.reserve(sequences.size() + 1);
+  uint32_t n = 0;
+  for (const auto& seq : sequences) {
+    begin.push_back(n);
+    n += static_cast<uint32_t>(seq.device_blocks_size());
+  }
+  begin.push_back(n);
+  return begin;
+}
+
+template <typename Sequences>
+std::vector<uint32_t> FlatBlocks(const Sequences& sequences, size_t n) {
+  std::vector<uint32_t> blocks;
+  blocks.reserve(n);
+  for (const auto& seq : sequences) {
+    blocks.insert(blocks.end(), seq.device_blocks().begin(), seq.device_blocks().end());
+  }
+  return blocks;
+}
+
+// Why a page that is not committed for the whole group cannot be loaded: a write of one of its
+// shards is unfinished (IN_FLIGHT) or it is simply not there (MISS).
+PageStatus NotLoadable(const core::RadixIndex& index, const core::PageKey& key,
+                       core::ShardMask shards) {
+  std::optional<core::PageInfo> info = index.Inspect(key);
+  if (!info.has_value()) return v1::PAGE_STATUS_MISS;
+  for (size_t s = 0; s < info->shards.size(); ++s) {
+    if ((shards >> s & 1) != 0 && info->shards[s].l2 == core::L2State::kWriting) {
+      return v1::PAGE_STATUS_IN_FLIGHT;
+    }
+  }
+  return v1::PAGE_STATUS_MISS;
+}
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+bool Cancelled(const absl::Status& s) { return s.code() == absl::StatusCode::kCancelled; }
+
+void SetPending(absl::Span<uint8_t> statuses, PageStatus final_status) {
+  for (uint8_t& s : statuses) {
+    if (s == v1::PAGE_STATUS_PENDING) s = static_cast<uint8_t>(final_status);
+  }
+}
+
+class LoadCompletion final : public OpCompletion {
+ public:
+  std::shared_ptr<Session> session;
+  uint64_t op_id = 0;
+  bool pinned = false;
+  std::vector<uint32_t> blocks;  // Blocks the copy writes.
+  std::optional<uint32_t> slot;
+  std::vector<uint64_t> release_pins;
+  PinTable* pins = nullptr;
+  SimSignalPump* pump = nullptr;  // Set when the engine's layer words are signalled.
+  CacheMetrics* metrics = nullptr;
+  uint64_t bytes = 0;
+  std::chrono::steady_clock::time_point submitted;  // For the transfer's duration.
+
+  OpOutcome Complete(const absl::Status& device, OpCancelCause cause,
+                     absl::Span<uint8_t> statuses) override {
+    const SessionInfo& info = session->info();
+    if (pinned) info.ns->index()->ReleaseOwner(op_id);
+    OpOutcome out;
+    if (device.ok()) {
+      SetPending(statuses, v1::PAGE_STATUS_OK);
+      metrics->CountMovedBytes(v1::OP_KIND_LOAD, bytes, SecondsSince(submitted));
+    } else if (cause == OpCancelCause::kSessionEnded || Cancelled(device)) {
+      SetPending(statuses, v1::PAGE_STATUS_CANCELLED);
+      out = {v1::OP_STATE_CANCELLED,
+             cause == OpCancelCause::kSessionEnded ? "session ended" : device.ToString()};
+    } else {
+      SetPending(statuses, v1::PAGE_STATUS_DEVICE_ERROR);
+      out = {v1::OP_STATE_FAILED, absl::StrCat("device error: ", device.ToString())};
+      KVLOG(Warn, "load failed", {{"op_id", op_id}, {"error", device.ToString()}});
+    }
+    // Every layer, then the op word: the engine's waits all end, whatever the outcome.
+    if (pump != nullptr) pump->FinishLoad(op_id, out.state != v1::OP_STATE_DONE);
+    session->ReleaseBlocks(blocks);
+    if (slot.has_value()) session->ReleaseSlot(*slot);
+    session->OpFinished();
+    for (uint64_t pin : release_pins) pins->DropHold(pin, info.instance_id, info.rank);
+    return out;
+  }
+};
+
+class BackupCompletion final : public OpCompletion {
+ public:
+  std::shared_ptr<Session> session;
+  uint64_t op_id = 0;
+  std::vector<core::ObjectId> objects;  // In flight in the index, one per PENDING page.
+  std::vector<uint32_t> object_page;    // Each object's page (flat index).
+  std::vector<uint32_t> blocks;         // Blocks the copy reads.
+  uint32_t ready_timeout_ms = 0;
+  L2Space* l2 = nullptr;
+  CacheMetrics* metrics = nullptr;
+  L3Writer* writer = nullptr;
+  v1::WritePolicy write_policy = v1::WRITE_POLICY_UNSPECIFIED;
+  uint64_t bytes = 0;
+  std::chrono::steady_clock::time_point submitted;  // For the transfer's duration.
+
+  OpOutcome Complete(const absl::Status& device, OpCancelCause cause,
+                     absl::Span<uint8_t> statuses) override {
+    core::RadixIndex* index = session->info().ns->index();
+    OpOutcome out;
+    if (device.ok()) {
+      // Every byte has landed: the pages become visible (once their group is complete).
+      std::vector<absl::Status> committed(objects.size());
+      index->Commit(objects, absl::MakeSpan(committed));
+      std::vector<core::ObjectId> stored;
+      stored.reserve(objects.size());
+      for (size_t k = 0; k < objects.size(); ++k) {
+        if (committed[k].ok()) {
+          statuses[object_page[k]] = v1::PAGE_STATUS_OK;
+          stored.push_back(objects[k]);
+        } else {
+          statuses[object_page[k]] = v1::PAGE_STATUS_INTERNAL_ERROR;
+          KVLOG(Error, "backup commit failed",
+                {{"op_id", op_id}, {"error", committed[k].ToString()}});
+        }
+      }
+      metrics->CountMovedBytes(v1::OP_KIND_BACKUP, bytes, SecondsSince(submitted));
+      // L3 follows the write policy; the op does not wait for it.
+      if (writer != nullptr) writer->OnCommitted(*session->info().ns, stored, write_policy);
+    } else {
+      // Nothing partial is ever visible: the in-flight objects go, their slots with them.
+      std::vector<core::ReleasedObject> released;
+      index->Abort(objects, &released);
+      l2->FreeReleased(released);
+      if (cause == OpCancelCause::kReadyTimeout) {
+        SetPending(statuses, v1::PAGE_STATUS_TIMEOUT);
+        out = {v1::OP_STATE_DONE, ""};
+        KVLOG(Warn, "backup ready signal timed out",
+              {{"op_id", op_id}, {"ready_timeout_ms", ready_timeout_ms}});
+      } else if (cause == OpCancelCause::kSessionEnded || Cancelled(device)) {
+        SetPending(statuses, v1::PAGE_STATUS_CANCELLED);
+        out = {v1::OP_STATE_CANCELLED,
+               cause == OpCancelCause::kSessionEnded ? "session ended" : device.ToString()};
+      } else {
+        SetPending(statuses, v1::PAGE_STATUS_DEVICE_ERROR);
+        out = {v1::OP_STATE_FAILED, absl::StrCat("device error: ", device.ToString())};
+        KVLOG(Warn, "backup failed", {{"op_id", op_id}, {"error", device.ToString()}});
+      }
+    }
+    session->ReleaseBlocks(blocks);
+    session->OpFinished();
+    return out;
+  }
+};
+
+// An op whose device blocks are reserved: its record and the request's blocks in request order.
+struct StartedOp {
+  std::unique_ptr<OpRecord> record;
+  std::vector<uint32_t> blocks;
+};
+
+// Starts an op of `kind` over `sequences`: reserves the session's device blocks (and `slot`, if
+// any) and an in-flight count atomically, then names the record (id, owner, submission time,
+// every page SKIPPED until planned). On error nothing is reserved. On success the caller must
+// end the submission (Session::EndSubmission).
+template <typename Sequences>
+absl::StatusOr<StartedOp> StartOp(Session& session, const Sequences& sequences,
+                                                  v1::OpKind kind, std::optional<uint32_t> slot,
+                                                  absl::string_view slot_field, OpTable& ops,
+                                                  uint32_t max_inflight) {
+  auto record = std::make_unique<OpRecord>();
+  record->seq_begin = SequenceStarts(sequences);
+  const uint32_t n = record->seq_begin.back();
+  std::vector<uint32_t> blocks = FlatBlocks(sequences, n);
+  if (absl::Status s = session.Reserve(
+          blocks, [&](size_t i) { return BlockField(record->seq_begin, i); }, slot, slot_field,
+          max_inflight);
+      !s.ok()) {
+    return s;
+  }
+  const SessionInfo& info = session.info();
+  record->id = ops.NextId();
+  record->kind = kind;
+  record->instance_id = info.instance_id;
+  record->session_id = info.id;
+  record->submitted = absl::Now();
+  record->statuses.assign(n, v1::PAGE_STATUS_SKIPPED);
+  return StartedOp{std::move(record), std::move(blocks)};
+}
+
+}  // namespace
+
+DeviceMover::DeviceMover(const DeviceSet* devices, L2Space* l2, PinTable* pins, OpTable* ops,
+                         SimSignalPump* pump, CacheMetrics* metrics, const CacheLimits* limits,
+                         L3Writer* writer)
+    : devices_(devices),
+      l2_(l2),
+      pins_(pins),
+      ops_(ops),
+      pump_(pump),
+      metrics_(metrics),
+      limits_(limits),
+      writer_(writer) {}
+
+absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Load(const std::shared_ptr<Session>& session,
+                                                            const v1::LoadRequest& request) {
+  const SessionInfo& info = session->info();
+  Namespace& ns = *info.ns;
+  core::RadixIndex* index = ns.index();  // Set: the worker's registration fixed the geometry.
+  ns.counters().Touch();
+  std::optional<uint32_t> slot;
+  if (request.signal_layers()) slot = request.completion_slot();
+  absl::StatusOr<StartedOp> started =
+      StartOp(*session, request.sequences(), v1::OP_KIND_LOAD, slot, "completion_slot", *ops_,
+              limits_->max_inflight_ops);
+  if (!started.ok()) return started.status();
+  std::unique_ptr<OpRecord> record = std::move(started->record);
+  const std::vector<uint32_t> blocks = std::move(started->blocks);
+  const uint32_t n = record->seq_begin.back();
+  const absl::Time now = record->submitted;
+
+  std::vector<core::PageKey> keys;
+  keys.reserve(n);
+  for (const v1::LoadSequence& seq : request.sequences()) {
+    ns.AppendIndexKeys(seq.page_keys(), &keys);
+  }
+  std::vector<core::SlotRef> slots(n);
+  std::vector<gpu::CopyItem> items;
+  items.reserve(n);
+  std::vector<uint32_t> used_blocks;
+  std::vector<uint32_t> unused_blocks;
+  used_blocks.reserve(n);
+  core::MatchOptions match;
+  match.shards = ns.group_shards();
+  match.pin = core::PinLease{record->id, now + kOwnPinLease};
+  bool pinned = false;
+  core::HostPool* pool = l2_->pool();
+
+  for (size_t s = 0; s + 1 < record->seq_begin.size(); ++s) {
+    const uint32_t begin = record->seq_begin[s];
+    const uint32_t len = record->seq_begin[s + 1] - begin;
+    if (len == 0) continue;
+    absl::Span<const core::PageKey> seq_keys(keys.data() + begin, len);
+    // The group-consistent L2 prefix, pinned under the op's own owner in the same lock: from here
+    // until the op is finalized no eviction can take these slots.
+    uint32_t hit = 0;
+    absl::StatusOr<core::MatchResult> m = index->Match(seq_keys, match);
+    if (m.ok()) {
+      hit = m->l2_pages;
+      pinned = pinned || m->pinned_pages > 0;
+    }
+    if (hit > 0) {
+      index->GetL2Slots(seq_keys.first(hit), info.shard, absl::MakeSpan(slots).subspan(begin, hit));
+      for (uint32_t i = 0; i < hit; ++i) {
+        if (!slots[begin + i].valid()) hit = i;  // Unreachable: the group includes this shard.
+      }
+    }
+    for (uint32_t i = 0; i < len; ++i) {
+      const uint32_t p = begin + i;
+      if (i < hit) {
+        record->statuses[p] = v1::PAGE_STATUS_PENDING;
+        items.push_back({blocks[p], pool->Address(slots[p])});
+        used_blocks.push_back(blocks[p]);
+      } else {
+        if (i == hit) record->statuses[p] = NotLoadable(*index, keys[p], match.shards);
+        unused_blocks.push_back(blocks[p]);
+      }
+    }
+  }
+  session->ReleaseBlocks(unused_blocks);
+
+  std::vector<uint64_t> release_pins;
+  for (const v1::LoadSequence& seq : request.sequences()) {
+    if (seq.pin_id() != 0 && seq.release_pin() &&
+        std::find(release_pins.begin(), release_pins.end(), seq.pin_id()) == release_pins.end()) {
+      release_pins.push_back(seq.pin_id());
+    }
+  }
+
+  const auto copy_start = std::chrono::steady_clock::now();
+  if (!items.empty()) {
+    // CUDA signals layers on the device: the engine's load events, recorded on the copy stream
+    // after each layer (the SIM pump below does it from the host for SIM engines).
+    gpu::OpSignal device_signal;
+    if (slot.has_value() && info.device_kind == v1::DEVICE_KIND_CUDA) {
+      device_signal = gpu::OpSignal{*slot, record->id};
+    }
+    absl::StatusOr<gpu::OpHandle> op =
+        DeviceOf(*devices_, info)->SubmitScatter(*session->mapping(), items, device_signal);
+    if (!op.ok()) {
+      if (pinned) index->ReleaseOwner(record->id);
+      session->ReleaseBlocks(used_blocks);
+      if (slot.has_value()) session->ReleaseSlot(*slot);
+      session->EndSubmission(/*op_started=*/false);
+      KVLOG(Error, "load submit failed",
+            {{"session_id", info.id}, {"error", op.status().ToString()}});
+      return absl::InternalError(
+          absl::StrCat("Load: the device refused the batch: ", op.status().message()));
+    }
+    record->device = *std::move(op);
+  }
+  // Every accepted Load with signal_layers signals every layer exactly once: as they land, and
+  // the rest (all of them when nothing was copied) when the op is terminal.
+  const bool signal = slot.has_value() && info.sim_signals != nullptr;
+  if (signal) pump_->WatchLoad(record->id, record->device, info.sim_signals, *slot);
+
+  auto completion = std::make_unique<LoadCompletion>();
+  completion->session = session;
+  completion->op_id = record->id;
+  completion->pinned = pinned;
+  completion->blocks = std::move(used_blocks);
+  completion->slot = slot;
+  completion->release_pins = std::move(release_pins);
+  completion->pins = pins_;
+  completion->pump = signal ? pump_ : nullptr;
+  completion->metrics = metrics_;
+  completion->bytes = items.size() * ns.object_bytes();
+  completion->submitted = copy_start;
+  record->completion = std::move(completion);
+  std::shared_ptr<OpRecord> added = ops_->Add(std::move(record));
+  session->EndSubmission(/*op_started=*/true);
+  return added;
+}
+
+absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Backup(
+    const std::shared_ptr<Session>& session, const v1::BackupRequest& request) {
+  const SessionInfo& info = session->info();
+  Namespace& ns = *info.ns;
+  core::RadixIndex* index = ns.index();
+  ns.counters().Touch();
+  absl::StatusOr<StartedOp> started =
+      StartOp(*session, request.sequences(), v1::OP_KIND_BACKUP, std::nullopt, "", *ops_,
+              limits_->max_inflight_ops);
+  if (!started.ok()) return started.status();
+  std::unique_ptr<OpRecord> record = std::move(started->record);
+  const std::vector<uint32_t> blocks = std::move(started->blocks);
+  const uint32_t n = record->seq_begin.back();
+  const absl::Time now = record->submitted;
+
+  std::vector<core::PageKey> keys;
+  keys.reserve(n);
+  std::vector<std::optional<core::PageKey>> parents;
+  parents.reserve(request.sequences_size());
+  for (const v1::BackupSequence& seq : request.sequences()) {
+    ns.AppendIndexKeys(seq.page_keys(), &keys);
+    parents.push_back(seq.parent_key().empty()
+                          ? std::nullopt
+                          : std::optional<core::PageKey>(ns.IndexKey(seq.parent_key().data())));
+  }
+
+  // Dedup: shards already committed are not copied again.
+  std::vector<core::SlotRef> present(n);
+  for (size_t s = 0; s + 1 < record->seq_begin.size(); ++s) {
+    const uint32_t begin = record->seq_begin[s];
+    const uint32_t len = record->seq_begin[s + 1] - begin;
+    if (len > 0) {
+      index->GetL2Slots(absl::MakeConstSpan(keys).subspan(begin, len), info.shard,
+                        absl::MakeSpan(present).subspan(begin, len));
+    }
+  }
+
+  // Slots, page by page in sequence order; a sequence stops at its first page without one.
+  core::HostPool* pool = l2_->pool();
+  const uint64_t object_bytes = ns.object_bytes();
+  uint64_t wanted = 0;
+  for (const core::SlotRef& p : present) wanted += p.valid() ? 0 : 1;
+  bool protected_pages = false;
+  std::vector<core::WriteRequest> requests;
+  requests.reserve(wanted);
+  std::vector<int32_t> page_request(n, -1);
+  for (size_t s = 0; s + 1 < record->seq_begin.size(); ++s) {
+    const uint32_t begin = record->seq_begin[s];
+    const uint32_t end = record->seq_begin[s + 1];
+    for (uint32_t p = begin; p < end; ++p) {
+      if (present[p].valid()) {
+        record->statuses[p] = v1::PAGE_STATUS_ALREADY_PRESENT;
+        continue;
+      }
+      absl::StatusOr<core::SlotRef> slot =
+          pool->Allocate(object_bytes, L2Space::Owner(ns, keys[p], info.shard));
+      if (!slot.ok() && slot.status().code() == absl::StatusCode::kResourceExhausted) {
+        if (!protected_pages) {
+          // Eviction must not take what this batch builds on: the pages found present and the
+          // parents. Pinned under the op id until the submission ends.
+          protected_pages = true;
+          std::vector<core::PageKey> keep(keys);
+          for (const auto& parent : parents) {
+            if (parent.has_value()) keep.push_back(*parent);
+          }
+          index->Pin(record->id, keep, now + kOwnPinLease);
+        }
+        slot = l2_->Allocate(ns, keys[p], info.shard, wanted * ns.slot_bytes());
+      }
+      if (!slot.ok()) {
+        record->statuses[p] = v1::PAGE_STATUS_NO_SPACE;
+        break;
+      }
+      wanted = wanted > 0 ? wanted - 1 : 0;
+      page_request[p] = static_cast<int32_t>(requests.size());
+      core::WriteRequest w;
+      w.key = keys[p];
+      w.parent = p == begin ? parents[s] : std::optional<core::PageKey>(keys[p - 1]);
+      w.shard = info.shard;
+      w.slot = *slot;
+      w.kind = core::WriteKind::kBackup;
+      requests.push_back(w);
+    }
+  }
+
+  // In flight, invisible to Match until Commit. Requests run in order, so a chain of new pages
+  // (and a sequence whose parent is earlier in this request) is accepted in one call.
+  std::vector<absl::Status> begun(requests.size());
+  if (!requests.empty()) index->BeginWrite(requests, absl::MakeSpan(begun));
+
+  std::vector<core::ObjectId> objects;
+  std::vector<uint32_t> object_page;
+  std::vector<core::ObjectId> to_abort;
+  std::vector<gpu::CopyItem> items;
+  std::vector<uint32_t> used_blocks;
+  std::vector<uint32_t> unused_blocks;
+  objects.reserve(requests.size());
+  object_page.reserve(requests.size());
+  items.reserve(requests.size());
+  used_blocks.reserve(requests.size());
+  for (size_t s = 0; s + 1 < record->seq_begin.size(); ++s) {
+    bool failed = false;
+    for (uint32_t p = record->seq_begin[s]; p < record->seq_begin[s + 1]; ++p) {
+      const int32_t r = page_request[p];
+      uint8_t& status = record->statuses[p];
+      if (failed) {
+        // After a page that could not be stored: nothing may be, or the chain would have a hole.
+        if (r >= 0) {
+          if (begun[r].ok()) {
+            to_abort.push_back({keys[p], info.shard});
+          } else {
+            l2_->Free(requests[r].slot);
+          }
+        }
+        status = v1::PAGE_STATUS_SKIPPED;
+        unused_blocks.push_back(blocks[p]);
+        continue;
+      }
+      if (r < 0) {
+        if (status != v1::PAGE_STATUS_ALREADY_PRESENT) failed = true;  // NO_SPACE.
+        unused_blocks.push_back(blocks[p]);
+        continue;
+      }
+      if (begun[r].ok()) {
+        status = v1::PAGE_STATUS_PENDING;
+        objects.push_back({keys[p], info.shard});
+        object_page.push_back(p);
+        items.push_back({blocks[p], pool->Address(requests[r].slot)});
+        used_blocks.push_back(blocks[p]);
+        continue;
+      }
+      l2_->Free(requests[r].slot);
+      unused_blocks.push_back(blocks[p]);
+      switch (begun[r].code()) {
+        case absl::StatusCode::kAlreadyExists: {
+          // Committed since the dedup check, or being written by another op (or by this one, for
+          // a page two sequences of the batch share).
+          core::SlotRef committed;
+          index->GetL2Slots(absl::MakeConstSpan(&keys[p], 1), info.shard,
+                            absl::MakeSpan(&committed, 1));
+          status = committed.valid() ? v1::PAGE_STATUS_ALREADY_PRESENT : v1::PAGE_STATUS_IN_FLIGHT;
+          break;
+        }
+        case absl::StatusCode::kFailedPrecondition:
+          status = v1::PAGE_STATUS_PARENT_MISSING;
+          failed = true;
+          break;
+        default:
+          KVLOG(Error, "backup begin write failed",
+                {{"op_id", record->id}, {"error", begun[r].ToString()}});
+          status = v1::PAGE_STATUS_INTERNAL_ERROR;
+          failed = true;
+          break;
+      }
+    }
+  }
+  if (!to_abort.empty()) {
+    std::vector<core::ReleasedObject> released;
+    index->Abort(to_abort, &released);
+    l2_->FreeReleased(released);
+  }
+  if (protected_pages) index->ReleaseOwner(record->id);
+  session->ReleaseBlocks(unused_blocks);
+
+  uint32_t ready_timeout_ms = 0;
+  const auto copy_start = std::chrono::steady_clock::now();
+  if (!items.empty()) {
+    absl::StatusOr<gpu::OpHandle> op;
+    gpu::EngineMapping* mapping = session->mapping();
+    if (request.has_ready() && info.device_kind == v1::DEVICE_KIND_SIM) {
+      // Submitted by the pump once the engine's ready word reaches the token; the mapping
+      // outlives the gated op (a closing session cancels it before closing the mapping).
+      ready_timeout_ms =
+          request.ready_timeout_ms() == 0
+              ? limits_->max_prefetch_timeout_ms
+              : std::min(request.ready_timeout_ms(), limits_->max_prefetch_timeout_ms);
+      record->ready_deadline = now + absl::Milliseconds(ready_timeout_ms);
+      gpu::DeviceBackend* device = DeviceOf(*devices_, info);
+      op = pump_->GatedGather(
+          [device, mapping, items = std::move(items)]() {
+            return device->SubmitGather(*mapping, items, gpu::ReadyFence::Ready(), gpu::OpSignal{});
+          },
+          info.sim_signals, request.ready().slot(), request.ready().sim_token(), info.num_layers);
+    } else {
+      const gpu::ReadyFence fence =
+          request.has_ready()
+              ? gpu::ReadyFence::CudaIpcEvent(info.cuda_ready_events[request.ready().slot()])
+              : gpu::ReadyFence::Ready();
+      op = DeviceOf(*devices_, info)->SubmitGather(*mapping, items, fence, gpu::OpSignal{});
+    }
+    if (!op.ok()) {
+      std::vector<core::ReleasedObject> released;
+      index->Abort(objects, &released);
+      l2_->FreeReleased(released);
+      session->ReleaseBlocks(used_blocks);
+      session->EndSubmission(/*op_started=*/false);
+      KVLOG(Error, "backup submit failed",
+            {{"session_id", info.id}, {"error", op.status().ToString()}});
+      return absl::InternalError(
+          absl::StrCat("Backup: the device refused the batch: ", op.status().message()));
+    }
+    record->device = *std::move(op);
+  }
+
+  auto completion = std::make_unique<BackupCompletion>();
+  completion->session = session;
+  completion->op_id = record->id;
+  completion->objects = std::move(objects);
+  completion->object_page = std::move(object_page);
+  completion->blocks = std::move(used_blocks);
+  completion->ready_timeout_ms = ready_timeout_ms;
+  completion->l2 = l2_;
+  completion->writer = writer_;
+  completion->write_policy = request.write_policy();
+  completion->metrics = metrics_;
+  completion->bytes = completion->object_page.size() * object_bytes;
+  completion->submitted = copy_start;
+  record->completion = std::move(completion);
+  std::shared_ptr<OpRecord> added = ops_->Add(std::move(record));
+  session->EndSubmission(/*op_started=*/true);
+  return added;
+}
+
+}  // namespace kvcellar::server

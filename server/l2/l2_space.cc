@@ -1,0 +1,201 @@
+#include "server/l2/l2_space.h"
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "core/log.h"
+
+namespace kvcellar::server {
+
+L2Space::L2Space(core::HostPool* pool, NamespaceRegistry* namespaces, double high_watermark,
+                 double low_watermark, CacheMetrics* metrics)
+    : pool_(pool),
+      namespaces_(namespaces),
+      high_watermark_(high_watermark),
+      low_watermark_(low_watermark),
+      metrics_(metrics) {}
+
+absl::StatusOr<core::SlotRef> L2Space::Allocate(Namespace& ns, const core::PageKey& key,
+                                                uint16_t shard, uint64_t evict_bytes) {
+  const uint64_t object_bytes = ns.object_bytes();
+  const core::SlotOwner owner = Owner(ns, key, shard);
+  absl::StatusOr<core::SlotRef> slot = pool_->Allocate(object_bytes, owner);
+  if (slot.ok() || slot.status().code() != absl::StatusCode::kResourceExhausted) return slot;
+  absl::StatusOr<uint16_t> c = pool_->ClassFor(object_bytes);
+  if (!c.ok()) return c.status();
+
+  // A class under its share of the pool grows by a whole region of another class.
+  if (UnderShare(*c)) {
+    slot = ReleaseRegionFor(*c, owner, /*anyway=*/false);
+    if (slot.ok()) return slot;
+  }
+  // Otherwise it makes room within itself: the requesting namespace first, then the others of
+  // the same class, largest first. Only same-class evictions help: another class's freed slots
+  // are scattered over its regions and would not free one (that is what region release is for).
+  evict_bytes = std::max(evict_bytes, ns.slot_bytes());
+  bool freed = false;
+  if (EvictFrom(ns, evict_bytes, EvictReason::kPoolFull) > 0) {
+    freed = true;
+    slot = pool_->Allocate(object_bytes, owner);
+    if (slot.ok()) return slot;
+  }
+  std::vector<std::pair<uint64_t, std::shared_ptr<Namespace>>> same_class;
+  for (std::shared_ptr<Namespace>& other : namespaces_->Snapshot()) {
+    if (other.get() == &ns || other->index() == nullptr || other->slot_bytes() != ns.slot_bytes()) {
+      continue;
+    }
+    same_class.emplace_back(other->index()->Stats().l2_bytes, std::move(other));
+  }
+  std::sort(same_class.begin(), same_class.end(),
+            [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (auto& [bytes, other] : same_class) {
+    if (bytes == 0) break;
+    if (EvictFrom(*other, evict_bytes, EvictReason::kPoolFull) == 0) continue;
+    freed = true;
+    slot = pool_->Allocate(object_bytes, owner);
+    if (slot.ok()) return slot;
+  }
+  // Nothing of this class could go (all busy, or it holds no region): a region, if another
+  // class has plenty.
+  if (!freed) {
+    absl::StatusOr<core::SlotRef> released = ReleaseRegionFor(*c, owner, /*anyway=*/true);
+    if (released.ok()) return released;
+  }
+  return slot;
+}
+
+void L2Space::Free(core::SlotRef slot) {
+  if (!slot.valid()) return;
+  if (absl::Status s = pool_->Free(slot); !s.ok()) {
+    // The index hands each slot back exactly once; a failure here is a bookkeeping bug. Keep
+    // serving (the slot stays allocated: a leak, never a double use).
+    KVLOG(Error, "host pool free failed", {{"error", s.ToString()}});
+  }
+}
+
+void L2Space::FreeReleased(absl::Span<const core::ReleasedObject> released) {
+  for (const core::ReleasedObject& r : released) Free(r.slot);
+}
+
+uint64_t L2Space::EvictFrom(Namespace& ns, uint64_t bytes, EvictReason reason) {
+  core::RadixIndex* index = ns.index();
+  if (index == nullptr) return 0;
+  std::vector<core::ReleasedObject> evicted;
+  index->EvictBytes(bytes, &evicted);
+  return FinishEviction(ns, evicted, reason);
+}
+
+uint64_t L2Space::FinishEviction(Namespace& ns, std::vector<core::ReleasedObject>& evicted,
+                                 EvictReason reason) {
+  if (evicted.empty()) return 0;
+  const uint64_t freed = evicted.size() * ns.slot_bytes();
+  // A write-back observer takes the slots of pages it writes to L3 (and frees them after).
+  if (L2EvictionObserver* observer = observer_.load(std::memory_order_acquire)) {
+    observer->OnEvicted(ns, absl::MakeSpan(evicted));
+  }
+  FreeReleased(evicted);
+  // Pages, not objects: an MHA page has one object per shard, evicted together.
+  uint64_t pages = 0;
+  for (size_t i = 0; i < evicted.size(); ++i) {
+    if (i == 0 || evicted[i].key != evicted[i - 1].key) ++pages;
+  }
+  metrics_->CountEviction(reason, pages, freed);
+  NamespaceCounters::Add(ns.counters().evicted_objects, evicted.size());
+  NamespaceCounters::Add(ns.counters().evicted_bytes, freed);
+  return freed;
+}
+
+core::AdminEvictResult L2Space::EvictScope(Namespace& ns,
+                                           const std::optional<core::PageKey>& subtree,
+                                           uint64_t max_objects, bool dry_run) {
+  core::RadixIndex* index = ns.index();
+  if (index == nullptr) return {};
+  std::vector<core::ReleasedObject> evicted;
+  core::AdminEvictResult result = index->EvictScope(subtree, max_objects, dry_run, &evicted);
+  if (evicted.empty()) return result;
+  FreeReleased(evicted);
+  const uint64_t bytes = evicted.size() * ns.slot_bytes();
+  metrics_->CountEviction(EvictReason::kAdmin, result.pages, bytes);
+  NamespaceCounters::Add(ns.counters().evicted_objects, evicted.size());
+  NamespaceCounters::Add(ns.counters().evicted_bytes, bytes);
+  return result;
+}
+
+core::RemoveCounts L2Space::ClearScope(Namespace& ns, const std::optional<core::PageKey>& subtree,
+                                       bool dry_run, std::vector<core::ReleasedObject>* removed) {
+  core::RadixIndex* index = ns.index();
+  if (index == nullptr) return {};
+  std::vector<core::ReleasedObject> released;
+  core::RemoveCounts counts = index->ClearScope(subtree, dry_run, &released);
+  if (!dry_run) FreeCleared(ns, released);
+  if (removed != nullptr) removed->insert(removed->end(), released.begin(), released.end());
+  return counts;
+}
+
+void L2Space::FreeCleared(Namespace& ns, absl::Span<const core::ReleasedObject> released) {
+  uint64_t l2_objects = 0;
+  for (const core::ReleasedObject& r : released) {
+    if (!r.slot.valid()) continue;
+    Free(r.slot);
+    ++l2_objects;
+  }
+  metrics_->CountCleared(l2_objects);
+  NamespaceCounters::Add(ns.counters().cleared_objects, l2_objects);
+}
+
+size_t L2Space::ReapDoomed() {
+  size_t pages = 0;
+  for (const std::shared_ptr<Namespace>& ns : namespaces_->Snapshot()) {
+    core::RadixIndex* index = ns->index();
+    if (index == nullptr || index->DoomedPages() == 0) continue;
+    std::vector<core::ReleasedObject> released;
+    pages += index->ReapDoomed(&released);
+    if (released.empty()) continue;
+    FreeCleared(*ns, released);
+  }
+  return pages;
+}
+
+uint64_t L2Space::UsedBytes() const {
+  uint64_t used = 0;
+  for (const core::SizeClassStats& c : pool_->Stats()) used += c.bytes_used;
+  return used;
+}
+
+uint64_t L2Space::EnforceWatermarks() {
+  const double capacity = static_cast<double>(pool_->capacity_bytes());
+  uint64_t used = UsedBytes();
+  if (const L2EvictionObserver* observer = observer_.load(std::memory_order_acquire)) {
+    used -= std::min(used, observer->held_bytes());
+  }
+  if (static_cast<double>(used) <= high_watermark_ * capacity) return 0;
+  const uint64_t target = static_cast<uint64_t>(low_watermark_ * capacity);
+  uint64_t to_free = used - std::min(used, target);
+
+  std::vector<std::pair<uint64_t, std::shared_ptr<Namespace>>> by_size;
+  for (std::shared_ptr<Namespace>& ns : namespaces_->Snapshot()) {
+    if (ns->index() == nullptr) continue;
+    by_size.emplace_back(ns->index()->Stats().l2_bytes, std::move(ns));
+  }
+  uint64_t total = 0;
+  for (const auto& [bytes, ns] : by_size) total += bytes;
+  if (total == 0) return 0;
+  // Each namespace gives up its share of the excess, in proportion to what it holds, so one
+  // busy model does not drain the others.
+  uint64_t freed = 0;
+  for (const auto& [bytes, ns] : by_size) {
+    if (bytes == 0) continue;
+    const uint64_t share =
+        static_cast<uint64_t>(static_cast<double>(to_free) * (static_cast<double>(bytes) / total)) +
+        1;
+    freed += EvictFrom(*ns, share, EvictReason::kWatermark);
+  }
+  if (freed > 0) {
+    KVLOG(Info, "l2 watermark eviction",
+          {{"used_bytes", used}, {"freed_bytes", freed}, {"target_bytes", target}});
+  }
+  return freed;
+}
+
+}  // namespace kvcellar::server

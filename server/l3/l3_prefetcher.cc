@@ -1,0 +1,484 @@
+#include "server/l3/l3_prefetcher.h"
+
+#include <algorithm>
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "core/log.h"
+#include "gpu/device_backend.h"
+
+namespace kvcellar::server {
+namespace {
+
+v1::PrefetchPolicy ToProto(L3PrefetchPolicy p) {
+  switch (p) {
+    case L3PrefetchPolicy::kNone: return v1::PREFETCH_POLICY_NONE;
+    case L3PrefetchPolicy::kBestEffort: return v1::PREFETCH_POLICY_BEST_EFFORT;
+    case L3PrefetchPolicy::kWaitComplete: return v1::PREFETCH_POLICY_WAIT_COMPLETE;
+    case L3PrefetchPolicy::kTimeout: return v1::PREFETCH_POLICY_TIMEOUT;
+  }
+  return v1::PREFETCH_POLICY_BEST_EFFORT;
+}
+
+// The worse of two read outcomes for one page: a checksum error says most (the copy was bad and
+// is gone), then a miss, then any other failure.
+v1::PageStatus ReadStatus(storage::ObjectStatus s) {
+  switch (s) {
+    case storage::ObjectStatus::kOk: return v1::PAGE_STATUS_OK;
+    case storage::ObjectStatus::kNotFound: return v1::PAGE_STATUS_MISS;
+    case storage::ObjectStatus::kChecksumError: return v1::PAGE_STATUS_CHECKSUM_ERROR;
+    default: return v1::PAGE_STATUS_L3_ERROR;
+  }
+}
+int Severity(uint8_t s) {
+  switch (s) {
+    case v1::PAGE_STATUS_OK: return 0;
+    case v1::PAGE_STATUS_L3_ERROR: return 1;
+    case v1::PAGE_STATUS_MISS: return 2;
+    default: return 3;  // CHECKSUM_ERROR
+  }
+}
+
+}  // namespace
+
+// The op's stand-in for device work: finished when the reads have landed, or cancelled at the
+// deadline or session end (the reads themselves go on; see the file comment).
+class L3Prefetcher::FetchOp final : public gpu::DeviceOp {
+ public:
+  FetchOp() : DeviceOp(Kind::kScatter, 0) {}
+
+ protected:
+  void OnCancel() override { Finish(absl::CancelledError("prefetch deadline or session end")); }
+};
+
+struct L3Prefetcher::Fetch {
+  struct Page {
+    core::PageKey key;
+    uint32_t flat = 0;      // Index in the op's statuses.
+    int tier = -1;          // -1: another op is writing it; we only watch.
+    uint64_t pin_id = 0;
+    std::vector<core::SlotRef> slots;  // Per shard.
+    uint8_t result = v1::PAGE_STATUS_OK;
+  };
+  std::shared_ptr<Namespace> ns;
+  v1::PrefetchPolicy policy = v1::PREFETCH_POLICY_UNSPECIFIED;
+  uint64_t op_id = 0;
+  std::vector<uint64_t> best_effort_pins;  // Pins registered in best_effort_by_pin_.
+  std::vector<Page> pages;
+  uint64_t bytes = 0;  // Reserved in pending_bytes_.
+  // When the reads were issued: the L3 -> L2 transfer's duration ends when they have landed.
+  std::chrono::steady_clock::time_point started;
+  std::atomic<int> reads_left{0};
+  std::shared_ptr<FetchOp> op = std::make_shared<FetchOp>();
+
+  absl::Mutex mu;
+  std::vector<uint8_t> statuses ABSL_GUARDED_BY(mu);  // Final, once landed.
+  bool landed ABSL_GUARDED_BY(mu) = false;
+  std::shared_ptr<OpRecord> record ABSL_GUARDED_BY(mu);
+};
+
+class L3Prefetcher::Completion final : public OpCompletion {
+ public:
+  Completion(std::shared_ptr<Fetch> fetch, CacheMetrics* metrics)
+      : fetch_(std::move(fetch)), metrics_(metrics) {}
+
+  OpOutcome Complete(const absl::Status& device, OpCancelCause cause,
+                     absl::Span<uint8_t> statuses) override {
+    OpOutcome out;
+    {
+      absl::MutexLock lock(&fetch_->mu);
+      if (fetch_->landed) {
+        std::copy(fetch_->statuses.begin(), fetch_->statuses.end(), statuses.begin());
+      }
+    }
+    const bool ended = cause == OpCancelCause::kSessionEnded;
+    const bool released = cause == OpCancelCause::kReleased;
+    bool cut_short = false;  // Some page had not landed.
+    for (uint8_t& s : statuses) {
+      if (s == v1::PAGE_STATUS_PENDING) {
+        s = ended || released ? v1::PAGE_STATUS_CANCELLED : v1::PAGE_STATUS_TIMEOUT;
+        cut_short = true;
+      }
+    }
+    if (ended) out = {v1::OP_STATE_CANCELLED, "session ended"};
+    if (released && cut_short) out = {v1::OP_STATE_CANCELLED, "cancelled by Release"};
+    (void)device;
+    std::array<uint64_t, v1::PageStatus_ARRAYSIZE> counts{};
+    for (uint8_t s : statuses) {
+      if (s < counts.size()) ++counts[s];
+    }
+    for (size_t s = 0; s < counts.size(); ++s) {
+      metrics_->CountPrefetchPages(fetch_->policy, static_cast<v1::PageStatus>(s), counts[s]);
+    }
+    return out;
+  }
+
+ private:
+  std::shared_ptr<Fetch> fetch_;
+  CacheMetrics* const metrics_;
+};
+
+L3Prefetcher::L3Prefetcher(L3Tiers* tiers, L2Space* l2, OpTable* ops, PinTable* pins,
+                           CacheMetrics* metrics, const CacheLimits* limits,
+                           const StorageConfig& config)
+    : tiers_(tiers),
+      l2_(l2),
+      ops_(ops),
+      pins_(pins),
+      metrics_(metrics),
+      limits_(limits),
+      default_policy_(ToProto(config.prefetch_policy)),
+      base_timeout_(absl::Milliseconds(config.prefetch_timeout_base_ms)),
+      per_1k_tokens_(absl::Milliseconds(config.prefetch_timeout_per_1k_tokens_ms)),
+      max_pending_bytes_(config.max_pending_prefetch_bytes) {}
+
+L3Prefetcher::~L3Prefetcher() { Drain(); }
+
+void L3Prefetcher::Drain() {
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(+[](size_t* n) { return *n == 0; }, &inflight_));
+}
+
+v1::PrefetchPolicy L3Prefetcher::Resolve(v1::PrefetchPolicy policy) const {
+  return policy == v1::PREFETCH_POLICY_UNSPECIFIED ? default_policy_ : policy;
+}
+
+absl::Duration L3Prefetcher::Deadline(v1::PrefetchPolicy policy, uint32_t timeout_ms,
+                                      uint64_t tokens) const {
+  const absl::Duration max = absl::Milliseconds(limits_->max_prefetch_timeout_ms);
+  if (policy != v1::PREFETCH_POLICY_TIMEOUT) return max;
+  if (timeout_ms > 0) return std::min(max, absl::Milliseconds(timeout_ms));
+  return std::min(max, base_timeout_ + per_1k_tokens_ * (static_cast<double>(tokens) / 1024.0));
+}
+
+L3Prefetcher::Started L3Prefetcher::Start(const SessionInfo& session,
+                                          std::vector<PrefetchChain> chains,
+                                          v1::PrefetchPolicy policy, absl::Duration deadline,
+                                          bool always_op) {
+  Started started;
+  started.fetching.assign(chains.size(), 0);
+  Namespace& ns = *session.ns;
+  core::RadixIndex* index = ns.index();
+  const int shards = ns.shards();
+  const core::ShardMask group = ns.group_shards();
+  const uint64_t page_bytes = ns.object_bytes() * shards;
+
+  auto fetch = std::make_shared<Fetch>();
+  fetch->ns = session.ns;
+  fetch->policy = policy;
+  auto record = std::make_unique<OpRecord>();
+  std::vector<uint8_t> statuses;
+  std::vector<std::vector<storage::GetItem>> items(tiers_->size());
+  std::vector<std::vector<std::pair<uint32_t, uint16_t>>> item_page(tiers_->size());
+  std::vector<std::pair<uint64_t, core::PageKey>> present_pins;
+
+  for (size_t c = 0; c < chains.size(); ++c) {
+    PrefetchChain& chain = chains[c];
+    record->seq_begin.push_back(static_cast<uint32_t>(statuses.size()));
+    std::optional<core::PageKey> parent = chain.parent;
+    bool stopped = index == nullptr;
+    for (size_t i = 0; i < chain.keys.size(); ++i) {
+      const uint32_t flat = static_cast<uint32_t>(statuses.size());
+      statuses.push_back(v1::PAGE_STATUS_SKIPPED);
+      if (stopped) continue;
+      const core::PageKey& key = chain.keys[i];
+      std::optional<core::PageInfo> info = index->Inspect(key);
+      core::ShardMask committed = 0;
+      core::ShardMask writing = 0;
+      uint8_t tiers_all = 0xff;
+      if (info.has_value()) {
+        for (int s = 0; s < shards && s < static_cast<int>(info->shards.size()); ++s) {
+          const core::ShardInfo& si = info->shards[s];
+          if (si.l2 == core::L2State::kResident) committed |= core::ShardMask{1} << s;
+          if (si.l2 == core::L2State::kWriting) writing |= core::ShardMask{1} << s;
+          tiers_all &= si.l3_tiers;
+        }
+      } else {
+        tiers_all = 0;
+      }
+      if (i == 0 && !chain.parent_known) {
+        if (!info.has_value()) {
+          statuses[flat] = v1::PAGE_STATUS_MISS;
+          stopped = true;
+          continue;
+        }
+        parent = info->parent;
+      }
+      if ((committed & group) == group) {
+        statuses[flat] = v1::PAGE_STATUS_ALREADY_PRESENT;
+        if (chain.pin_id != 0) present_pins.emplace_back(chain.pin_id, key);
+        parent = key;
+        continue;
+      }
+      if (writing != 0) {
+        // Another op brings it (or some of its shards): watch, do not read it twice.
+        statuses[flat] = v1::PAGE_STATUS_PENDING;
+        fetch->pages.push_back({key, flat, -1, chain.pin_id, {}, v1::PAGE_STATUS_OK});
+        parent = key;
+        continue;
+      }
+      int tier = i < chain.tiers.size() ? chain.tiers[i] : -1;
+      if (tier < 0) {
+        for (size_t t = 0; t < tiers_->size(); ++t) {
+          if ((tiers_all >> t & 1) != 0) {
+            tier = static_cast<int>(t);
+            break;
+          }
+        }
+      }
+      if (tier < 0) {
+        statuses[flat] = v1::PAGE_STATUS_MISS;
+        stopped = true;
+        continue;
+      }
+      uint64_t cur = pending_bytes_.load(std::memory_order_relaxed);
+      bool reserved = false;
+      while (cur + page_bytes <= max_pending_bytes_) {
+        if (pending_bytes_.compare_exchange_weak(cur, cur + page_bytes,
+                                                 std::memory_order_relaxed)) {
+          reserved = true;
+          break;
+        }
+      }
+      if (!reserved) {
+        statuses[flat] = v1::PAGE_STATUS_THROTTLED;
+        stopped = true;
+        continue;
+      }
+      // Every shard of the page: a slot, then an in-flight entry in the index.
+      Fetch::Page page{key, flat, tier, chain.pin_id, {}, v1::PAGE_STATUS_OK};
+      v1::PageStatus failed = v1::PAGE_STATUS_UNSPECIFIED;
+      std::vector<core::ObjectId> begun;
+      for (int s = 0; s < shards && failed == v1::PAGE_STATUS_UNSPECIFIED; ++s) {
+        if ((committed >> s & 1) != 0) {
+          page.slots.push_back(core::SlotRef{});  // This shard is already in L2.
+          continue;
+        }
+        absl::StatusOr<core::SlotRef> slot =
+            l2_->Allocate(ns, key, static_cast<uint16_t>(s), ns.slot_bytes());
+        if (!slot.ok()) {
+          failed = v1::PAGE_STATUS_NO_SPACE;
+          break;
+        }
+        absl::Status b = index->BeginWrite(
+            {key, parent, static_cast<uint16_t>(s), *slot, core::WriteKind::kPrefetch});
+        if (!b.ok()) {
+          l2_->Free(*slot);
+          failed = b.code() == absl::StatusCode::kFailedPrecondition
+                       ? v1::PAGE_STATUS_PARENT_MISSING
+                       : v1::PAGE_STATUS_MISS;  // Raced with a writer: not ours to fetch.
+          break;
+        }
+        begun.push_back({key, static_cast<uint16_t>(s)});
+        page.slots.push_back(*slot);
+      }
+      if (failed != v1::PAGE_STATUS_UNSPECIFIED) {
+        std::vector<core::ReleasedObject> released;
+        index->Abort(begun, &released);
+        l2_->FreeReleased(released);
+        pending_bytes_.fetch_sub(page_bytes, std::memory_order_relaxed);
+        statuses[flat] = static_cast<uint8_t>(failed);
+        stopped = true;
+        continue;
+      }
+      const uint32_t page_index = static_cast<uint32_t>(fetch->pages.size());
+      for (int s = 0; s < shards; ++s) {
+        if (!page.slots[s].valid()) continue;
+        items[tier].push_back({key, static_cast<uint32_t>(s), l2_->pool()->Address(page.slots[s]),
+                               ns.object_bytes()});
+        item_page[tier].emplace_back(page_index, static_cast<uint16_t>(s));
+      }
+      fetch->bytes += page_bytes;
+      fetch->pages.push_back(std::move(page));
+      statuses[flat] = v1::PAGE_STATUS_PENDING;
+      ++started.fetching[c];
+      parent = key;
+    }
+  }
+  record->seq_begin.push_back(static_cast<uint32_t>(statuses.size()));
+  for (const auto& [pin, key] : present_pins) pins_->Extend(pin, absl::MakeConstSpan(&key, 1));
+
+  // Reads go out per tier in batches of at most the backend's max_batch_items.
+  std::vector<size_t> max_items(tiers_->size());
+  size_t batches = 0;
+  for (size_t t = 0; t < tiers_->size(); ++t) {
+    max_items[t] = std::max<size_t>(1, tiers_->tier(t).backend->capabilities().max_batch_items);
+    batches += (items[t].size() + max_items[t] - 1) / max_items[t];
+  }
+  if (fetch->pages.empty() && !always_op) return started;
+
+  record->id = ops_->NextId();
+  fetch->op_id = record->id;
+  if (policy == v1::PREFETCH_POLICY_BEST_EFFORT) {
+    for (const PrefetchChain& chain : chains) {
+      if (chain.pin_id != 0) fetch->best_effort_pins.push_back(chain.pin_id);
+    }
+  }
+  record->kind = v1::OP_KIND_PREFETCH;
+  record->instance_id = session.instance_id;
+  record->session_id = session.id;
+  record->submitted = absl::Now();
+  record->ready_deadline = record->submitted + deadline;
+  record->statuses = statuses;
+  record->device = fetch->op;
+  record->completion = std::make_unique<Completion>(fetch, metrics_);
+  {
+    absl::MutexLock lock(&fetch->mu);
+    fetch->statuses = statuses;
+  }
+  fetch->reads_left.store(static_cast<int>(batches), std::memory_order_relaxed);
+  {
+    absl::MutexLock lock(&mu_);
+    ++inflight_;
+    for (uint64_t pin : fetch->best_effort_pins) best_effort_by_pin_[pin] = fetch->op_id;
+  }
+  // Reads first, then the op: a read that completes at once lands before Add and Add finalizes.
+  fetch->started = std::chrono::steady_clock::now();
+  if (batches == 0) {
+    Land(*fetch);
+  } else {
+    for (size_t t = 0; t < tiers_->size(); ++t) {
+      for (size_t off = 0; off < items[t].size(); off += max_items[t]) {
+        const size_t n = std::min(max_items[t], items[t].size() - off);
+        auto map = std::make_shared<std::vector<std::pair<uint32_t, uint16_t>>>(
+            item_page[t].begin() + off, item_page[t].begin() + off + n);
+        storage::GetRequest request{ns.digest(), absl::MakeConstSpan(items[t]).subspan(off, n),
+                                    absl::ZeroDuration()};
+        absl::Status s = tiers_->tier(t).backend->Get(
+            request, [this, fetch, map](storage::BatchResult result) {
+              {
+                // A page's shards may span two batches, whose callbacks can run at once.
+                absl::MutexLock lock(&fetch->mu);
+                for (size_t i = 0; i < result.items.size() && i < map->size(); ++i) {
+                  Fetch::Page& page = fetch->pages[(*map)[i].first];
+                  const uint8_t st = ReadStatus(result.items[i].status);
+                  if (Severity(st) > Severity(page.result)) page.result = st;
+                }
+              }
+              if (fetch->reads_left.fetch_sub(1, std::memory_order_acq_rel) == 1) Land(*fetch);
+            });
+        if (!s.ok()) {
+          KVLOG(Warn, "l3 read not submitted",
+                {{"tier", tiers_->tier(t).spec.name}, {"error", s.ToString()}});
+          {
+            absl::MutexLock lock(&fetch->mu);
+            for (size_t i = 0; i < n; ++i) {
+              fetch->pages[(*map)[i].first].result = v1::PAGE_STATUS_L3_ERROR;
+            }
+          }
+          if (fetch->reads_left.fetch_sub(1, std::memory_order_acq_rel) == 1) Land(*fetch);
+        }
+      }
+    }
+  }
+  started.op = ops_->Add(std::move(record));
+  {
+    absl::MutexLock lock(&fetch->mu);
+    fetch->record = started.op;
+  }
+  // The reads may have landed between Add's own attempt and the line above.
+  if (fetch->op->Poll()) ops_->TryFinalize(*started.op);
+  return started;
+}
+
+void L3Prefetcher::Land(Fetch& fetch) {
+  Namespace& ns = *fetch.ns;
+  core::RadixIndex* index = ns.index();
+  const int shards = ns.shards();
+  const core::ShardMask group = ns.group_shards();
+  std::vector<core::ObjectId> commit;
+  std::vector<core::ObjectId> abort;
+  std::vector<core::L3Update> gone;
+  std::vector<uint8_t> finals(fetch.pages.size(), v1::PAGE_STATUS_OK);
+  uint64_t landed_bytes = 0;
+  for (size_t p = 0; p < fetch.pages.size(); ++p) {
+    Fetch::Page& page = fetch.pages[p];
+    if (page.tier < 0) continue;
+    for (int s = 0; s < shards; ++s) {
+      if (!page.slots[s].valid()) continue;
+      (page.result == v1::PAGE_STATUS_OK ? commit : abort).push_back({page.key,
+                                                                     static_cast<uint16_t>(s)});
+      if (page.result == v1::PAGE_STATUS_OK) landed_bytes += ns.object_bytes();
+      if (page.result == v1::PAGE_STATUS_MISS || page.result == v1::PAGE_STATUS_CHECKSUM_ERROR) {
+        gone.push_back({page.key, std::nullopt, static_cast<uint16_t>(s),
+                        static_cast<uint8_t>(page.tier), false});
+      }
+    }
+    finals[p] = page.result;
+  }
+  if (!commit.empty()) {
+    std::vector<absl::Status> st(commit.size());
+    index->Commit(commit, absl::MakeSpan(st));
+    for (size_t i = 0; i < st.size(); ++i) {
+      if (!st[i].ok()) {
+        KVLOG(Error, "prefetch commit failed", {{"error", st[i].ToString()}});
+      }
+    }
+  }
+  if (!abort.empty()) {
+    std::vector<core::ReleasedObject> released;
+    index->Abort(abort, &released);
+    l2_->FreeReleased(released);
+  }
+  if (!gone.empty()) {
+    std::vector<absl::Status> st(gone.size());
+    index->UpdateL3(gone, absl::MakeSpan(st));
+  }
+  metrics_->CountL3Bytes(
+      /*write=*/false, landed_bytes,
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - fetch.started).count());
+
+  // Final statuses: our reads as above; pages another op was writing, as they stand now.
+  absl::flat_hash_map<uint64_t, std::vector<core::PageKey>> pin_keys;
+  for (size_t p = 0; p < fetch.pages.size(); ++p) {
+    Fetch::Page& page = fetch.pages[p];
+    if (page.tier < 0) {
+      std::optional<core::PageInfo> info = index->Inspect(page.key);
+      core::ShardMask committed = 0;
+      if (info.has_value()) {
+        for (int s = 0; s < shards && s < static_cast<int>(info->shards.size()); ++s) {
+          if (info->shards[s].l2 == core::L2State::kResident) committed |= core::ShardMask{1} << s;
+        }
+      }
+      finals[p] = (committed & group) == group ? v1::PAGE_STATUS_OK : v1::PAGE_STATUS_MISS;
+    }
+    if (finals[p] == v1::PAGE_STATUS_OK && page.pin_id != 0) {
+      pin_keys[page.pin_id].push_back(page.key);
+    }
+  }
+  for (auto& [pin, keys] : pin_keys) pins_->Extend(pin, keys);
+  pending_bytes_.fetch_sub(fetch.bytes, std::memory_order_relaxed);
+
+  std::shared_ptr<OpRecord> record;
+  {
+    absl::MutexLock lock(&fetch.mu);
+    for (size_t p = 0; p < fetch.pages.size(); ++p) {
+      fetch.statuses[fetch.pages[p].flat] = finals[p];
+    }
+    fetch.landed = true;
+    record = fetch.record;
+  }
+  fetch.op->Finish(absl::OkStatus());
+  if (record != nullptr) ops_->TryFinalize(*record);
+  absl::MutexLock lock(&mu_);
+  for (uint64_t pin : fetch.best_effort_pins) {
+    auto it = best_effort_by_pin_.find(pin);
+    if (it != best_effort_by_pin_.end() && it->second == fetch.op_id) best_effort_by_pin_.erase(it);
+  }
+  --inflight_;
+}
+
+void L3Prefetcher::Abandon(uint64_t pin_id, const std::string& instance_id) {
+  uint64_t op_id = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = best_effort_by_pin_.find(pin_id);
+    if (it == best_effort_by_pin_.end()) return;
+    op_id = it->second;
+    best_effort_by_pin_.erase(it);
+  }
+  ops_->Cancel(op_id, instance_id);  // UNKNOWN for another instance's pin: nothing happens.
+}
+
+}  // namespace kvcellar::server

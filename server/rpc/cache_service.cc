@@ -1,0 +1,621 @@
+#include "server/rpc/cache_service.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "core/log.h"
+#include "server/build_info.h"
+#include "server/session/namespace_metrics.h"
+#include "server/rpc/request_validation.h"
+#include "server/status_util.h"
+
+namespace kvcellar::server {
+namespace {
+
+// Revision of kvcellar.v1 this daemon implements (docs/api.md, compatibility). Keep in step with
+// the one AdminService reports (admin_service.cc).
+constexpr uint32_t kApiRevision = 1;
+// WaitOps answers this long before the call's own gRPC deadline, so the reply (with the states as
+// they are) reaches the client instead of DEADLINE_EXCEEDED: a Unix-socket round trip is ~0.1 ms.
+constexpr absl::Duration kDeadlineMargin = absl::Milliseconds(2);
+// How long closing a session waits for a cancelled device op to report that it ended, after its
+// mapping is closed (the sim device has finished it by then; CUDA drains its streams, bounded by
+// its own close timeout).
+constexpr absl::Duration kCancelledOpWait = absl::Seconds(10);
+
+grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status, context));
+  return reactor;
+}
+
+core::EvictionPolicyKind PolicyOf(const Config& config) {
+  return config.eviction.policy == EvictionPolicy::kLru ? core::EvictionPolicyKind::kLru
+                                                        : core::EvictionPolicyKind::kS3Fifo;
+}
+
+// A gpu-layer error while opening an engine, as the registration's error: which field, which
+// reason. gpu/ names its fields ("regions[2]: ...", "completion_region: ...", "device_uuid ...").
+absl::Status OpenEngineError(const absl::Status& s) {
+  absl::string_view msg = s.message();
+  if (absl::StartsWith(msg, "device_uuid")) {
+    return CacheError(absl::StatusCode::kFailedPrecondition, v1::ERROR_REASON_DEVICE_UNAVAILABLE,
+                      "device.uuid", absl::StrCat("device.uuid: ", msg));
+  }
+  std::string field = "layout";
+  if (absl::StartsWith(msg, "completion_region")) {
+    field = "completion.sim_counters.shm_name";
+  } else if (absl::StartsWith(msg, "regions[")) {
+    field = absl::StrCat("layout.", msg.substr(0, msg.find(']') + 1));
+  }
+  if (s.code() == absl::StatusCode::kInvalidArgument && field == "layout") {
+    return InvalidField(field, absl::StrCat("layout: ", msg));
+  }
+  // The object is missing, too small, or not what the registration says.
+  return CacheError(absl::StatusCode::kFailedPrecondition, v1::ERROR_REASON_HANDLE_OPEN_FAILED,
+                    field, absl::StrCat(field, ": ", msg));
+}
+
+// The WaitOps RPC while it waits: registered with the OpTable, finished by it (Done) when the
+// condition holds or the deadline passes, or by OnCancel when the client goes away first.
+class WaitOpsReactor final : public grpc::ServerUnaryReactor, public OpWaiter {
+ public:
+  explicit WaitOpsReactor(OpTable* ops) : ops_(ops) {}
+  void Done() override { Finish(grpc::Status::OK); }
+  void OnCancel() override {
+    if (ops_->RemoveWaiter(this)) Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  OpTable* const ops_;
+};
+
+}  // namespace
+
+CacheServiceImpl::CacheServiceImpl(CacheServiceOptions options)
+    : config_(std::move(options.config)),
+      limits_(CacheLimits::FromConfig(config_)),
+      daemon_epoch_(options.daemon_epoch),
+      devices_(std::move(options.devices)),
+      housekeeping_interval_(options.housekeeping_interval),
+      metrics_(options.metrics != nullptr ? options.metrics : &DefaultRegistry()),
+      namespaces_(options.pool, PolicyOf(config_),
+                  options.l3 != nullptr ? static_cast<int>(options.l3->size()) : 0),
+      l2_(options.pool, &namespaces_, config_.pool.high_watermark, config_.pool.low_watermark,
+          &metrics_),
+      ops_(&metrics_, absl::Milliseconds(limits_.op_result_retention_ms)),
+      no_l3_(options.l3 == nullptr ? L3Tiers::None() : nullptr),
+      l3_(options.l3 != nullptr ? options.l3 : no_l3_.get()),
+      writer_(l3_, &l2_, [this] { return ops_.NextId(); }, &metrics_, config_.storage),
+      prefetcher_(l3_, &l2_, &ops_, &pins_, &metrics_, &limits_, config_.storage),
+      mover_(&devices_, &l2_, &pins_, &ops_, &pump_, &metrics_, &limits_, &writer_),
+      matcher_(&pins_, &ops_, &metrics_, &limits_,
+               MatcherL3{l3_, &prefetcher_, &writer_,
+                         absl::Milliseconds(config_.storage.max_lookup_ms)}),
+      admin_(&namespaces_, &sessions_, &pins_, &l2_, &metrics_, absl::Now()) {
+  metrics_.SetL3Tiers(l3_->names());
+  l2_.set_eviction_observer(&writer_);
+  if (!l3_->empty()) metrics_.AddCollector([this](MetricWriter& out) { l3_->Collect(out); });
+  AddCollectors();
+  housekeeper_ = std::thread([this] { HousekeeperLoop(); });
+}
+
+CacheServiceImpl::~CacheServiceImpl() {
+  metrics_.RemoveCollectors();
+  l2_.set_eviction_observer(nullptr);
+  {
+    absl::MutexLock lock(&housekeeper_mu_);
+    stop_ = true;
+  }
+  housekeeper_.join();
+  ops_.FinishAllWaiters();
+  for (SessionRegistry::Removed& r : sessions_.TakeAll()) {
+    EndSession(r.session, r.last_of_instance, absl::ZeroDuration(), "daemon shutdown");
+  }
+}
+
+void CacheServiceImpl::AddCollectors() {
+  metrics_.AddCollector([this](MetricWriter& out) {
+    size_t workers = 0;
+    size_t schedulers = 0;
+    for (const std::shared_ptr<Session>& s : sessions_.Snapshot()) {
+      (s->info().is_worker() ? workers : schedulers)++;
+    }
+    const MetricWriter::Label worker[] = {{"role", "worker"}};
+    const MetricWriter::Label scheduler[] = {{"role", "scheduler"}};
+    out.AddGauge("kvcellar_sessions", "Live engine sessions, by role.", workers, worker);
+    out.AddGauge("kvcellar_sessions", "Live engine sessions, by role.", schedulers, scheduler);
+    out.AddGauge("kvcellar_instances", "Engine instances with a live session.",
+                 sessions_.instances());
+    out.AddGauge("kvcellar_namespaces", "Namespaces known to the daemon.", namespaces_.size());
+    out.AddGauge("kvcellar_pins", "Live Match pins.", pins_.size());
+    out.AddGauge("kvcellar_ops_in_flight", "Load and Backup ops not yet terminal.",
+                 ops_.unfinished());
+    const L2Usage l2 = GetL2Usage();
+    const MetricWriter::Label resident[] = {{"state", "resident"}};
+    const MetricWriter::Label in_flight[] = {{"state", "in_flight"}};
+    out.AddGauge("kvcellar_l2_pages", "Pages with a committed shard in L2.", l2.pages);
+    out.AddGauge("kvcellar_l2_objects",
+                 "(page, shard) objects in L2: resident (committed) or in_flight (being written, "
+                 "invisible).",
+                 l2.objects, resident);
+    out.AddGauge("kvcellar_l2_objects",
+                 "(page, shard) objects in L2: resident (committed) or in_flight (being written, "
+                 "invisible).",
+                 l2.in_flight_objects, in_flight);
+    out.AddGauge("kvcellar_l2_pinned_pages", "L2 pages pinned by a Match or a copy.",
+                 l2.pinned_pages);
+    out.AddGauge("kvcellar_l2_pinned_bytes",
+                 "Pool slot bytes of pinned L2 pages' objects: not evictable now.",
+                 l2.pinned_bytes);
+    out.AddGauge("kvcellar_l2_in_flight_bytes",
+                 "Pool slot bytes of L2 objects being written (Backup, Prefetch), not yet visible.",
+                 l2.in_flight_bytes);
+    out.AddGauge("kvcellar_l2_bytes", "Pool slot bytes held by L2 objects.", l2.bytes);
+  });
+  metrics_.AddCollector(
+      [this, cap = static_cast<size_t>(config_.http.max_namespace_series)](MetricWriter& out) {
+        CollectNamespaceMetrics(namespaces_.Snapshot(), cap, out);
+      });
+}
+
+// ---- Helpers ---------------------------------------------------------------------------------
+
+absl::StatusOr<std::shared_ptr<Session>> CacheServiceImpl::FindSession(uint64_t session_id) const {
+  std::shared_ptr<Session> s = sessions_.Find(session_id, absl::Now());
+  if (s == nullptr) return SessionUnknown(session_id);
+  return s;
+}
+
+absl::Status CacheServiceImpl::CheckNotDraining() const {
+  if (!draining_.load(std::memory_order_acquire)) return absl::OkStatus();
+  return CacheError(absl::StatusCode::kUnavailable, v1::ERROR_REASON_NOT_READY, "",
+                    "the daemon is shutting down; reconnect later");
+}
+
+void CacheServiceImpl::SetDraining() {
+  draining_.store(true, std::memory_order_release);
+  ops_.FinishAllWaiters();
+}
+
+CacheServiceImpl::Counts CacheServiceImpl::GetCounts() const {
+  return {sessions_.sessions(), sessions_.instances(), namespaces_.size()};
+}
+
+CacheServiceImpl::L2Usage CacheServiceImpl::GetL2Usage() const {
+  L2Usage u;
+  for (const std::shared_ptr<Namespace>& ns : namespaces_.Snapshot()) {
+    if (ns->index() == nullptr) continue;
+    const core::RadixIndexStats s = ns->index()->Stats();
+    u.pages += s.l2_pages;
+    u.objects += s.l2_objects;
+    u.in_flight_objects += s.l2_inflight_objects;
+    u.in_flight_bytes += s.l2_inflight_bytes;
+    u.pinned_pages += s.pinned_pages;
+    u.pinned_bytes += s.pinned_bytes;
+    u.bytes += s.l2_bytes;
+  }
+  return u;
+}
+
+void CacheServiceImpl::FillInfo(DaemonInfo* info) const {
+  const Counts counts = GetCounts();
+  info->sessions = counts.sessions;
+  info->instances = counts.instances;
+  info->namespaces = counts.namespaces;
+  const L2Usage l2 = GetL2Usage();
+  info->pool_pinned_bytes = l2.pinned_bytes;
+  info->pool_in_flight_bytes = l2.in_flight_bytes;
+}
+
+CacheServiceImpl::EndCounts CacheServiceImpl::EndSession(const std::shared_ptr<Session>& session,
+                                                         bool last_of_instance,
+                                                         absl::Duration drain,
+                                                         absl::string_view reason) {
+  const SessionInfo& info = session->info();
+  EndCounts counts;
+  // No new op can start; the mapping stays usable by the ops already running.
+  std::unique_ptr<gpu::EngineMapping> mapping = session->Close();
+  const uint32_t before = session->inflight_ops();
+  ops_.WaitSessionOps(info.id, absl::Now() + drain);
+  std::vector<std::shared_ptr<OpRecord>> cancelled = ops_.CancelSessionOps(info.id);
+  counts.ops_cancelled = static_cast<uint32_t>(cancelled.size());
+  counts.ops_completed = before > counts.ops_cancelled ? before - counts.ops_cancelled : 0;
+  // Closing the mapping waits for copies in progress and ends the ones not started: after this
+  // the daemon never touches the engine's memory again.
+  // A worker's mapping comes out of Close() once: release its hold on the geometry once too.
+  const bool held_layout = info.is_worker() && mapping != nullptr;
+  mapping.reset();
+  if (held_layout) info.ns->ReleaseLayout();
+  for (const std::shared_ptr<OpRecord>& op : cancelled) {
+    if (op->device != nullptr) op->device->Wait(kCancelledOpWait);
+    ops_.TryFinalize(*op);
+  }
+  if (last_of_instance) {
+    counts.pins_released = static_cast<uint32_t>(pins_.ReleaseInstance(info.instance_id));
+  } else if (info.is_worker()) {
+    counts.pins_released = static_cast<uint32_t>(pins_.DropRankHolds(info.instance_id, info.rank));
+  }
+  KVLOG(Info, "session ended",
+        {{"session_id", info.id},
+         {"instance_id", info.instance_id},
+         {"rank", info.rank},
+         {"reason", reason},
+         {"ops_completed", counts.ops_completed},
+         {"ops_cancelled", counts.ops_cancelled},
+         {"pins_released", counts.pins_released}});
+  return counts;
+}
+
+// ---- Housekeeping ------------------------------------------------------------------------------
+
+void CacheServiceImpl::Housekeep() {
+  const absl::Time now = absl::Now();
+  for (SessionRegistry::Removed& r : sessions_.TakeExpired(now)) {
+    metrics_.CountSessionLeaseExpiry();
+    EndSession(r.session, r.last_of_instance, absl::ZeroDuration(), "lease expired");
+  }
+  const size_t expired_pins = pins_.ExpireDue(now);
+  if (expired_pins > 0) metrics_.CountPinLeaseExpiries(expired_pins);
+  // The index drops lapsed page pins itself (the records above are gone by now, and so are
+  // their page pins); this also covers copy pins of an op that was never finalized.
+  for (const std::shared_ptr<Namespace>& ns : namespaces_.Snapshot()) {
+    if (ns->index() != nullptr) ns->index()->ExpireLeases(now);
+  }
+  ops_.Prune(now);
+  matcher_.Prune(now);
+  l2_.ReapDoomed();  // Pages an admin Clear doomed whose copies have ended.
+  l2_.EnforceWatermarks();
+}
+
+void CacheServiceImpl::HousekeeperLoop() {
+  absl::MutexLock lock(&housekeeper_mu_);
+  while (!stop_) {
+    housekeeper_mu_.AwaitWithTimeout(absl::Condition(&stop_), housekeeping_interval_);
+    if (stop_) break;
+    housekeeper_mu_.Unlock();
+    Housekeep();
+    housekeeper_mu_.Lock();
+  }
+}
+
+// ---- RegisterEngine
+// ------------------------------------------------------------------------------
+
+absl::Status CacheServiceImpl::DoRegister(grpc::CallbackServerContext* context,
+                                          const v1::RegisterEngineRequest& request,
+                                          v1::RegisterEngineResponse* response) {
+  if (absl::Status s = CheckNotDraining(); !s.ok()) return s;
+  absl::StatusOr<Registration> reg = ParseRegistration(request, limits_, devices_.kinds());
+  if (!reg.ok()) return reg.status();
+
+  std::shared_ptr<Namespace> ns = namespaces_.GetOrCreate(reg->spec);
+  const bool mla = reg->spec.layout == core::LayoutKind::kMla;
+  SessionInfo info;
+  info.id = sessions_.NewSessionId();
+  info.instance_id = request.instance_id();
+  info.rank = reg->worker ? request.rank() : 0;
+  info.role = reg->worker ? v1::SESSION_ROLE_WORKER : v1::SESSION_ROLE_SCHEDULER;
+  info.ns = ns;
+  info.shard = static_cast<uint16_t>(reg->worker && !mla ? request.rank() : 0);
+  info.shard_writer = reg->worker && (!mla || request.rank() == 0);
+  info.tp_size = reg->spec.tp_size;
+  info.device_kind = reg->device_kind;
+  info.num_blocks = reg->engine.layout.num_blocks;
+  info.num_layers = static_cast<uint32_t>(reg->engine.layout.layers.size());
+  info.num_load_slots = reg->num_load_slots;
+  info.num_ready_slots = reg->num_ready_slots;
+  info.cuda_ready_events = std::move(reg->cuda_ready_events);
+  info.pid = request.pid();
+  info.engine_name = request.engine_name();
+  info.client_version = request.client_version();
+  info.peer = context != nullptr ? context->peer() : "";
+  info.registered = absl::Now();
+  if (absl::Status s = sessions_.CheckAdd(info, request.replace_existing()); !s.ok()) return s;
+
+  std::unique_ptr<gpu::EngineMapping> mapping;
+  if (reg->worker) {
+    // ParseRegistration admitted only a kind that is served.
+    gpu::DeviceBackend* const device = devices_.For(reg->device_kind);
+    if (device == nullptr) {
+      return CacheError(absl::StatusCode::kFailedPrecondition, v1::ERROR_REASON_DEVICE_UNAVAILABLE,
+                        "device.kind", "this daemon has no device backend");
+    }
+    if (!reg->sim_counters_name.empty()) {
+      absl::StatusOr<std::shared_ptr<SimCounterChannel>> channel =
+          SimCounterChannel::Open(reg->sim_counters_name, reg->sim_counters_bytes,
+                                  info.num_load_slots, info.num_layers, info.num_ready_slots);
+      if (!channel.ok()) return channel.status();
+      info.sim_signals = *std::move(channel);
+    }
+    absl::StatusOr<std::unique_ptr<gpu::EngineMapping>> opened = device->OpenEngine(reg->engine);
+    if (!opened.ok()) return OpenEngineError(opened.status());
+    mapping = *std::move(opened);
+    if (absl::Status s = ns->AdoptLayout(reg->engine.layout); !s.ok()) return s;
+  }
+
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(limits_.lease_ms);
+  auto session = std::make_shared<Session>(std::move(info), std::move(mapping), deadline);
+  std::shared_ptr<Session> replaced;
+  if (absl::Status s = sessions_.Add(session, request.replace_existing(), &replaced); !s.ok()) {
+    if (reg->worker) ns->ReleaseLayout();  // A refused registration holds nothing.
+    return s;  // The mapping closes with `session`.
+  }
+  if (replaced != nullptr) {
+    EndSession(replaced, /*last_of_instance=*/false, absl::ZeroDuration(), "replaced");
+  }
+
+  const SessionInfo& s = session->info();
+  response->set_session_id(s.id);
+  response->set_lease_ms(limits_.lease_ms);
+  response->set_heartbeat_interval_ms(limits_.heartbeat_interval_ms);
+  limits_.ToProto(response->mutable_limits());
+  response->set_ns_digest(std::string(ns->digest().AsBytes()));
+  response->set_shard_index(s.shard);
+  response->set_num_shards(static_cast<uint32_t>(ns->shards()));
+  response->set_is_shard_writer(s.shard_writer);
+  response->set_page_object_bytes(s.is_worker() ? ns->object_bytes() : 0);
+  response->set_daemon_epoch(daemon_epoch_);
+  response->set_daemon_version(kVersion);
+  response->set_api_revision(kApiRevision);
+  if (!l3_->empty()) {
+    for (const std::string& name : l3_->names()) response->add_l3_tier_names(name);
+    response->set_default_write_policy(writer_.default_policy());
+    response->set_default_prefetch_policy(prefetcher_.Resolve(v1::PREFETCH_POLICY_UNSPECIFIED));
+  } else {
+    response->set_default_write_policy(v1::WRITE_POLICY_L2_ONLY);
+    response->set_default_prefetch_policy(v1::PREFETCH_POLICY_NONE);
+  }
+  KVLOG(Info, "session registered",
+        {{"session_id", s.id},
+         {"instance_id", s.instance_id},
+         {"role", s.is_worker() ? "worker" : "scheduler"},
+         {"rank", s.rank},
+         {"shard", s.shard},
+         {"ns_digest", ns->digest().Hex().substr(0, 16)},
+         {"blocks", s.num_blocks},
+         {"layers", s.num_layers},
+         {"engine", s.engine_name},
+         {"replaced", replaced != nullptr ? "true" : "false"}});
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::RegisterEngine(grpc::CallbackServerContext* context,
+                                                           const v1::RegisterEngineRequest* request,
+                                                           v1::RegisterEngineResponse* response) {
+  return Finish(context, DoRegister(context, *request, response));
+}
+
+// ---- Heartbeat / Unregister
+// ------------------------------------------------------------------------
+
+grpc::ServerUnaryReactor* CacheServiceImpl::Heartbeat(grpc::CallbackServerContext* context,
+                                                      const v1::HeartbeatRequest* request,
+                                                      v1::HeartbeatResponse* response) {
+  const absl::Time now = absl::Now();
+  response->set_daemon_epoch(daemon_epoch_);
+  response->set_draining(draining_.load(std::memory_order_acquire));
+  if (static_cast<uint32_t>(request->renew_pin_ids_size()) > limits_.max_batch_sequences) {
+    return Finish(context,
+                  LimitExceeded("renew_pin_ids",
+                                absl::StrCat("renew_pin_ids: ", request->renew_pin_ids_size(),
+                                             " ids, more than max_batch_sequences (",
+                                             limits_.max_batch_sequences, ")")));
+  }
+  std::shared_ptr<Session> session = sessions_.Find(request->session_id(), now);
+  if (session == nullptr) {
+    // Not an error: this is how a client learns to register again.
+    response->set_state(v1::SESSION_STATE_UNKNOWN);
+    return Finish(context, absl::OkStatus());
+  }
+  const absl::Time deadline = now + absl::Milliseconds(limits_.lease_ms);
+  session->Renew(deadline);
+  response->set_state(v1::SESSION_STATE_ACTIVE);
+  response->set_lease_remaining_ms(limits_.lease_ms);
+  response->set_lease_deadline_unix_ms(absl::ToUnixMillis(deadline));
+  if (request->renew_pin_ids_size() > 0) {
+    for (uint64_t id : pins_.Renew(request->renew_pin_ids(), session->info().instance_id, now)) {
+      response->add_unknown_pin_ids(id);
+    }
+  }
+  return Finish(context, absl::OkStatus());
+}
+
+absl::Status CacheServiceImpl::DoUnregister(const v1::UnregisterEngineRequest& request,
+                                            v1::UnregisterEngineResponse* response) {
+  SessionRegistry::Removed removed = sessions_.Remove(request.session_id());
+  if (removed.session == nullptr) return SessionUnknown(request.session_id());
+  const uint32_t drain_ms = std::min(request.drain_timeout_ms(), limits_.max_wait_ms);
+  EndCounts counts = EndSession(removed.session, removed.last_of_instance,
+                                absl::Milliseconds(drain_ms), "unregistered");
+  response->set_ops_completed(counts.ops_completed);
+  response->set_ops_cancelled(counts.ops_cancelled);
+  response->set_pins_released(counts.pins_released);
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::UnregisterEngine(
+    grpc::CallbackServerContext* context, const v1::UnregisterEngineRequest* request,
+    v1::UnregisterEngineResponse* response) {
+  return Finish(context, DoUnregister(*request, response));
+}
+
+// ---- Match / Load / Backup
+// -----------------------------------------------------------------------
+
+absl::Status CacheServiceImpl::DoMatch(const v1::MatchRequest& request,
+                                       v1::MatchResponse* response) {
+  if (absl::Status s = CheckNotDraining(); !s.ok()) return s;
+  absl::StatusOr<std::shared_ptr<Session>> session = FindSession(request.session_id());
+  if (!session.ok()) return session.status();
+  const SessionInfo& info = (*session)->info();
+  if (absl::Status s = ValidateMatch(request, info.ns->spec(), limits_); !s.ok()) return s;
+  return matcher_.Match(info, request, response);
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::Match(grpc::CallbackServerContext* context,
+                                                  const v1::MatchRequest* request,
+                                                  v1::MatchResponse* response) {
+  return Finish(context, DoMatch(*request, response));
+}
+
+absl::Status CacheServiceImpl::DoPrefetch(const v1::PrefetchRequest& request,
+                                          v1::PrefetchResponse* response) {
+  if (absl::Status s = CheckNotDraining(); !s.ok()) return s;
+  absl::StatusOr<std::shared_ptr<Session>> session = FindSession(request.session_id());
+  if (!session.ok()) return session.status();
+  if (absl::Status s = ValidatePrefetch(request, limits_); !s.ok()) return s;
+  const SessionInfo& info = (*session)->info();
+  Namespace& ns = *info.ns;
+  const uint32_t lease_ms = limits_.PinLeaseMs(request.pin_lease_ms());
+  const absl::Time pin_deadline = absl::Now() + absl::Milliseconds(lease_ms);
+  std::vector<PrefetchChain> chains;
+  chains.reserve(request.sequences_size());
+  uint64_t pages = 0;
+  for (const v1::PrefetchSequence& seq : request.sequences()) {
+    PrefetchChain& chain = chains.emplace_back();
+    if (!seq.parent_key().empty()) chain.parent = ns.IndexKey(seq.parent_key().data());
+    ns.AppendIndexKeys(seq.page_keys(), &chain.keys);
+    pages += chain.keys.size();
+    if (request.pin()) {
+      chain.pin_id = ops_.NextId();
+      pins_.Add(chain.pin_id, info.instance_id, info.ns, {}, info.tp_size,
+                absl::Milliseconds(lease_ms), pin_deadline);
+      response->add_pin_ids(chain.pin_id);
+    }
+  }
+  // Without L3 tiers every page is ALREADY_PRESENT or MISS, and the op is done at once.
+  v1::PrefetchPolicy policy = prefetcher_.Resolve(request.policy());
+  if (policy == v1::PREFETCH_POLICY_NONE) policy = v1::PREFETCH_POLICY_BEST_EFFORT;
+  std::shared_ptr<OpRecord> op =
+      prefetcher_
+          .Start(info, std::move(chains), policy,
+                 prefetcher_.Deadline(policy, request.timeout_ms(), pages * ns.spec().page_size),
+                 /*always_op=*/true)
+          .op;
+  ops_.Fill(*op, /*omit_page_status=*/false, /*submission=*/true, response->mutable_op());
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::Prefetch(grpc::CallbackServerContext* context,
+                                                     const v1::PrefetchRequest* request,
+                                                     v1::PrefetchResponse* response) {
+  return Finish(context, DoPrefetch(*request, response));
+}
+
+absl::Status CacheServiceImpl::DoLoad(const v1::LoadRequest& request, v1::LoadResponse* response) {
+  if (absl::Status s = CheckNotDraining(); !s.ok()) return s;
+  absl::StatusOr<std::shared_ptr<Session>> session = FindSession(request.session_id());
+  if (!session.ok()) return session.status();
+  if (absl::Status s = ValidateLoad(request, (*session)->info(), limits_); !s.ok()) return s;
+  // The engine schedules with what has landed: a BEST_EFFORT prefetch under the pin stops here.
+  for (const v1::LoadSequence& seq : request.sequences()) {
+    if (seq.pin_id() != 0) prefetcher_.Abandon(seq.pin_id(), (*session)->info().instance_id);
+  }
+  absl::StatusOr<std::shared_ptr<OpRecord>> op = mover_.Load(*session, request);
+  if (!op.ok()) return op.status();
+  ops_.Fill(**op, /*omit_page_status=*/false, /*submission=*/true, response->mutable_op());
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::Load(grpc::CallbackServerContext* context,
+                                                 const v1::LoadRequest* request,
+                                                 v1::LoadResponse* response) {
+  return Finish(context, DoLoad(*request, response));
+}
+
+absl::Status CacheServiceImpl::DoBackup(const v1::BackupRequest& request,
+                                        v1::BackupResponse* response) {
+  if (absl::Status s = CheckNotDraining(); !s.ok()) return s;
+  absl::StatusOr<std::shared_ptr<Session>> session = FindSession(request.session_id());
+  if (!session.ok()) return session.status();
+  if (absl::Status s = ValidateBackup(request, (*session)->info(), limits_); !s.ok()) return s;
+  absl::StatusOr<std::shared_ptr<OpRecord>> op = mover_.Backup(*session, request);
+  if (!op.ok()) return op.status();
+  ops_.Fill(**op, /*omit_page_status=*/false, /*submission=*/true, response->mutable_op());
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::Backup(grpc::CallbackServerContext* context,
+                                                   const v1::BackupRequest* request,
+                                                   v1::BackupResponse* response) {
+  return Finish(context, DoBackup(*request, response));
+}
+
+// ---- WaitOps / Release
+// ------------------------------------------------------------------------------
+
+grpc::ServerUnaryReactor* CacheServiceImpl::WaitOps(grpc::CallbackServerContext* context,
+                                                    const v1::WaitOpsRequest* request,
+                                                    v1::WaitOpsResponse* response) {
+  absl::StatusOr<std::shared_ptr<Session>> session = FindSession(request->session_id());
+  if (!session.ok()) return Finish(context, session.status());
+  if (request->op_ids_size() == 0) {
+    return Finish(context, InvalidField("op_ids", "op_ids: at least one op id is required"));
+  }
+  if (static_cast<uint32_t>(request->op_ids_size()) > limits_.max_inflight_ops) {
+    return Finish(context,
+                  LimitExceeded("op_ids", absl::StrCat("op_ids: ", request->op_ids_size(),
+                                                       " ids, more than max_inflight_ops (",
+                                                       limits_.max_inflight_ops, ")")));
+  }
+  if (!v1::WaitMode_IsValid(request->mode())) {
+    return Finish(context, InvalidField("mode", absl::StrCat("mode (", request->mode(),
+                                                             ") is not a WaitMode")));
+  }
+  const absl::Time now = absl::Now();
+  absl::Time deadline =
+      now + absl::Milliseconds(std::min(request->timeout_ms(), limits_.max_wait_ms));
+  const absl::Time call_deadline = absl::FromChrono(context->deadline());
+  if (call_deadline < deadline + kDeadlineMargin) {
+    deadline = std::max(now, call_deadline - kDeadlineMargin);
+  }
+  if (draining_.load(std::memory_order_acquire)) deadline = now;  // Answer at once.
+  auto* reactor = new WaitOpsReactor(&ops_);
+  reactor->ids.assign(request->op_ids().begin(), request->op_ids().end());
+  reactor->instance_id = (*session)->info().instance_id;
+  reactor->any = request->mode() == v1::WAIT_MODE_ANY;
+  reactor->omit_page_status = request->omit_page_status();
+  reactor->deadline = deadline;
+  reactor->response = response;
+  if (ops_.Wait(reactor)) reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+absl::Status CacheServiceImpl::DoRelease(const v1::ReleaseRequest& request,
+                                         v1::ReleaseResponse* response) {
+  absl::StatusOr<std::shared_ptr<Session>> session = FindSession(request.session_id());
+  if (!session.ok()) return session.status();
+  if (static_cast<uint32_t>(request.pin_ids_size()) > limits_.max_batch_sequences) {
+    return LimitExceeded("pin_ids", absl::StrCat("pin_ids: ", request.pin_ids_size(),
+                                                 " ids, more than max_batch_sequences (",
+                                                 limits_.max_batch_sequences, ")"));
+  }
+  if (static_cast<uint32_t>(request.cancel_op_ids_size()) > limits_.max_inflight_ops) {
+    return LimitExceeded(
+        "cancel_op_ids",
+        absl::StrCat("cancel_op_ids: ", request.cancel_op_ids_size(),
+                     " ids, more than max_inflight_ops (", limits_.max_inflight_ops, ")"));
+  }
+  const std::string& instance = (*session)->info().instance_id;
+  for (uint64_t id : request.pin_ids()) {
+    const bool released = pins_.Release(id, instance);
+    if (released) prefetcher_.Abandon(id, instance);
+    response->add_pin_outcomes(released ? v1::RELEASE_OUTCOME_RELEASED
+                                        : v1::RELEASE_OUTCOME_UNKNOWN);
+  }
+  for (uint64_t id : request.cancel_op_ids()) response->add_op_outcomes(ops_.Cancel(id, instance));
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::Release(grpc::CallbackServerContext* context,
+                                                    const v1::ReleaseRequest* request,
+                                                    v1::ReleaseResponse* response) {
+  return Finish(context, DoRelease(*request, response));
+}
+
+}  // namespace kvcellar::server

@@ -1,0 +1,141 @@
+#include "server/rpc/malformed_request.h"
+
+#include <deque>
+#include <mutex>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "core/log.h"
+#include "google/protobuf/stubs/logging.h"
+#include "server/status_util.h"
+
+namespace kvcellar::server {
+namespace {
+
+namespace pb = ::google::protobuf;
+using grpc::experimental::InterceptionHookPoints;
+
+// protobuf 3.21 (wire_format_lite.cc, PrintUTF8ErrorLog): "String field '<full name>' contains
+// invalid UTF-8 data when parsing a protocol buffer. ..."
+constexpr absl::string_view kUtf8Prefix = "String field '";
+constexpr absl::string_view kUtf8Parsing = "contains invalid UTF-8 data when parsing";
+
+// The string field with invalid UTF-8 that the last failed parse on this thread reported; read
+// and cleared by the interceptor of the call that parse belonged to.
+thread_local std::string bad_utf8_field;
+
+void ProtobufLogHandler(pb::LogLevel level, const char* filename, int line,
+                        const std::string& message) {
+  if (absl::StartsWith(message, kUtf8Prefix) && absl::StrContains(message, kUtf8Parsing)) {
+    // A client's request: the interceptor logs it with the call's method and peer.
+    absl::string_view rest = absl::string_view(message).substr(kUtf8Prefix.size());
+    bad_utf8_field = std::string(rest.substr(0, rest.find('\'')));
+    return;
+  }
+  const std::string source = absl::StrCat(filename, ":", line);
+  switch (level) {
+    case pb::LOGLEVEL_INFO:
+      KVLOG(Info, "protobuf", {{"source", source}, {"message", message}});
+      break;
+    case pb::LOGLEVEL_WARNING:
+      KVLOG(Warn, "protobuf", {{"source", source}, {"message", message}});
+      break;
+    default:
+      KVLOG(Error, "protobuf", {{"source", source}, {"message", message}});
+      break;
+  }
+}
+
+// The request type of "/kvcellar.v1.CacheService/Match", or nullptr for a method protobuf does not
+// know (health and reflection are generated too, so they are found).
+const pb::Descriptor* RequestType(absl::string_view grpc_method) {
+  absl::string_view m = grpc_method;
+  if (absl::StartsWith(m, "/")) m.remove_prefix(1);
+  const pb::MethodDescriptor* method =
+      pb::DescriptorPool::generated_pool()->FindMethodByName(absl::StrReplaceAll(m, {{"/", "."}}));
+  return method == nullptr ? nullptr : method->input_type();
+}
+
+class MalformedRequestInterceptor : public grpc::experimental::Interceptor {
+ public:
+  explicit MalformedRequestInterceptor(grpc::experimental::ServerRpcInfo* info)
+      : method_(info->method()) {}
+
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
+      std::string field = std::exchange(bad_utf8_field, std::string());
+      if (methods->GetRecvMessage() == nullptr) Reject(field);
+    }
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS) &&
+        !message_.empty()) {
+      methods->ModifySendStatus(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, message_));
+      std::multimap<std::string, std::string>* trailers = methods->GetSendTrailingMetadata();
+      trailers->emplace(kErrorReasonMetadataKey,
+                        v1::ErrorReason_Name(v1::ERROR_REASON_INVALID_FIELD));
+      if (!field_.empty()) trailers->emplace(kErrorFieldMetadataKey, field_);
+    }
+    methods->Proceed();
+  }
+
+ private:
+  // The request did not parse; `utf8_field` is the string field protobuf named, if any.
+  void Reject(absl::string_view utf8_field) {
+    const pb::Descriptor* type = RequestType(method_);
+    const std::string type_name = type == nullptr ? "request" : type->name();
+    if (!utf8_field.empty()) {
+      field_ = type == nullptr ? "" : FieldPath(type, utf8_field);
+      message_ = absl::StrCat(field_.empty() ? std::string(utf8_field) : field_,
+                              ": not valid UTF-8; string fields must be UTF-8 text (the ",
+                              type_name, " was not parsed)");
+    } else {
+      message_ = absl::StrCat("the request is not a valid ", type_name, " message");
+    }
+    KVLOG(Warn, "request rejected: does not parse",
+          {{"method", method_}, {"field", field_.empty() ? std::string(utf8_field) : field_},
+           {"error", message_}});
+  }
+
+  std::string method_;
+  std::string field_;    // Request path of the field at fault, or "".
+  std::string message_;  // Non-empty once the request was found malformed.
+};
+
+}  // namespace
+
+void InstallProtobufLogHandler() {
+  static std::once_flag once;
+  std::call_once(once, [] { pb::SetLogHandler(&ProtobufLogHandler); });
+}
+
+std::string FieldPath(const pb::Descriptor* root, absl::string_view full_name) {
+  // Breadth first, so the shortest path wins; each message type is expanded once (recursive
+  // types end).
+  std::deque<std::pair<const pb::Descriptor*, std::string>> queue = {{root, ""}};
+  std::vector<const pb::Descriptor*> seen = {root};
+  while (!queue.empty()) {
+    auto [type, prefix] = std::move(queue.front());
+    queue.pop_front();
+    for (int i = 0; i < type->field_count(); ++i) {
+      const pb::FieldDescriptor* f = type->field(i);
+      std::string path = absl::StrCat(prefix, prefix.empty() ? "" : ".", f->name());
+      if (f->full_name() == full_name) return path;
+      const pb::Descriptor* sub = f->message_type();
+      if (sub == nullptr || std::find(seen.begin(), seen.end(), sub) != seen.end()) continue;
+      seen.push_back(sub);
+      queue.emplace_back(sub, f->is_repeated() ? absl::StrCat(path, "[]") : path);
+    }
+  }
+  return "";
+}
+
+grpc::experimental::Interceptor* MalformedRequestInterceptorFactory::CreateServerInterceptor(
+    grpc::experimental::ServerRpcInfo* info) {
+  // Unary calls only: there a request that never arrives parsed is a malformed one. On a stream
+  // (gRPC reflection, health Watch) the last receive comes back empty when the client half-closes.
+  if (info->type() != grpc::experimental::ServerRpcInfo::Type::UNARY) return nullptr;
+  return new MalformedRequestInterceptor(info);
+}
+
+}  // namespace kvcellar::server

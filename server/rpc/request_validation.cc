@@ -1,0 +1,560 @@
+#include "server/rpc/request_validation.h"
+
+#include <algorithm>
+#include <tuple>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "core/page_key.h"
+#include "core/quote.h"
+#include "core/radix_index.h"
+#include "gpu/kv_layout.h"
+#include "gpu/shm_mapping.h"
+#include "server/datapath/device_set.h"
+#include "server/status_util.h"
+
+namespace kvcellar::server {
+namespace {
+
+constexpr size_t kKeyBytes = core::kPageKeyBytes;
+// POSIX shm names: NAME_MAX (cache_service.proto: "at most 255 bytes").
+constexpr size_t kMaxShmNameBytes = 255;
+// sizeof(cudaIpcMemHandle_t), sizeof(cudaIpcEventHandle_t).
+constexpr size_t kCudaHandleBytes = gpu::kCudaIpcHandleBytes;
+
+absl::Status CheckLength(absl::string_view field, absl::string_view value, size_t max) {
+  if (value.size() > max) {
+    return InvalidField(
+        field, absl::StrCat(field, " is ", value.size(), " bytes, more than the limit of ", max));
+  }
+  return absl::OkStatus();
+}
+
+// A SIM shm name the daemon will open: 1..255 bytes and of a form ShmMapping opens (a POSIX name
+// or "/proc/<pid>/fd/<fd>"). Checked here so that a malformed name is the caller's
+// INVALID_ARGUMENT naming the field, not a failed open (HANDLE_OPEN_FAILED) later.
+absl::Status CheckShmName(absl::string_view field, absl::string_view name) {
+  if (name.empty() || name.size() > kMaxShmNameBytes ||
+      !gpu::ShmMapping::CheckName(name).ok()) {
+    return InvalidField(
+        field, absl::StrCat(field, " ", core::Quote(name),
+                            " is not a shm name: \"/\" then 1..254 bytes, none of them \"/\" or "
+                            "NUL, or exactly /proc/<pid>/fd/<fd>"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckKeyBlob(absl::string_view field, absl::string_view blob) {
+  if (blob.size() % kKeyBytes != 0) {
+    return InvalidField(field, absl::StrCat(field, " is ", blob.size(),
+                                            " bytes, not a multiple of 32 (N concatenated "
+                                            "32-byte page keys)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSequenceCount(int n, const CacheLimits& limits) {
+  if (static_cast<uint64_t>(n) > limits.max_batch_sequences) {
+    return LimitExceeded("sequences", absl::StrCat("sequences: ", n,
+                                                   " in one request, more than "
+                                                   "max_batch_sequences (",
+                                                   limits.max_batch_sequences, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPageCount(uint64_t pages, const CacheLimits& limits) {
+  if (pages > limits.max_batch_pages) {
+    return LimitExceeded("sequences", absl::StrCat("sequences: ", pages,
+                                                   " pages in one request, more than "
+                                                   "max_batch_pages (",
+                                                   limits.max_batch_pages, ")"));
+  }
+  return absl::OkStatus();
+}
+
+// Keys, blocks and request ids of a Load or Backup: counts match, blocks in range and distinct
+// across the whole request, total within the limits.
+template <typename Sequences>
+absl::Status CheckKeysAndBlocks(const Sequences& sequences, const SessionInfo& session,
+                                const CacheLimits& limits) {
+  if (absl::Status s = CheckSequenceCount(sequences.size(), limits); !s.ok()) return s;
+  uint64_t pages = 0;
+  for (int i = 0; i < sequences.size(); ++i) {
+    const auto& seq = sequences[i];
+    const std::string prefix = absl::StrCat("sequences[", i, "]");
+    if (absl::Status s = CheckKeyBlob(absl::StrCat(prefix, ".page_keys"), seq.page_keys());
+        !s.ok()) {
+      return s;
+    }
+    const size_t keys = seq.page_keys().size() / kKeyBytes;
+    if (static_cast<size_t>(seq.device_blocks_size()) != keys) {
+      std::string field = absl::StrCat(prefix, ".device_blocks");
+      return InvalidField(field,
+                          absl::StrCat(field, ": ", seq.device_blocks_size(), " blocks for ", keys,
+                                       " page keys (one block "
+                                       "per page)"));
+    }
+    if (absl::Status s =
+            CheckLength(absl::StrCat(prefix, ".request_id"), seq.request_id(), kMaxIdBytes);
+        !s.ok()) {
+      return s;
+    }
+    pages += keys;
+  }
+  if (absl::Status s = CheckPageCount(pages, limits); !s.ok()) return s;
+
+  // (block, sequence, index) sorted by block: out-of-range and repeated blocks in one pass.
+  std::vector<std::tuple<uint32_t, uint32_t, uint32_t>> blocks;
+  blocks.reserve(pages);
+  for (int i = 0; i < sequences.size(); ++i) {
+    const auto& b = sequences[i].device_blocks();
+    for (int j = 0; j < b.size(); ++j) {
+      if (b[j] >= session.num_blocks) {
+        std::string field = absl::StrCat("sequences[", i, "].device_blocks[", j, "]");
+        return BlockOutOfRange(
+            field, absl::StrCat(field, " (", b[j], ") out of range [0, ", session.num_blocks, ")"));
+      }
+      blocks.emplace_back(b[j], i, j);
+    }
+  }
+  std::sort(blocks.begin(), blocks.end());
+  for (size_t k = 1; k < blocks.size(); ++k) {
+    if (std::get<0>(blocks[k]) == std::get<0>(blocks[k - 1])) {
+      std::string field = absl::StrCat("sequences[", std::get<1>(blocks[k]), "].device_blocks[",
+                                       std::get<2>(blocks[k]), "]");
+      return BlockOutOfRange(field, absl::StrCat(field, " (", std::get<0>(blocks[k]),
+                                                 ") repeats sequences[", std::get<1>(blocks[k - 1]),
+                                                 "].device_blocks[", std::get<2>(blocks[k - 1]),
+                                                 "]: a block may appear once per request"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Field names of gpu::KvLayout::Validate errors ("layers[3].v.block_stride ...") in the
+// request's terms ("layout.layers[3].v.block_stride_bytes").
+std::string LayoutField(absl::string_view message) {
+  size_t end = message.find_first_of(" :");
+  std::string field(message.substr(0, end == absl::string_view::npos ? message.size() : end));
+  struct Rename {
+    absl::string_view from;
+    absl::string_view to;
+  };
+  for (const Rename& r : {Rename{".block_stride", ".block_stride_bytes"},
+                          Rename{".offset", ".offset_bytes"}, Rename{".size", ".size_bytes"}}) {
+    if (absl::EndsWith(field, r.from)) {
+      field = absl::StrCat(field.substr(0, field.size() - r.from.size()), r.to);
+    }
+  }
+  return absl::StrCat("layout.", field);
+}
+
+absl::StatusOr<gpu::KvLayout> ParseLayout(const v1::KvLayout& in, const core::NamespaceSpec& spec,
+                                          v1::DeviceKind kind, const CacheLimits& limits) {
+  if (in.regions_size() == 0) {
+    return InvalidField("layout.regions", "layout.regions: at least one region is required");
+  }
+  if (static_cast<uint32_t>(in.regions_size()) > limits.max_regions) {
+    return LimitExceeded("layout.regions", absl::StrCat("layout.regions: ", in.regions_size(),
+                                                        " regions, more than max_regions (",
+                                                        limits.max_regions, ")"));
+  }
+  if (in.layers_size() == 0) {
+    return InvalidField("layout.layers", "layout.layers: at least one layer is required");
+  }
+  if (static_cast<uint32_t>(in.layers_size()) > limits.max_layers) {
+    return LimitExceeded("layout.layers",
+                         absl::StrCat("layout.layers: ", in.layers_size(),
+                                      " layers, more than max_layers (", limits.max_layers, ")"));
+  }
+  if (in.num_blocks() == 0) {
+    return InvalidField("layout.num_blocks", "layout.num_blocks is 0");
+  }
+  if (in.tokens_per_block() != 0 && in.tokens_per_block() != spec.page_size) {
+    return InvalidField("layout.tokens_per_block",
+                        absl::StrCat("layout.tokens_per_block (", in.tokens_per_block(),
+                                     ") must be 0 or equal namespace_spec.page_size_tokens (",
+                                     spec.page_size, "): one page is one block in this revision"));
+  }
+  gpu::KvLayout out;
+  out.num_blocks = in.num_blocks();
+  for (int i = 0; i < in.regions_size(); ++i) {
+    const v1::MemoryRegion& r = in.regions(i);
+    const std::string prefix = absl::StrCat("layout.regions[", i, "]");
+    gpu::MemoryRegion region;
+    if (kind == v1::DEVICE_KIND_SIM) {
+      const std::string field = absl::StrCat(prefix, ".sim_shm_name");
+      if (r.handle_case() != v1::MemoryRegion::kSimShmName) {
+        return InvalidField(field, absl::StrCat(field,
+                                                ": a SIM device region needs a shm name or a "
+                                                "/proc/<pid>/fd/<fd> path of 1..255 bytes"));
+      }
+      if (absl::Status s = CheckShmName(field, r.sim_shm_name()); !s.ok()) return s;
+      region.handle = r.sim_shm_name();
+    } else {
+      if (r.handle_case() != v1::MemoryRegion::kCudaIpcHandle ||
+          r.cuda_ipc_handle().size() != kCudaHandleBytes) {
+        std::string field = absl::StrCat(prefix, ".cuda_ipc_handle");
+        return InvalidField(field, absl::StrCat(field, ": a CUDA device region needs the ",
+                                                kCudaHandleBytes, "-byte cudaIpcMemHandle_t"));
+      }
+      region.handle = r.cuda_ipc_handle();
+    }
+    if (r.size_bytes() == 0) {
+      std::string field = absl::StrCat(prefix, ".size_bytes");
+      return InvalidField(field, absl::StrCat(field, " is 0"));
+    }
+    region.offset = r.offset_bytes();
+    region.size = r.size_bytes();
+    out.regions.push_back(std::move(region));
+  }
+  const bool mla = spec.layout == core::LayoutKind::kMla;
+  for (int i = 0; i < in.layers_size(); ++i) {
+    const v1::LayerLayout& l = in.layers(i);
+    const std::string prefix = absl::StrCat("layout.layers[", i, "]");
+    if (!l.has_k()) {
+      return InvalidField(absl::StrCat(prefix, ".k"), absl::StrCat(prefix, ".k is required"));
+    }
+    if (l.has_v() == mla) {
+      std::string field = absl::StrCat(prefix, ".v");
+      return InvalidField(field, mla ? absl::StrCat(field,
+                                                    " must be absent: an MLA layer has one "
+                                                    "(latent) buffer, given as k")
+                                     : absl::StrCat(field,
+                                                    " is required: an MHA/GQA layer has "
+                                                    "a K and a V buffer"));
+    }
+    auto buffer = [](const v1::BlockBuffer& b) {
+      return gpu::BufferLayout{b.region(), b.offset_bytes(), b.block_stride_bytes(),
+                               b.bytes_per_block()};
+    };
+    gpu::LayerLayout layer;
+    layer.k = buffer(l.k());
+    if (l.has_v()) layer.v = buffer(l.v());
+    out.layers.push_back(layer);
+  }
+  if (absl::Status s = out.Validate(); !s.ok()) {
+    std::string field = LayoutField(s.message());
+    return InvalidField(field, absl::StrCat("layout.", s.message()));
+  }
+  return out;
+}
+
+absl::Status ParseCompletion(const v1::RegisterEngineRequest& request, v1::DeviceKind kind,
+                             const CacheLimits& limits, Registration* out) {
+  if (!request.has_completion()) return absl::OkStatus();
+  const v1::CompletionChannel& c = request.completion();
+  for (auto [field, n] :
+       {std::pair<absl::string_view, uint32_t>{"completion.num_load_slots", c.num_load_slots()},
+        {"completion.num_ready_slots", c.num_ready_slots()}}) {
+    if (n > limits.max_completion_slots) {
+      return LimitExceeded(field, absl::StrCat(field, " (", n, ") exceeds max_completion_slots (",
+                                               limits.max_completion_slots, ")"));
+    }
+  }
+  out->num_load_slots = c.num_load_slots();
+  out->num_ready_slots = c.num_ready_slots();
+  const bool any = c.num_load_slots() > 0 || c.num_ready_slots() > 0;
+  if (kind == v1::DEVICE_KIND_SIM) {
+    if (c.signals_case() == v1::CompletionChannel::kCudaEvents) {
+      return InvalidField("completion.cuda_events",
+                          "completion.cuda_events: a SIM device signals through sim_counters");
+    }
+    if (c.signals_case() == v1::CompletionChannel::kSimCounters) {
+      const std::string& name = c.sim_counters().shm_name();
+      if (absl::Status s = CheckShmName("completion.sim_counters.shm_name", name); !s.ok()) {
+        return s;
+      }
+      out->sim_counters_name = name;
+      out->sim_counters_bytes = c.sim_counters().size_bytes();
+    } else if (any) {
+      return InvalidField("completion.sim_counters",
+                          "completion.sim_counters is required when a slot count is > 0");
+    }
+    return absl::OkStatus();
+  }
+  // CUDA.
+  if (c.signals_case() == v1::CompletionChannel::kSimCounters) {
+    return InvalidField("completion.sim_counters",
+                        "completion.sim_counters: a CUDA device signals through cuda_events");
+  }
+  if (any && c.signals_case() != v1::CompletionChannel::kCudaEvents) {
+    return InvalidField("completion.cuda_events",
+                        "completion.cuda_events is required when a slot count is > 0");
+  }
+  // Load events: one per (slot, layer), slot-major (docs/api.md "CUDA: IPC events").
+  const uint64_t layers = static_cast<uint64_t>(request.layout().layers_size());
+  const std::string& load = c.cuda_events().load_event_handles();
+  if (load.size() != uint64_t{c.num_load_slots()} * layers * kCudaHandleBytes) {
+    return InvalidField("completion.cuda_events.load_event_handles",
+                        absl::StrCat("completion.cuda_events.load_event_handles is ", load.size(),
+                                     " bytes; expected num_load_slots x layers x 64 = ",
+                                     uint64_t{c.num_load_slots()} * layers * kCudaHandleBytes));
+  }
+  for (uint64_t i = 0; i < uint64_t{c.num_load_slots()} * layers; ++i) {
+    out->engine.cuda_load_events.push_back(load.substr(i * kCudaHandleBytes, kCudaHandleBytes));
+  }
+  const std::string& ready = c.cuda_events().ready_event_handles();
+  if (ready.size() != uint64_t{c.num_ready_slots()} * kCudaHandleBytes) {
+    return InvalidField("completion.cuda_events.ready_event_handles",
+                        absl::StrCat("completion.cuda_events.ready_event_handles is ", ready.size(),
+                                     " bytes; expected num_ready_slots x 64 = ",
+                                     uint64_t{c.num_ready_slots()} * kCudaHandleBytes));
+  }
+  for (uint32_t r = 0; r < c.num_ready_slots(); ++r) {
+    out->cuda_ready_events.push_back(ready.substr(r * kCudaHandleBytes, kCudaHandleBytes));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<core::NamespaceSpec> ParseNamespaceSpec(const v1::NamespaceSpec& in) {
+  core::NamespaceSpec spec;
+  spec.tenant = in.tenant();
+  spec.model_id = in.model_id();
+  spec.model_revision = in.model_revision();
+  spec.kv_dtype = in.kv_dtype();
+  spec.page_size = in.page_size_tokens();
+  spec.tp_size = in.tp_size();
+  spec.opaque_keys = in.opaque_keys();
+  switch (in.layout_kind()) {
+    case v1::LAYOUT_KIND_MHA_GQA:
+      spec.layout = core::LayoutKind::kMha;
+      break;
+    case v1::LAYOUT_KIND_MLA:
+      spec.layout = core::LayoutKind::kMla;
+      break;
+    case v1::LAYOUT_KIND_UNSPECIFIED:
+      return InvalidField("namespace_spec.layout_kind",
+                          "namespace_spec.layout_kind is required (MHA_GQA or MLA)");
+    default:
+      return InvalidField("namespace_spec.layout_kind",
+                          absl::StrCat("namespace_spec.layout_kind (", in.layout_kind(),
+                                       ") is not a known LayoutKind"));
+  }
+  if (absl::Status s = spec.Validate(); !s.ok()) {
+    // core names its fields "namespace <field> ..."; the request calls two of them differently.
+    absl::string_view msg = s.message();
+    absl::string_view rest = msg;
+    absl::ConsumePrefix(&rest, "namespace ");
+    std::string field(rest.substr(0, rest.find(' ')));
+    if (field == "page_size") field = "page_size_tokens";
+    if (field == "layout") field = "layout_kind";
+    return InvalidField(absl::StrCat("namespace_spec.", field),
+                        absl::StrCat("namespace_spec.", field, ": ", msg));
+  }
+  // core allows tp_size up to kMaxTpSize; an MHA/GQA page has one shard per rank, and the index
+  // tracks a page's shards in a mask of kMaxShardsPerPage bits. Checked here, for every role, so
+  // that no session is accepted into a namespace whose index cannot exist.
+  if (spec.ShardsPerPage() > static_cast<uint32_t>(core::kMaxShardsPerPage)) {
+    return InvalidField("namespace_spec.tp_size",
+                        absl::StrCat("namespace_spec.tp_size (", spec.tp_size,
+                                     ") is more than ", core::kMaxShardsPerPage,
+                                     ", the most shards an MHA/GQA page can have (one per rank)"));
+  }
+  return spec;
+}
+
+absl::StatusOr<Registration> ParseRegistration(const v1::RegisterEngineRequest& request,
+                                               const CacheLimits& limits,
+                                               absl::Span<const v1::DeviceKind> served) {
+  if (request.instance_id().empty() || request.instance_id().size() > kMaxIdBytes) {
+    return InvalidField("instance_id", absl::StrCat("instance_id is ", request.instance_id().size(),
+                                                    " bytes; 1..256 required"));
+  }
+  if (!v1::SessionRole_IsValid(request.role())) {
+    return InvalidField("role", absl::StrCat("role (", request.role(), ") is not a SessionRole"));
+  }
+  for (auto [field, value] :
+       {std::pair<absl::string_view, const std::string*>{"engine_name", &request.engine_name()},
+        {"client_version", &request.client_version()}}) {
+    if (absl::Status s = CheckLength(field, *value, kMaxIdBytes); !s.ok()) return s;
+  }
+  if (!request.has_namespace_spec()) {
+    return InvalidField("namespace_spec", "namespace_spec is required");
+  }
+  Registration reg;
+  absl::StatusOr<core::NamespaceSpec> spec = ParseNamespaceSpec(request.namespace_spec());
+  if (!spec.ok()) return spec.status();
+  reg.spec = *std::move(spec);
+  reg.worker = request.role() != v1::SESSION_ROLE_SCHEDULER;
+  if (!reg.worker) return reg;  // Device, layout and completion are not used.
+
+  if (request.rank() >= reg.spec.tp_size) {
+    return InvalidField("rank", absl::StrCat("rank (", request.rank(),
+                                             ") out of range [0, namespace_spec.tp_size = ",
+                                             reg.spec.tp_size, ")"));
+  }
+  if (!request.has_device()) return InvalidField("device", "device is required for a WORKER");
+  const v1::DeviceSpec& device = request.device();
+  if (device.kind() == v1::DEVICE_KIND_UNSPECIFIED || !v1::DeviceKind_IsValid(device.kind())) {
+    return InvalidField("device.kind",
+                        absl::StrCat("device.kind (", device.kind(), ") must be CUDA or SIM"));
+  }
+  if (std::find(served.begin(), served.end(), device.kind()) == served.end()) {
+    const std::string kinds = DeviceKindNames(served, "no device backend");
+    return CacheError(absl::StatusCode::kFailedPrecondition, v1::ERROR_REASON_DEVICE_UNAVAILABLE,
+                      "device.kind",
+                      absl::StrCat("device.kind ", v1::DeviceKind_Name(device.kind()),
+                                   " is not served: this daemon serves ", kinds,
+                                   " (config device.kind, device.host_memory_engines)"));
+  }
+  if (device.uuid().size() != 16) {
+    return InvalidField("device.uuid", absl::StrCat("device.uuid is ", device.uuid().size(),
+                                                    " bytes; exactly 16 required"));
+  }
+  if (absl::Status s = CheckLength("device.name", device.name(), kMaxIdBytes); !s.ok()) return s;
+  reg.device_kind = device.kind();
+  if (!request.has_layout()) return InvalidField("layout", "layout is required for a WORKER");
+  absl::StatusOr<gpu::KvLayout> layout =
+      ParseLayout(request.layout(), reg.spec, device.kind(), limits);
+  if (!layout.ok()) return layout.status();
+  reg.engine.layout = *std::move(layout);
+  reg.engine.device_uuid =
+      gpu::FormatGpuUuid(reinterpret_cast<const uint8_t*>(device.uuid().data()));
+  if (absl::Status s = ParseCompletion(request, device.kind(), limits, &reg); !s.ok()) return s;
+  return reg;
+}
+
+absl::Status CheckWorker(const SessionInfo& session, absl::string_view rpc) {
+  if (session.is_worker()) return absl::OkStatus();
+  return CacheError(absl::StatusCode::kFailedPrecondition, v1::ERROR_REASON_WRONG_ROLE,
+                    "session_id",
+                    absl::StrCat(rpc, " needs a WORKER session; session_id ", session.id,
+                                 " is a SCHEDULER session (it registered no device memory)"));
+}
+
+absl::Status ValidateMatch(const v1::MatchRequest& request, const core::NamespaceSpec& spec,
+                           const CacheLimits& limits) {
+  if (absl::Status s = CheckSequenceCount(request.sequences_size(), limits); !s.ok()) return s;
+  if (!v1::PrefetchPolicy_IsValid(request.prefetch_policy())) {
+    return InvalidField(
+        "prefetch_policy",
+        absl::StrCat("prefetch_policy (", request.prefetch_policy(), ") is not a PrefetchPolicy"));
+  }
+  uint64_t pages = 0;
+  for (int i = 0; i < request.sequences_size(); ++i) {
+    const v1::MatchSequence& seq = request.sequences(i);
+    const std::string prefix = absl::StrCat("sequences[", i, "]");
+    if (!seq.page_keys().empty() && seq.token_ids_size() > 0) {
+      return InvalidField(prefix, absl::StrCat(prefix, ": give page_keys or token_ids, not both"));
+    }
+    if (absl::Status s =
+            CheckLength(absl::StrCat(prefix, ".request_id"), seq.request_id(), kMaxIdBytes);
+        !s.ok()) {
+      return s;
+    }
+    if (seq.token_ids_size() > 0) {
+      if (spec.opaque_keys) {
+        std::string field = absl::StrCat(prefix, ".token_ids");
+        return CacheError(absl::StatusCode::kInvalidArgument,
+                          v1::ERROR_REASON_TOKENS_IN_OPAQUE_NAMESPACE, field,
+                          absl::StrCat(field,
+                                       ": this namespace has opaque_keys; send the "
+                                       "engine's page_keys"));
+      }
+      const uint64_t full = core::FullPages(seq.token_ids_size(), spec.page_size);
+      pages += full > seq.num_computed_pages() ? full - seq.num_computed_pages() : 0;
+    } else {
+      if (absl::Status s = CheckKeyBlob(absl::StrCat(prefix, ".page_keys"), seq.page_keys());
+          !s.ok()) {
+        return s;
+      }
+      pages += seq.page_keys().size() / kKeyBytes;
+    }
+  }
+  return CheckPageCount(pages, limits);
+}
+
+absl::Status ValidateLoad(const v1::LoadRequest& request, const SessionInfo& session,
+                          const CacheLimits& limits) {
+  if (absl::Status s = CheckWorker(session, "Load"); !s.ok()) return s;
+  if (request.signal_layers()) {
+    if (session.num_load_slots == 0) {
+      return InvalidField("signal_layers",
+                          "signal_layers: this session registered no load slots "
+                          "(completion.num_load_slots = 0)");
+    }
+    if (request.completion_slot() >= session.num_load_slots) {
+      return InvalidField("completion_slot",
+                          absl::StrCat("completion_slot (", request.completion_slot(),
+                                       ") out of range [0, ", session.num_load_slots, ")"));
+    }
+  }
+  return CheckKeysAndBlocks(request.sequences(), session, limits);
+}
+
+absl::Status ValidateBackup(const v1::BackupRequest& request, const SessionInfo& session,
+                            const CacheLimits& limits) {
+  if (absl::Status s = CheckWorker(session, "Backup"); !s.ok()) return s;
+  if (!v1::WritePolicy_IsValid(request.write_policy())) {
+    return InvalidField("write_policy", absl::StrCat("write_policy (", request.write_policy(),
+                                                     ") is not a WritePolicy"));
+  }
+  if (request.has_ready()) {
+    const v1::ReadySignal& ready = request.ready();
+    if (ready.slot() >= session.num_ready_slots) {
+      return InvalidField("ready.slot",
+                          absl::StrCat("ready.slot (", ready.slot(), ") out of range [0, ",
+                                       session.num_ready_slots, ")"));
+    }
+    if (session.device_kind == v1::DEVICE_KIND_SIM && ready.sim_token() == 0) {
+      return InvalidField("ready.sim_token", "ready.sim_token must be > 0 on the SIM device");
+    }
+    if (session.device_kind == v1::DEVICE_KIND_CUDA && ready.sim_token() != 0) {
+      return InvalidField("ready.sim_token", "ready.sim_token must be 0 on a CUDA device");
+    }
+  }
+  for (int i = 0; i < request.sequences_size(); ++i) {
+    const std::string& parent = request.sequences(i).parent_key();
+    if (!parent.empty() && parent.size() != kKeyBytes) {
+      std::string field = absl::StrCat("sequences[", i, "].parent_key");
+      return InvalidField(field, absl::StrCat(field, " is ", parent.size(),
+                                              " bytes; 32 required, or empty for page 0"));
+    }
+  }
+  return CheckKeysAndBlocks(request.sequences(), session, limits);
+}
+
+absl::Status ValidatePrefetch(const v1::PrefetchRequest& request, const CacheLimits& limits) {
+  if (!v1::PrefetchPolicy_IsValid(request.policy())) {
+    return InvalidField("policy",
+                        absl::StrCat("policy (", request.policy(), ") is not a PrefetchPolicy"));
+  }
+  if (request.policy() == v1::PREFETCH_POLICY_NONE) {
+    return InvalidField("policy", "policy PREFETCH_POLICY_NONE asks for no prefetch");
+  }
+  if (absl::Status s = CheckSequenceCount(request.sequences_size(), limits); !s.ok()) return s;
+  uint64_t pages = 0;
+  for (int i = 0; i < request.sequences_size(); ++i) {
+    const v1::PrefetchSequence& seq = request.sequences(i);
+    const std::string prefix = absl::StrCat("sequences[", i, "]");
+    if (absl::Status s = CheckKeyBlob(absl::StrCat(prefix, ".page_keys"), seq.page_keys());
+        !s.ok()) {
+      return s;
+    }
+    if (!seq.parent_key().empty() && seq.parent_key().size() != kKeyBytes) {
+      std::string field = absl::StrCat(prefix, ".parent_key");
+      return InvalidField(field, absl::StrCat(field, " is ", seq.parent_key().size(),
+                                              " bytes; 32 required, or empty for page 0"));
+    }
+    if (absl::Status s =
+            CheckLength(absl::StrCat(prefix, ".request_id"), seq.request_id(), kMaxIdBytes);
+        !s.ok()) {
+      return s;
+    }
+    pages += seq.page_keys().size() / kKeyBytes;
+  }
+  return CheckPageCount(pages, limits);
+}
+
+std::string BlockField(const std::vector<uint32_t>& seq_begin, size_t flat) {
+  auto it = std::upper_bound(seq_begin.begin(), seq_begin.end(), static_cast<uint32_t>(flat));
+  const size_t s = static_cast<size_t>(it - seq_begin.begin()) - 1;
+  return absl::StrCat("sequences[", s, "].device_blocks[", flat - seq_begin[s], "]");
+}
+
+}  // namespace kvcellar::server

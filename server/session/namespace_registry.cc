@@ -1,0 +1,175 @@
+#include "server/session/namespace_registry.h"
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "core/log.h"
+#include "server/status_util.h"
+
+namespace kvcellar::server {
+namespace {
+
+absl::Status GroupMismatch(absl::string_view field, absl::string_view message) {
+  return CacheError(absl::StatusCode::kFailedPrecondition, v1::ERROR_REASON_GROUP_MISMATCH, field,
+                    message);
+}
+
+}  // namespace
+
+Namespace::Namespace(core::NamespaceSpec spec, core::HostPool* pool,
+                     core::EvictionPolicyKind policy, int l3_tiers, uint32_t id)
+    : spec_(std::move(spec)),
+      digest_(spec_.Digest()),
+      shards_(static_cast<int>(spec_.ShardsPerPage())),
+      pool_(pool),
+      policy_(policy),
+      l3_tiers_(l3_tiers),
+      id_(id) {}
+
+Namespace::~Namespace() = default;
+
+core::PageKey Namespace::IndexKey(const char* raw) const {
+  core::PageKey key;
+  std::memcpy(key.bytes.data(), raw, core::kPageKeyBytes);
+  return spec_.opaque_keys ? core::ScopeOpaqueKey(digest_, key) : key;
+}
+
+void Namespace::AppendIndexKeys(absl::string_view blob, std::vector<core::PageKey>* out) const {
+  const size_t n = blob.size() / core::kPageKeyBytes;
+  out->reserve(out->size() + n);
+  for (size_t i = 0; i < n; ++i) out->push_back(IndexKey(blob.data() + i * core::kPageKeyBytes));
+}
+
+constexpr char kHeldBy[] =
+    " (fixed by the engines registered in it, and held while they or its pages remain)";
+
+absl::Status Namespace::CheckGeometry(const gpu::KvLayout& layout) const {
+  if (layout.layers.size() != geometry_.layers) {
+    return GroupMismatch("layout.layers",
+                         absl::StrCat("layout.layers: ", layout.layers.size(),
+                                      " layers, but this namespace's pages have ",
+                                      geometry_.layers, kHeldBy));
+  }
+  for (size_t i = 0; i < layout.layers.size(); ++i) {
+    const auto& [k, v] = geometry_.buffer_bytes[i];
+    const gpu::LayerLayout& l = layout.layers[i];
+    if (l.k.bytes_per_block != k) {
+      std::string field = absl::StrCat("layout.layers[", i, "].k.bytes_per_block");
+      return GroupMismatch(field, absl::StrCat(field, " (", l.k.bytes_per_block,
+                                               ") differs from this namespace's ", k, kHeldBy));
+    }
+    const uint64_t vb = l.v.has_value() ? l.v->bytes_per_block : 0;
+    if (vb != v) {
+      std::string field = absl::StrCat("layout.layers[", i, "].v.bytes_per_block");
+      return GroupMismatch(
+          field, absl::StrCat(field, " (", vb, ") differs from this namespace's ", v, kHeldBy));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Namespace::AdoptLayout(const gpu::KvLayout& layout) {
+  absl::MutexLock lock(&mu_);
+  core::RadixIndex* const index = index_.load(std::memory_order_acquire);
+  absl::Status mismatch;
+  if (has_geometry_) {
+    mismatch = CheckGeometry(layout);
+    if (mismatch.ok()) {
+      ++holders_;
+      return mismatch;
+    }
+    // Another geometry: refused while a session or a page holds the current one.
+    if (holders_ > 0 || !index->Empty()) return mismatch;
+  }
+
+  const uint64_t object_bytes = layout.PageObjectBytes();
+  absl::StatusOr<uint16_t> size_class = pool_->ClassFor(object_bytes);
+  if (!size_class.ok()) {
+    return InvalidField(
+        "layout", absl::StrCat("layout: a page object of ", object_bytes,
+                               " bytes does not fit an L2 slot: ", size_class.status().message()));
+  }
+  const uint64_t slot_bytes = pool_->slot_sizes()[*size_class];
+  if (index != nullptr) {
+    // Accounting in slot bytes, as at creation. Fails (and the geometry stays) if a page
+    // arrived since Empty(), e.g. an L3 prefetch of a scheduler's Match.
+    if (!index->ResetObjectBytes(slot_bytes).ok()) return mismatch;
+  } else {
+    core::RadixIndexOptions options;
+    options.shards_per_page = shards_;
+    options.l3_tiers = l3_tiers_;
+    // Accounting in slot bytes: what the pool actually spends per object.
+    options.object_bytes = slot_bytes;
+    options.capacity_bytes = 0;  // The pool-wide watermarks are enforced by L2Space.
+    options.policy = policy_;
+    absl::StatusOr<std::unique_ptr<core::RadixIndex>> created = core::RadixIndex::Create(options);
+    if (!created.ok()) return created.status();
+    owned_index_ = *std::move(created);
+  }
+
+  const bool refixed = has_geometry_;
+  Geometry g;
+  g.layers = static_cast<uint32_t>(layout.layers.size());
+  for (const gpu::LayerLayout& l : layout.layers) {
+    g.buffer_bytes.emplace_back(l.k.bytes_per_block, l.v.has_value() ? l.v->bytes_per_block : 0);
+  }
+  geometry_ = std::move(g);
+  has_geometry_ = true;
+  ++holders_;
+  object_bytes_.store(object_bytes, std::memory_order_release);
+  slot_bytes_.store(slot_bytes, std::memory_order_release);
+  index_.store(owned_index_.get(), std::memory_order_release);
+  KVLOG(Info, refixed ? "namespace geometry fixed anew" : "namespace geometry fixed",
+        {{"ns_digest", digest_.Hex().substr(0, 16)},
+         {"model_id", spec_.model_id},
+         {"layers", geometry_.layers},
+         {"shards", shards_},
+         {"object_bytes", object_bytes},
+         {"slot_bytes", slot_bytes}});
+  return absl::OkStatus();
+}
+
+void Namespace::ReleaseLayout() {
+  absl::MutexLock lock(&mu_);
+  if (holders_ > 0) --holders_;
+}
+
+NamespaceRegistry::NamespaceRegistry(core::HostPool* pool, core::EvictionPolicyKind policy,
+                                     int l3_tiers)
+    : pool_(pool), policy_(policy), l3_tiers_(l3_tiers) {}
+
+std::shared_ptr<Namespace> NamespaceRegistry::GetOrCreate(const core::NamespaceSpec& spec) {
+  const core::PageKey digest = spec.Digest();
+  absl::MutexLock lock(&mu_);
+  auto [it, inserted] = by_digest_.try_emplace(digest);
+  if (inserted) {
+    it->second = std::make_shared<Namespace>(spec, pool_, policy_, l3_tiers_,
+                                             static_cast<uint32_t>(by_id_.size() + 1));
+    by_id_.push_back(it->second);
+    KVLOG(Info, "namespace created",
+          {{"ns_digest", digest.Hex().substr(0, 16)},
+           {"tenant", spec.tenant},
+           {"model_id", spec.model_id},
+           {"layout", core::LayoutKindName(spec.layout)},
+           {"shards", spec.ShardsPerPage()}});
+  }
+  return it->second;
+}
+
+std::vector<std::shared_ptr<Namespace>> NamespaceRegistry::Snapshot() const {
+  absl::MutexLock lock(&mu_);
+  return by_id_;
+}
+
+std::shared_ptr<Namespace> NamespaceRegistry::ById(uint32_t id) const {
+  absl::MutexLock lock(&mu_);
+  return id >= 1 && id <= by_id_.size() ? by_id_[id - 1] : nullptr;
+}
+
+size_t NamespaceRegistry::size() const {
+  absl::MutexLock lock(&mu_);
+  return by_digest_.size();
+}
+
+}  // namespace kvcellar::server
