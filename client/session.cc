@@ -8,7 +8,7 @@
 #include "client/proto_convert.h"
 #include "client/session_impl.h"
 #include "client/sim_signals.h"
-#include "core/log.h"
+#include "platform/log.h"
 
 namespace kvcellar::client {
 namespace {

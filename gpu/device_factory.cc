@@ -2,7 +2,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
-#include "core/log.h"
+#include "platform/log.h"
 
 namespace kvcellar::gpu {
 

@@ -7,7 +7,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "core/log.h"
+#include "platform/log.h"
 #include "gpu/bus_fault_guard.h"
 #include "gpu/completion.h"
 #include "gpu/shm_mapping.h"

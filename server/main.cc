@@ -16,7 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "core/log.h"
+#include "platform/log.h"
 #include "server/build_info.h"
 #include "server/config/config.h"
 #include "server/daemon.h"
@@ -112,7 +112,7 @@ int main(int argc, char** argv) {
     std::fputs(kvcellar::server::ConfigToYaml(*config, /*redact_secrets=*/true).c_str(), stdout);
     return 0;
   }
-  kvcellar::core::SetLogLevel(config->log.level);
+  kvcellar::platform::SetLogLevel(config->log.level);
   // Debian's Abseil is built with deadlock detection on, which costs ~70 ns per absl::Mutex
   // lock on every RPC; lock order is checked in the tests instead.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);

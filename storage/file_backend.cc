@@ -24,7 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "core/log.h"
+#include "platform/log.h"
 #include "storage/object_format.h"
 
 namespace kvcellar::storage {

@@ -12,7 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "core/log.h"
+#include "platform/log.h"
 
 namespace kvcellar::storage {
 namespace {

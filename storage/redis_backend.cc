@@ -22,7 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "core/log.h"
+#include "platform/log.h"
 #include "storage/object_format.h"
 #include "storage/redis_cluster.h"
 

@@ -15,7 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "core/log.h"
+#include "platform/log.h"
 #include "gpu/completion.h"
 #include "gpu/cuda/copy_kernels.h"
 

@@ -28,7 +28,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "core/log.h"
+#include "platform/log.h"
 
 namespace kvcellar::server {
 
@@ -70,7 +70,7 @@ struct HttpConfig {
 };
 
 struct LogConfig {
-  core::LogLevel level{};
+  platform::LogLevel level{};
   LogFormat format{};
   bool operator==(const LogConfig&) const = default;
 };

@@ -8,7 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "core/log.h"
+#include "platform/log.h"
 #include "server/rpc/request_validation.h"
 #include "server/status_util.h"
 

@@ -6,7 +6,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "core/log.h"
+#include "platform/log.h"
 #include "server/l2/l2_space.h"
 
 namespace kvcellar::server {

@@ -4,7 +4,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/log.h"
+#include "platform/log.h"
 
 namespace kvcellar::server {
 

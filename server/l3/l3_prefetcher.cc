@@ -5,7 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "core/log.h"
+#include "platform/log.h"
 #include "gpu/device_backend.h"
 
 namespace kvcellar::server {

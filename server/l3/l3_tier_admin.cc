@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <memory>
 
-#include "core/log.h"
+#include "platform/log.h"
 
 namespace kvcellar::server {
 namespace {

@@ -3,7 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "core/log.h"
+#include "platform/log.h"
 #include "storage/file_backend.h"
 #include "storage/redis_backend.h"
 

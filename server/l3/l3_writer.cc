@@ -6,7 +6,7 @@
 #include <limits>
 #include <utility>
 
-#include "core/log.h"
+#include "platform/log.h"
 
 namespace kvcellar::server {
 namespace {

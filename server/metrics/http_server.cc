@@ -19,7 +19,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "core/log.h"
+#include "platform/log.h"
 
 namespace kvcellar::server {
 namespace {

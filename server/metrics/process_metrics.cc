@@ -14,7 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "core/log.h"
+#include "platform/log.h"
 
 namespace kvcellar::server {
 namespace {

@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "core/log.h"
+#include "platform/log.h"
 #include "server/build_info.h"
 #include "server/config/cache_limits.h"
 #include "server/status_util.h"

@@ -6,7 +6,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "core/log.h"
+#include "platform/log.h"
 #include "server/build_info.h"
 #include "server/session/namespace_metrics.h"
 #include "server/rpc/request_validation.h"

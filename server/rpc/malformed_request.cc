@@ -7,7 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
-#include "core/log.h"
+#include "platform/log.h"
 #include "google/protobuf/stubs/logging.h"
 #include "server/status_util.h"
 

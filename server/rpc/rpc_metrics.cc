@@ -4,7 +4,7 @@
 #include <cstdlib>
 
 #include "absl/strings/string_view.h"
-#include "core/log.h"
+#include "platform/log.h"
 
 namespace kvcellar::server {
 namespace {

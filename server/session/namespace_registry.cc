@@ -4,7 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "core/log.h"
+#include "platform/log.h"
 #include "server/status_util.h"
 
 namespace kvcellar::server {

@@ -5,7 +5,7 @@
 #include <utility>
 
 #include "absl/time/clock.h"
-#include "core/log.h"
+#include "platform/log.h"
 
 namespace kvcellar::server {
 namespace {

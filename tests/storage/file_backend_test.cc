@@ -16,7 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
-#include "core/log.h"
+#include "platform/log.h"
 #include "gtest/gtest.h"
 #include "storage/object_format.h"
 #include "storage_test_util.h"
@@ -595,13 +595,13 @@ TEST(FileBackendEnvTest, RefusedIoUringFallsBackToThreadPoolAndLogsOnce) {
   const std::string log_path = dir.path() + "/log";
   const int log_fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   ASSERT_GE(log_fd, 0);
-  core::SetLogFd(log_fd);
+  platform::SetLogFd(log_fd);
   FileBackendOptions o;
   o.root = dir.path() + "/l3";
   o.io.kind = IoEngineKind::kAuto;
   o.io.fail_uring_init_with = EPERM;  // What a seccomp profile that blocks io_uring gives.
   absl::StatusOr<std::unique_ptr<FileBackend>> b = FileBackend::Open(o);
-  core::SetLogFd(2);
+  platform::SetLogFd(2);
   ::close(log_fd);
   ASSERT_TRUE(b.ok()) << b.status();
   EXPECT_EQ((*b)->io_engine_name(), "thread_pool");

@@ -50,7 +50,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "benchmark/benchmark.h"
-#include "core/log.h"
+#include "platform/log.h"
 #include "storage/crc32c.h"
 #include "storage/file_backend.h"
 #include "storage/redis_backend.h"
@@ -208,7 +208,7 @@ class Window {
 };
 
 std::unique_ptr<FileBackend> OpenFile(const std::string& root, bool direct) {
-  core::SetLogLevel(core::LogLevel::kWarn);  // No per-open info lines between the results.
+  platform::SetLogLevel(platform::LogLevel::kWarn);  // No per-open info lines between the results.
   FileBackendOptions o;
   o.root = root;
   o.direct_io = direct;

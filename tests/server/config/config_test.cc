@@ -89,7 +89,7 @@ TEST_F(ConfigTest, DefaultsMatchTheSpec) {
   EXPECT_EQ(c.listen.tcp_address, "");
   EXPECT_EQ(c.tls.mode, TlsMode::kPlaintext);
   EXPECT_EQ(c.http.address, "127.0.0.1:9740");
-  EXPECT_EQ(c.log.level, core::LogLevel::kInfo);
+  EXPECT_EQ(c.log.level, platform::LogLevel::kInfo);
   EXPECT_EQ(c.log.format, LogFormat::kKv);
   EXPECT_EQ(c.server.drain_timeout_ms, 5000);
   EXPECT_EQ(c.server.max_batch_pages, 65536);
@@ -170,7 +170,7 @@ TEST_F(ConfigTest, ValidFile) {
   EXPECT_EQ(c->listen.admin_socket, "none");
   EXPECT_EQ(c->listen.tcp_address, "0.0.0.0:9741");
   EXPECT_EQ(c->http.address, "");
-  EXPECT_EQ(c->log.level, core::LogLevel::kDebug);
+  EXPECT_EQ(c->log.level, platform::LogLevel::kDebug);
   EXPECT_EQ(c->server.drain_timeout_ms, 20000);
   EXPECT_EQ(c->server.max_batch_pages, 4096);
   EXPECT_EQ(c->server.max_message_bytes, 128 * kMiB);
@@ -281,10 +281,10 @@ TEST_F(ConfigTest, EveryChoiceMapsToItsEnumerator) {
     bool (*check)(const Config&);
   };
   const Case cases[] = {
-      {"log.level=debug", [](const Config& c) { return c.log.level == core::LogLevel::kDebug; }},
-      {"log.level=info", [](const Config& c) { return c.log.level == core::LogLevel::kInfo; }},
-      {"log.level=warn", [](const Config& c) { return c.log.level == core::LogLevel::kWarn; }},
-      {"log.level=error", [](const Config& c) { return c.log.level == core::LogLevel::kError; }},
+      {"log.level=debug", [](const Config& c) { return c.log.level == platform::LogLevel::kDebug; }},
+      {"log.level=info", [](const Config& c) { return c.log.level == platform::LogLevel::kInfo; }},
+      {"log.level=warn", [](const Config& c) { return c.log.level == platform::LogLevel::kWarn; }},
+      {"log.level=error", [](const Config& c) { return c.log.level == platform::LogLevel::kError; }},
       {"log.format=kv", [](const Config& c) { return c.log.format == LogFormat::kKv; }},
       {"tls.mode=plaintext", [](const Config& c) { return c.tls.mode == TlsMode::kPlaintext; }},
       {"pool.huge_pages=auto",
@@ -305,9 +305,9 @@ TEST_F(ConfigTest, EveryChoiceMapsToItsEnumerator) {
     EXPECT_TRUE(tc.check(*c)) << tc.set;
   }
   // The log level names are core's names.
-  for (auto level : {core::LogLevel::kDebug, core::LogLevel::kInfo, core::LogLevel::kWarn,
-                     core::LogLevel::kError}) {
-    absl::StatusOr<Config> c = LoadSets({absl::StrCat("log.level=", core::LogLevelName(level))});
+  for (auto level : {platform::LogLevel::kDebug, platform::LogLevel::kInfo, platform::LogLevel::kWarn,
+                     platform::LogLevel::kError}) {
+    absl::StatusOr<Config> c = LoadSets({absl::StrCat("log.level=", platform::LogLevelName(level))});
     ASSERT_TRUE(c.ok()) << c.status();
     EXPECT_EQ(c->log.level, level);
   }
@@ -490,14 +490,14 @@ TEST_F(ConfigTest, OverridePrecedence) {
   std::string file = WriteFile("p.yaml", "log:\n  level: warn\npool:\n  capacity: 2GiB\n");
   absl::StatusOr<Config> from_file = LoadConfig(file, {});
   ASSERT_TRUE(from_file.ok()) << from_file.status();
-  EXPECT_EQ(from_file->log.level, core::LogLevel::kWarn);
+  EXPECT_EQ(from_file->log.level, platform::LogLevel::kWarn);
   EXPECT_EQ(from_file->pool.capacity, 2 * kGiB);
   EXPECT_EQ(from_file->eviction.policy, EvictionPolicy::kS3Fifo);  // Default.
 
   absl::StatusOr<Config> c = LoadConfig(
       file, {"log.level=error", "pool.capacity=3GiB", "log.level=debug", "eviction.policy=lru"});
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->log.level, core::LogLevel::kDebug);
+  EXPECT_EQ(c->log.level, platform::LogLevel::kDebug);
   EXPECT_EQ(c->pool.capacity, 3 * kGiB);
   EXPECT_EQ(c->eviction.policy, EvictionPolicy::kLru);
 }

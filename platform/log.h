@@ -6,8 +6,8 @@
 //
 // Usage:
 //   KVLOG(Info, "listening", {{"socket", path}, {"mode", "0660"}});
-#ifndef KVCELLAR_CORE_LOG_H_
-#define KVCELLAR_CORE_LOG_H_
+#ifndef KVCELLAR_PLATFORM_LOG_H_
+#define KVCELLAR_PLATFORM_LOG_H_
 
 #include <initializer_list>
 #include <string>
@@ -17,7 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 
-namespace kvcellar::core {
+namespace kvcellar::platform {
 
 enum class LogLevel { kDebug = 0, kInfo = 1, kWarn = 2, kError = 3 };
 
@@ -46,13 +46,13 @@ void Log(LogLevel level, absl::string_view msg, std::initializer_list<LogField> 
 std::string FormatLogLine(LogLevel level, absl::string_view msg,
                           std::initializer_list<LogField> fields);
 
-}  // namespace kvcellar::core
+}  // namespace kvcellar::platform
 
 #define KVLOG(level, msg, ...)                                                   \
   do {                                                                           \
-    if (::kvcellar::core::LogEnabled(::kvcellar::core::LogLevel::k##level)) {    \
-      ::kvcellar::core::Log(::kvcellar::core::LogLevel::k##level, msg, ##__VA_ARGS__); \
+    if (::kvcellar::platform::LogEnabled(::kvcellar::platform::LogLevel::k##level)) {    \
+      ::kvcellar::platform::Log(::kvcellar::platform::LogLevel::k##level, msg, ##__VA_ARGS__); \
     }                                                                            \
   } while (0)
 
-#endif  // KVCELLAR_CORE_LOG_H_
+#endif  // KVCELLAR_PLATFORM_LOG_H_

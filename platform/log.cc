@@ -1,4 +1,4 @@
-#include "core/log.h"
+#include "platform/log.h"
 
 #include <unistd.h>
 
@@ -9,7 +9,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
-namespace kvcellar::core {
+namespace kvcellar::platform {
 namespace {
 
 std::atomic<int> g_level{static_cast<int>(LogLevel::kInfo)};
@@ -109,4 +109,4 @@ void Log(LogLevel level, absl::string_view msg, std::initializer_list<LogField> 
   }
 }
 
-}  // namespace kvcellar::core
+}  // namespace kvcellar::platform
