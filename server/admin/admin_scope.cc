@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/quote.h"
-#include "server/status_util.h"
+#include "server/errors/cache_error.h"
 
 namespace kvcellar::server {
 

@@ -12,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "server/admin/admin_scope.h"
-#include "server/status_util.h"
+#include "server/errors/cache_error.h"
 
 namespace kvcellar::server {
 namespace {

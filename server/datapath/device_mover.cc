@@ -10,7 +10,7 @@
 #include "absl/time/clock.h"
 #include "platform/log.h"
 #include "server/rpc/request_validation.h"
-#include "server/status_util.h"
+#include "server/errors/cache_error.h"
 
 namespace kvcellar::server {
 namespace {
@@ -351,227 +351,273 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Load(const std::shared_pt
   return added;
 }
 
+// A Backup's pages from planning to submission: the keys and parents of the request, the slots
+// allocated for the pages to store, and what is copied.
+struct DeviceMover::BackupBatch {
+  BackupBatch(const std::shared_ptr<Session>& s, std::unique_ptr<OpRecord> r,
+              std::vector<uint32_t> b)
+      : session(s), info(s->info()), ns(*info.ns), index(ns.index()), record(std::move(r)),
+        blocks(std::move(b)), n(record->seq_begin.back()), now(record->submitted) {}
+
+  const std::shared_ptr<Session>& session;
+  const SessionInfo& info;
+  Namespace& ns;
+  core::RadixIndex* const index;
+  std::unique_ptr<OpRecord> record;
+  const std::vector<uint32_t> blocks;  // Device block of each page, flat over the sequences.
+  const uint32_t n;                    // Pages in the request.
+  const absl::Time now;
+
+  std::vector<core::PageKey> keys;                       // Index key of each page.
+  std::vector<std::optional<core::PageKey>> parents;     // Each sequence's parent.
+  std::vector<core::SlotRef> present;                    // Committed slot, when already stored.
+  std::vector<core::WriteRequest> requests;              // One per page that gets a slot.
+  std::vector<int32_t> page_request;                     // Page -> index in requests, or -1.
+  bool protected_pages = false;  // Whether eviction protection is pinned under the op id.
+
+  std::vector<core::ObjectId> objects;  // Being copied, in flight in the index.
+  std::vector<uint32_t> object_page;    // The page of each object.
+  std::vector<gpu::CopyItem> items;     // The copies: device block -> L2 slot.
+  std::vector<uint32_t> used_blocks;
+  std::vector<uint32_t> unused_blocks;
+  uint32_t ready_timeout_ms = 0;
+};
+
 absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Backup(
     const std::shared_ptr<Session>& session, const v1::BackupRequest& request) {
-  const SessionInfo& info = session->info();
-  Namespace& ns = *info.ns;
-  core::RadixIndex* index = ns.index();
-  ns.counters().Touch();
+  session->info().ns->counters().Touch();
   absl::StatusOr<StartedOp> started =
       StartOp(*session, request.sequences(), v1::OP_KIND_BACKUP, std::nullopt, "", *ops_,
               limits_->max_inflight_ops);
   if (!started.ok()) return started.status();
-  std::unique_ptr<OpRecord> record = std::move(started->record);
-  const std::vector<uint32_t> blocks = std::move(started->blocks);
-  const uint32_t n = record->seq_begin.back();
-  const absl::Time now = record->submitted;
+  BackupBatch batch(session, std::move(started->record), std::move(started->blocks));
+  BackupKeys(batch, request);
+  FindPresent(batch);
+  AllocateSlots(batch);
+  // In flight, invisible to Match until Commit. Requests run in order, so a chain of new pages
+  // (and a sequence whose parent is earlier in this request) is accepted in one call.
+  std::vector<absl::Status> begun(batch.requests.size());
+  if (!batch.requests.empty()) batch.index->BeginWrite(batch.requests, absl::MakeSpan(begun));
+  SettlePages(batch, begun);
 
-  std::vector<core::PageKey> keys;
-  keys.reserve(n);
-  std::vector<std::optional<core::PageKey>> parents;
-  parents.reserve(request.sequences_size());
-  for (const v1::BackupSequence& seq : request.sequences()) {
-    ns.AppendIndexKeys(seq.page_keys(), &keys);
-    parents.push_back(seq.parent_key().empty()
-                          ? std::nullopt
-                          : std::optional<core::PageKey>(ns.IndexKey(seq.parent_key().data())));
+  const auto copy_start = std::chrono::steady_clock::now();
+  if (absl::Status submitted = SubmitBackupCopy(batch, request); !submitted.ok()) {
+    return submitted;
   }
+  auto completion = std::make_unique<BackupCompletion>();
+  completion->session = session;
+  completion->op_id = batch.record->id;
+  completion->objects = std::move(batch.objects);
+  completion->object_page = std::move(batch.object_page);
+  completion->blocks = std::move(batch.used_blocks);
+  completion->ready_timeout_ms = batch.ready_timeout_ms;
+  completion->l2 = l2_;
+  completion->writer = writer_;
+  completion->write_policy = request.write_policy();
+  completion->metrics = metrics_;
+  completion->bytes = completion->object_page.size() * batch.ns.object_bytes();
+  completion->submitted = copy_start;
+  batch.record->completion = std::move(completion);
+  std::shared_ptr<OpRecord> added = ops_->Add(std::move(batch.record));
+  session->EndSubmission(/*op_started=*/true);
+  return added;
+}
 
+void DeviceMover::BackupKeys(BackupBatch& batch, const v1::BackupRequest& request) {
+  batch.keys.reserve(batch.n);
+  batch.parents.reserve(request.sequences_size());
+  for (const v1::BackupSequence& seq : request.sequences()) {
+    batch.ns.AppendIndexKeys(seq.page_keys(), &batch.keys);
+    batch.parents.push_back(
+        seq.parent_key().empty()
+            ? std::nullopt
+            : std::optional<core::PageKey>(batch.ns.IndexKey(seq.parent_key().data())));
+  }
+}
+
+void DeviceMover::FindPresent(BackupBatch& batch) {
   // Dedup: shards already committed are not copied again.
-  std::vector<core::SlotRef> present(n);
-  for (size_t s = 0; s + 1 < record->seq_begin.size(); ++s) {
-    const uint32_t begin = record->seq_begin[s];
-    const uint32_t len = record->seq_begin[s + 1] - begin;
+  batch.present.resize(batch.n);
+  const std::vector<uint32_t>& seq_begin = batch.record->seq_begin;
+  for (size_t s = 0; s + 1 < seq_begin.size(); ++s) {
+    const uint32_t begin = seq_begin[s];
+    const uint32_t len = seq_begin[s + 1] - begin;
     if (len > 0) {
-      index->GetL2Slots(absl::MakeConstSpan(keys).subspan(begin, len), info.shard,
-                        absl::MakeSpan(present).subspan(begin, len));
+      batch.index->GetL2Slots(absl::MakeConstSpan(batch.keys).subspan(begin, len),
+                              batch.info.shard, absl::MakeSpan(batch.present).subspan(begin, len));
     }
   }
+}
 
+void DeviceMover::AllocateSlots(BackupBatch& batch) {
   // Slots, page by page in sequence order; a sequence stops at its first page without one.
   core::HostPool* pool = l2_->pool();
+  const SessionInfo& info = batch.info;
+  Namespace& ns = batch.ns;
+  const std::vector<core::PageKey>& keys = batch.keys;
+  const std::vector<uint32_t>& seq_begin = batch.record->seq_begin;
   const uint64_t object_bytes = ns.object_bytes();
   uint64_t wanted = 0;
-  for (const core::SlotRef& p : present) wanted += p.valid() ? 0 : 1;
-  bool protected_pages = false;
-  std::vector<core::WriteRequest> requests;
-  requests.reserve(wanted);
-  std::vector<int32_t> page_request(n, -1);
-  for (size_t s = 0; s + 1 < record->seq_begin.size(); ++s) {
-    const uint32_t begin = record->seq_begin[s];
-    const uint32_t end = record->seq_begin[s + 1];
+  for (const core::SlotRef& p : batch.present) wanted += p.valid() ? 0 : 1;
+  batch.requests.reserve(wanted);
+  batch.page_request.assign(batch.n, -1);
+  for (size_t s = 0; s + 1 < seq_begin.size(); ++s) {
+    const uint32_t begin = seq_begin[s];
+    const uint32_t end = seq_begin[s + 1];
     for (uint32_t p = begin; p < end; ++p) {
-      if (present[p].valid()) {
-        record->statuses[p] = v1::PAGE_STATUS_ALREADY_PRESENT;
+      if (batch.present[p].valid()) {
+        batch.record->statuses[p] = v1::PAGE_STATUS_ALREADY_PRESENT;
         continue;
       }
       absl::StatusOr<core::SlotRef> slot =
           pool->Allocate(object_bytes, L2Space::Owner(ns, keys[p], info.shard));
       if (!slot.ok() && slot.status().code() == absl::StatusCode::kResourceExhausted) {
-        if (!protected_pages) {
+        if (!batch.protected_pages) {
           // Eviction must not take what this batch builds on: the pages found present and the
           // parents. Pinned under the op id until the submission ends.
-          protected_pages = true;
+          batch.protected_pages = true;
           std::vector<core::PageKey> keep(keys);
-          for (const auto& parent : parents) {
+          for (const auto& parent : batch.parents) {
             if (parent.has_value()) keep.push_back(*parent);
           }
-          index->Pin(record->id, keep, now + kOwnPinLease);
+          batch.index->Pin(batch.record->id, keep, batch.now + kOwnPinLease);
         }
         slot = l2_->Allocate(ns, keys[p], info.shard, wanted * ns.slot_bytes());
       }
       if (!slot.ok()) {
-        record->statuses[p] = v1::PAGE_STATUS_NO_SPACE;
+        batch.record->statuses[p] = v1::PAGE_STATUS_NO_SPACE;
         break;
       }
       wanted = wanted > 0 ? wanted - 1 : 0;
-      page_request[p] = static_cast<int32_t>(requests.size());
+      batch.page_request[p] = static_cast<int32_t>(batch.requests.size());
       core::WriteRequest w;
       w.key = keys[p];
-      w.parent = p == begin ? parents[s] : std::optional<core::PageKey>(keys[p - 1]);
+      w.parent = p == begin ? batch.parents[s] : std::optional<core::PageKey>(keys[p - 1]);
       w.shard = info.shard;
       w.slot = *slot;
       w.kind = core::WriteKind::kBackup;
-      requests.push_back(w);
+      batch.requests.push_back(w);
     }
   }
+}
 
-  // In flight, invisible to Match until Commit. Requests run in order, so a chain of new pages
-  // (and a sequence whose parent is earlier in this request) is accepted in one call.
-  std::vector<absl::Status> begun(requests.size());
-  if (!requests.empty()) index->BeginWrite(requests, absl::MakeSpan(begun));
-
-  std::vector<core::ObjectId> objects;
-  std::vector<uint32_t> object_page;
+void DeviceMover::SettlePages(BackupBatch& batch, absl::Span<const absl::Status> begun) {
+  const SessionInfo& info = batch.info;
+  const std::vector<core::PageKey>& keys = batch.keys;
+  const std::vector<uint32_t>& seq_begin = batch.record->seq_begin;
+  core::HostPool* pool = l2_->pool();
   std::vector<core::ObjectId> to_abort;
-  std::vector<gpu::CopyItem> items;
-  std::vector<uint32_t> used_blocks;
-  std::vector<uint32_t> unused_blocks;
-  objects.reserve(requests.size());
-  object_page.reserve(requests.size());
-  items.reserve(requests.size());
-  used_blocks.reserve(requests.size());
-  for (size_t s = 0; s + 1 < record->seq_begin.size(); ++s) {
+  batch.objects.reserve(batch.requests.size());
+  batch.object_page.reserve(batch.requests.size());
+  batch.items.reserve(batch.requests.size());
+  batch.used_blocks.reserve(batch.requests.size());
+  for (size_t s = 0; s + 1 < seq_begin.size(); ++s) {
     bool failed = false;
-    for (uint32_t p = record->seq_begin[s]; p < record->seq_begin[s + 1]; ++p) {
-      const int32_t r = page_request[p];
-      uint8_t& status = record->statuses[p];
+    for (uint32_t p = seq_begin[s]; p < seq_begin[s + 1]; ++p) {
+      const int32_t r = batch.page_request[p];
+      uint8_t& status = batch.record->statuses[p];
       if (failed) {
         // After a page that could not be stored: nothing may be, or the chain would have a hole.
         if (r >= 0) {
           if (begun[r].ok()) {
             to_abort.push_back({keys[p], info.shard});
           } else {
-            l2_->Free(requests[r].slot);
+            l2_->Free(batch.requests[r].slot);
           }
         }
         status = v1::PAGE_STATUS_SKIPPED;
-        unused_blocks.push_back(blocks[p]);
+        batch.unused_blocks.push_back(batch.blocks[p]);
         continue;
       }
       if (r < 0) {
         if (status != v1::PAGE_STATUS_ALREADY_PRESENT) failed = true;  // NO_SPACE.
-        unused_blocks.push_back(blocks[p]);
+        batch.unused_blocks.push_back(batch.blocks[p]);
         continue;
       }
       if (begun[r].ok()) {
         status = v1::PAGE_STATUS_PENDING;
-        objects.push_back({keys[p], info.shard});
-        object_page.push_back(p);
-        items.push_back({blocks[p], pool->Address(requests[r].slot)});
-        used_blocks.push_back(blocks[p]);
+        batch.objects.push_back({keys[p], info.shard});
+        batch.object_page.push_back(p);
+        batch.items.push_back({batch.blocks[p], pool->Address(batch.requests[r].slot)});
+        batch.used_blocks.push_back(batch.blocks[p]);
         continue;
       }
-      l2_->Free(requests[r].slot);
-      unused_blocks.push_back(blocks[p]);
-      switch (begun[r].code()) {
-        case absl::StatusCode::kAlreadyExists: {
-          // Committed since the dedup check, or being written by another op (or by this one, for
-          // a page two sequences of the batch share).
-          core::SlotRef committed;
-          index->GetL2Slots(absl::MakeConstSpan(&keys[p], 1), info.shard,
-                            absl::MakeSpan(&committed, 1));
-          status = committed.valid() ? v1::PAGE_STATUS_ALREADY_PRESENT : v1::PAGE_STATUS_IN_FLIGHT;
-          break;
-        }
-        case absl::StatusCode::kFailedPrecondition:
-          status = v1::PAGE_STATUS_PARENT_MISSING;
-          failed = true;
-          break;
-        default:
-          KVLOG(Error, "backup begin write failed",
-                {{"op_id", record->id}, {"error", begun[r].ToString()}});
-          status = v1::PAGE_STATUS_INTERNAL_ERROR;
-          failed = true;
-          break;
-      }
+      l2_->Free(batch.requests[r].slot);
+      batch.unused_blocks.push_back(batch.blocks[p]);
+      status = RefusedWriteStatus(batch, p, begun[r], &failed);
     }
   }
   if (!to_abort.empty()) {
     std::vector<core::ReleasedObject> released;
-    index->Abort(to_abort, &released);
+    batch.index->Abort(to_abort, &released);
     l2_->FreeReleased(released);
   }
-  if (protected_pages) index->ReleaseOwner(record->id);
-  session->ReleaseBlocks(unused_blocks);
+  if (batch.protected_pages) batch.index->ReleaseOwner(batch.record->id);
+  batch.session->ReleaseBlocks(batch.unused_blocks);
+}
 
-  uint32_t ready_timeout_ms = 0;
-  const auto copy_start = std::chrono::steady_clock::now();
-  if (!items.empty()) {
-    absl::StatusOr<gpu::OpHandle> op;
-    gpu::EngineMapping* mapping = session->mapping();
-    if (request.has_ready() && info.device_kind == v1::DEVICE_KIND_SIM) {
-      // Submitted by the pump once the engine's ready word reaches the token; the mapping
-      // outlives the gated op (a closing session cancels it before closing the mapping).
-      ready_timeout_ms =
-          request.ready_timeout_ms() == 0
-              ? limits_->max_prefetch_timeout_ms
-              : std::min(request.ready_timeout_ms(), limits_->max_prefetch_timeout_ms);
-      record->ready_deadline = now + absl::Milliseconds(ready_timeout_ms);
-      gpu::DeviceBackend* device = DeviceOf(*devices_, info);
-      op = pump_->GatedGather(
-          [device, mapping, items = std::move(items)]() {
-            return device->SubmitGather(*mapping, items, gpu::ReadyFence::Ready(), gpu::OpSignal{});
-          },
-          info.sim_signals, request.ready().slot(), request.ready().sim_token(), info.num_layers);
-    } else {
-      const gpu::ReadyFence fence =
-          request.has_ready()
-              ? gpu::ReadyFence::CudaIpcEvent(info.cuda_ready_events[request.ready().slot()])
-              : gpu::ReadyFence::Ready();
-      op = DeviceOf(*devices_, info)->SubmitGather(*mapping, items, fence, gpu::OpSignal{});
+uint8_t DeviceMover::RefusedWriteStatus(BackupBatch& batch, uint32_t p, const absl::Status& begun,
+                                        bool* failed) {
+  switch (begun.code()) {
+    case absl::StatusCode::kAlreadyExists: {
+      // Committed since the dedup check, or being written by another op (or by this one, for
+      // a page two sequences of the batch share).
+      core::SlotRef committed;
+      batch.index->GetL2Slots(absl::MakeConstSpan(&batch.keys[p], 1), batch.info.shard,
+                              absl::MakeSpan(&committed, 1));
+      return committed.valid() ? v1::PAGE_STATUS_ALREADY_PRESENT : v1::PAGE_STATUS_IN_FLIGHT;
     }
-    if (!op.ok()) {
-      std::vector<core::ReleasedObject> released;
-      index->Abort(objects, &released);
-      l2_->FreeReleased(released);
-      session->ReleaseBlocks(used_blocks);
-      session->EndSubmission(/*op_started=*/false);
-      KVLOG(Error, "backup submit failed",
-            {{"session_id", info.id}, {"error", op.status().ToString()}});
-      return absl::InternalError(
-          absl::StrCat("Backup: the device refused the batch: ", op.status().message()));
-    }
-    record->device = *std::move(op);
+    case absl::StatusCode::kFailedPrecondition:
+      *failed = true;
+      return v1::PAGE_STATUS_PARENT_MISSING;
+    default:
+      KVLOG(Error, "backup begin write failed",
+            {{"op_id", batch.record->id}, {"error", begun.ToString()}});
+      *failed = true;
+      return v1::PAGE_STATUS_INTERNAL_ERROR;
   }
+}
 
-  auto completion = std::make_unique<BackupCompletion>();
-  completion->session = session;
-  completion->op_id = record->id;
-  completion->objects = std::move(objects);
-  completion->object_page = std::move(object_page);
-  completion->blocks = std::move(used_blocks);
-  completion->ready_timeout_ms = ready_timeout_ms;
-  completion->l2 = l2_;
-  completion->writer = writer_;
-  completion->write_policy = request.write_policy();
-  completion->metrics = metrics_;
-  completion->bytes = completion->object_page.size() * object_bytes;
-  completion->submitted = copy_start;
-  record->completion = std::move(completion);
-  std::shared_ptr<OpRecord> added = ops_->Add(std::move(record));
-  session->EndSubmission(/*op_started=*/true);
-  return added;
+absl::Status DeviceMover::SubmitBackupCopy(BackupBatch& batch, const v1::BackupRequest& request) {
+  if (batch.items.empty()) return absl::OkStatus();
+  const SessionInfo& info = batch.info;
+  OpRecord& record = *batch.record;
+  absl::StatusOr<gpu::OpHandle> op;
+  gpu::EngineMapping* mapping = batch.session->mapping();
+  if (request.has_ready() && info.device_kind == v1::DEVICE_KIND_SIM) {
+    // Submitted by the pump once the engine's ready word reaches the token; the mapping
+    // outlives the gated op (a closing session cancels it before closing the mapping).
+    batch.ready_timeout_ms =
+        request.ready_timeout_ms() == 0
+            ? limits_->max_prefetch_timeout_ms
+            : std::min(request.ready_timeout_ms(), limits_->max_prefetch_timeout_ms);
+    record.ready_deadline = batch.now + absl::Milliseconds(batch.ready_timeout_ms);
+    gpu::DeviceBackend* device = DeviceOf(*devices_, info);
+    op = pump_->GatedGather(
+        [device, mapping, items = std::move(batch.items)]() {
+          return device->SubmitGather(*mapping, items, gpu::ReadyFence::Ready(), gpu::OpSignal{});
+        },
+        info.sim_signals, request.ready().slot(), request.ready().sim_token(), info.num_layers);
+  } else {
+    const gpu::ReadyFence fence =
+        request.has_ready()
+            ? gpu::ReadyFence::CudaIpcEvent(info.cuda_ready_events[request.ready().slot()])
+            : gpu::ReadyFence::Ready();
+    op = DeviceOf(*devices_, info)->SubmitGather(*mapping, batch.items, fence, gpu::OpSignal{});
+  }
+  if (!op.ok()) {
+    std::vector<core::ReleasedObject> released;
+    batch.index->Abort(batch.objects, &released);
+    l2_->FreeReleased(released);
+    batch.session->ReleaseBlocks(batch.used_blocks);
+    batch.session->EndSubmission(/*op_started=*/false);
+    KVLOG(Error, "backup submit failed",
+          {{"session_id", info.id}, {"error", op.status().ToString()}});
+    return absl::InternalError(
+        absl::StrCat("Backup: the device refused the batch: ", op.status().message()));
+  }
+  record.device = *std::move(op);
+  return absl::OkStatus();
 }
 
 }  // namespace kvcellar::server

@@ -27,7 +27,9 @@
 
 #include <memory>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "gpu/device_backend.h"
 #include "kvcellar/v1/cache_service.pb.h"
 #include "server/config/cache_limits.h"
@@ -60,6 +62,27 @@ class DeviceMover {
                                                    const v1::BackupRequest& request);
 
  private:
+  // A Backup's pages from planning to submission.
+  struct BackupBatch;
+
+  // The phases of Backup, in order.
+  // The index keys of the request's pages and each sequence's parent.
+  void BackupKeys(BackupBatch& batch, const v1::BackupRequest& request);
+  // The pages whose shard is committed already: not copied again.
+  void FindPresent(BackupBatch& batch);
+  // An L2 slot for each page to store, evicting if need be; a sequence stops at its first page
+  // without one.
+  void AllocateSlots(BackupBatch& batch);
+  // After BeginWrite: each page's status, the copies to make, and what to give back (slots of
+  // refused writes, pages after a hole, unused device blocks).
+  void SettlePages(BackupBatch& batch, absl::Span<const absl::Status> begun);
+  // The status of a page whose write the index refused; sets `failed` when its sequence stops.
+  uint8_t RefusedWriteStatus(BackupBatch& batch, uint32_t p, const absl::Status& begun,
+                             bool* failed);
+  // The copies submitted to the device (gated on the engine's ready word or event when asked);
+  // on a refusal everything of the batch is undone and the error returned.
+  absl::Status SubmitBackupCopy(BackupBatch& batch, const v1::BackupRequest& request);
+
   const DeviceSet* const devices_;
   L2Space* const l2_;
   PinTable* const pins_;

@@ -8,7 +8,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "core/page_key.h"
-#include "server/status_util.h"
+#include "server/errors/cache_error.h"
 
 namespace kvcellar::server {
 namespace {
@@ -39,7 +39,36 @@ uint64_t Fingerprint(const v1::MatchRequest& request) {
 
 Matcher::Matcher(PinTable* pins, OpTable* ids, CacheMetrics* metrics, const CacheLimits* limits,
                  MatcherL3 l3)
-    : pins_(pins), ids_(ids), metrics_(metrics), limits_(limits), l3_(l3) {}
+    : pins_(pins), ids_(ids), metrics_(metrics), limits_(limits), l3_(l3) {
+  if (l3_.tiers != nullptr && l3_.tiers->size() > 0) l3_lookup_.emplace(l3_.tiers, l3_.max_lookup);
+}
+
+struct Matcher::Call {
+  const SessionInfo& session;
+  Namespace& ns;
+  core::RadixIndex* index;  // nullptr until a worker fixed the geometry: all miss.
+  uint32_t page_size;
+  absl::Duration lease;
+  absl::Time deadline;
+  bool pin;
+  core::MatchOptions options;
+  v1::PrefetchPolicy policy;
+  absl::Duration lookup_budget;
+  size_t num_tiers;
+
+  std::vector<PrefetchChain> chains;  // One per sequence when the daemon has L3 tiers.
+  uint64_t prefetch_tokens = 0;
+  uint64_t hits = 0;
+  uint64_t lookups = 0;
+  std::array<uint32_t, core::kMaxL3Tiers> l3_hits_by_tier{};
+  uint64_t l3_misses = 0;
+};
+
+struct Matcher::SequenceHit {
+  core::MatchResult index;  // The index's answer (L2 hit and what it knows of L3).
+  uint64_t pin_id = 0;      // The pin id drawn for this sequence; 0 without `pin`.
+  bool pinned = false;      // Whether that pin exists already (it holds the L2 hit).
+};
 
 absl::Status Matcher::Match(const SessionInfo& session, const v1::MatchRequest& request,
                             v1::MatchResponse* response) {
@@ -83,45 +112,37 @@ absl::Status Matcher::Match(const SessionInfo& session, const v1::MatchRequest& 
 void Matcher::Compute(const SessionInfo& session, const v1::MatchRequest& request,
                       v1::MatchResponse* response) {
   Namespace& ns = *session.ns;
-  core::RadixIndex* index = ns.index();  // nullptr until a worker fixed the geometry: all miss.
-  const uint32_t page_size = ns.spec().page_size;
   const uint32_t lease_ms = limits_->PinLeaseMs(request.pin_lease_ms());
-  const absl::Duration lease = absl::Milliseconds(lease_ms);
-  const absl::Time deadline = absl::Now() + lease;
-  core::MatchOptions options;
-  options.shards = ns.group_shards();
-
-  const size_t num_tiers = l3_.tiers != nullptr ? l3_.tiers->size() : 0;
-  const v1::PrefetchPolicy policy = l3_.prefetcher != nullptr
-                                        ? l3_.prefetcher->Resolve(request.prefetch_policy())
-                                        : v1::PREFETCH_POLICY_NONE;
-  const absl::Duration lookup_budget =
-      std::min(absl::Milliseconds(request.l3_lookup_timeout_ms()), l3_.max_lookup);
+  Call call{
+      .session = session,
+      .ns = ns,
+      .index = ns.index(),
+      .page_size = ns.spec().page_size,
+      .lease = absl::Milliseconds(lease_ms),
+      .deadline = absl::Now() + absl::Milliseconds(lease_ms),
+      .pin = request.pin(),
+      .options = {},
+      .policy = l3_.prefetcher != nullptr ? l3_.prefetcher->Resolve(request.prefetch_policy())
+                                          : v1::PREFETCH_POLICY_NONE,
+      .lookup_budget = l3_lookup_.has_value() ? l3_lookup_->Budget(request.l3_lookup_timeout_ms())
+                                              : absl::ZeroDuration(),
+      .num_tiers = l3_lookup_.has_value() ? l3_lookup_->num_tiers() : 0,
+      .chains = {},
+      .prefetch_tokens = 0,
+      .hits = 0,
+      .lookups = 0,
+      .l3_hits_by_tier = {},
+      .l3_misses = 0,
+  };
+  call.options.shards = ns.group_shards();
 
   std::vector<core::PageKey> keys;
-  std::vector<PrefetchChain> chains;
-  uint64_t prefetch_tokens = 0;
-  uint64_t hits = 0;
-  uint64_t lookups = 0;
-  std::array<uint32_t, core::kMaxL3Tiers> l3_hits_by_tier{};
-  uint64_t l3_misses = 0;
   response->mutable_results()->Reserve(request.sequences_size());
   for (const v1::MatchSequence& seq : request.sequences()) {
     v1::MatchResult* result = response->add_results();
     result->set_request_id(seq.request_id());
-    if (num_tiers > 0) chains.emplace_back();
-    keys.clear();
-    size_t first = 0;  // Index in `keys` of the first page to look up.
-    if (seq.token_ids_size() > 0) {
-      const size_t full = core::FullPages(seq.token_ids_size(), page_size);
-      keys.resize(full);
-      core::ComputePageKeys(ns.digest(),
-                            absl::MakeConstSpan(seq.token_ids().data(), seq.token_ids_size()),
-                            page_size, absl::MakeSpan(keys));
-      first = std::min<size_t>(seq.num_computed_pages(), full);
-    } else {
-      ns.AppendIndexKeys(seq.page_keys(), &keys);
-    }
+    if (call.num_tiers > 0) call.chains.emplace_back();
+    const size_t first = SequenceKeys(ns, seq, &keys);
     absl::Span<const core::PageKey> lookup = absl::MakeConstSpan(keys).subspan(first);
     result->set_total_pages(static_cast<uint32_t>(lookup.size()));
     if (request.return_keys()) {
@@ -133,149 +154,134 @@ void Matcher::Compute(const SessionInfo& session, const v1::MatchRequest& reques
         result->set_page_keys(seq.page_keys());  // The engine's own keys, as sent.
       }
     }
-    lookups += lookup.size();
-    if (index == nullptr || lookup.empty()) continue;
-
-    uint64_t pin_id = 0;
-    if (request.pin()) {
-      pin_id = ids_->NextId();
-      options.pin = core::PinLease{pin_id, deadline};
-    } else {
-      options.pin.reset();
-    }
-    absl::StatusOr<core::MatchResult> m = index->Match(lookup, options);
-    if (!m.ok()) continue;  // Only for a bad shard set, which the namespace rules out.
-    const uint32_t l2 = m->l2_pages;
-    result->set_l2_hit_pages(l2);
-    hits += l2;
-    if (l3_.writer != nullptr) l3_.writer->OnL2Hits(ns, lookup.first(l2));
-    bool pinned = false;
-    if (pin_id != 0 && m->pinned_pages > 0) {
-      pins_->Add(pin_id, session.instance_id, session.ns,
-                 std::vector<core::PageKey>(lookup.begin(), lookup.begin() + l2), session.tp_size,
-                 lease, deadline, session.id);
-      result->set_pin_id(pin_id);
-      pinned = true;
-    }
-    if (num_tiers == 0) continue;
-
-    // The page before lookup[0]: computed from tokens, or page 0; unknown for keys sent from
-    // page num_computed_pages > 0 on (then only pages the index knows can be fetched).
-    std::optional<core::PageKey> parent0;
-    if (first > 0) parent0 = keys[first - 1];
-    const bool parent0_known = seq.token_ids_size() > 0 || seq.num_computed_pages() == 0;
-    std::array<uint32_t, core::kMaxL3Tiers> runs = m->l3_pages;
-    uint32_t known = 0;
-    for (size_t t = 0; t < num_tiers; ++t) known = std::max(known, runs[t]);
-    const size_t from = l2 + known;
-    // Pages found only in a backend enter the index under their parent: not knowable for the
-    // first page sent when the engine sent keys from a page > 0.
-    if (lookup_budget > absl::ZeroDuration() && from < lookup.size() &&
-        (from > 0 || parent0_known)) {
-      std::optional<core::PageKey> parent = from > 0 ? std::optional(lookup[from - 1]) : parent0;
-      std::array<uint32_t, core::kMaxL3Tiers> found{};
-      LookUpL3(ns, lookup, from, parent, lookup_budget, found);
-      for (size_t t = 0; t < num_tiers; ++t) {
-        // A tier's run extends only when it reached the pages asked about.
-        if (runs[t] == known) runs[t] += found[t];
-      }
-    }
-    uint32_t best = 0;
-    for (size_t t = 0; t < num_tiers; ++t) best = std::max(best, runs[t]);
-    if (best == 0) {
-      l3_misses += lookup.size() - l2;
-      continue;
-    }
-    // Each page from the first tier whose run covers it.
-    PrefetchChain& chain = chains.back();
-    chain.tiers.resize(best);
-    auto* by_tier = result->mutable_l3_hit_pages_by_tier();
-    by_tier->Resize(static_cast<int>(num_tiers), 0);
-    for (uint32_t p = 0; p < best; ++p) {
-      for (size_t t = 0; t < num_tiers; ++t) {
-        if (runs[t] > p) {
-          chain.tiers[p] = static_cast<int>(t);
-          ++(*by_tier)[static_cast<int>(t)];
-          ++l3_hits_by_tier[t];
-          break;
-        }
-      }
-    }
-    result->set_l3_hit_pages(best);
-    l3_misses += lookup.size() - l2 - best;
-    if (policy == v1::PREFETCH_POLICY_NONE) continue;
-    chain.parent = l2 > 0 ? std::optional(lookup[l2 - 1]) : parent0;
-    chain.parent_known = l2 > 0 || parent0_known;
-    chain.keys.assign(lookup.begin() + l2, lookup.begin() + l2 + best);
-    prefetch_tokens += uint64_t{best} * page_size;
-    if (request.pin()) {
-      if (!pinned) {
-        // Nothing in L2 yet: a pin for the prefetched pages to join as they land.
-        pins_->Add(pin_id, session.instance_id, session.ns, {}, session.tp_size, lease, deadline);
-        result->set_pin_id(pin_id);
-      }
-      chain.pin_id = pin_id;
-    }
+    call.lookups += lookup.size();
+    if (call.index == nullptr || lookup.empty()) continue;
+    absl::StatusOr<SequenceHit> hit = MatchL2(call, lookup, result);
+    if (!hit.ok() || call.num_tiers == 0) continue;
+    MatchL3(call, seq, keys, first, *hit, result, &call.chains.back());
   }
-  metrics_->CountMatch(hits, lookups - hits, page_size);
-  NamespaceCounters& c = ns.counters();
+  Count(call, request);
+  StartPrefetch(call, request, response);
+}
+
+size_t Matcher::SequenceKeys(Namespace& ns, const v1::MatchSequence& seq,
+                             std::vector<core::PageKey>* keys) const {
+  keys->clear();
+  if (seq.token_ids_size() == 0) {
+    ns.AppendIndexKeys(seq.page_keys(), keys);
+    return 0;
+  }
+  const uint32_t page_size = ns.spec().page_size;
+  const size_t full = core::FullPages(seq.token_ids_size(), page_size);
+  keys->resize(full);
+  core::ComputePageKeys(ns.digest(),
+                        absl::MakeConstSpan(seq.token_ids().data(), seq.token_ids_size()),
+                        page_size, absl::MakeSpan(*keys));
+  return std::min<size_t>(seq.num_computed_pages(), full);
+}
+
+absl::StatusOr<Matcher::SequenceHit> Matcher::MatchL2(Call& call,
+                                                      absl::Span<const core::PageKey> lookup,
+                                                      v1::MatchResult* result) {
+  SequenceHit hit;
+  if (call.pin) {
+    hit.pin_id = ids_->NextId();
+    call.options.pin = core::PinLease{hit.pin_id, call.deadline};
+  } else {
+    call.options.pin.reset();
+  }
+  absl::StatusOr<core::MatchResult> m = call.index->Match(lookup, call.options);
+  // Fails only for a bad shard set, which the namespace rules out.
+  if (!m.ok()) return m.status();
+  hit.index = *m;
+  const uint32_t l2 = m->l2_pages;
+  result->set_l2_hit_pages(l2);
+  call.hits += l2;
+  if (l3_.writer != nullptr) l3_.writer->OnL2Hits(call.ns, lookup.first(l2));
+  if (hit.pin_id != 0 && m->pinned_pages > 0) {
+    pins_->Add(hit.pin_id, call.session.instance_id, call.session.ns,
+               std::vector<core::PageKey>(lookup.begin(), lookup.begin() + l2),
+               call.session.tp_size, call.lease, call.deadline, call.session.id);
+    result->set_pin_id(hit.pin_id);
+    hit.pinned = true;
+  }
+  return hit;
+}
+
+void Matcher::MatchL3(Call& call, const v1::MatchSequence& seq,
+                      absl::Span<const core::PageKey> keys, size_t first, const SequenceHit& hit,
+                      v1::MatchResult* result, PrefetchChain* chain) {
+  const absl::Span<const core::PageKey> lookup = keys.subspan(first);
+  const uint32_t l2 = hit.index.l2_pages;
+  // The page before lookup[0]: computed from tokens, or page 0; unknown for keys sent from
+  // page num_computed_pages > 0 on (then only pages the index knows can be fetched).
+  L3LookupInput in;
+  in.lookup = lookup;
+  in.l2_pages = l2;
+  in.index_runs = hit.index.l3_pages;
+  if (first > 0) in.parent0 = keys[first - 1];
+  in.parent0_known = seq.token_ids_size() > 0 || seq.num_computed_pages() == 0;
+  in.budget = call.lookup_budget;
+  const TierRuns runs = l3_lookup_->Runs(call.ns, in);
+
+  std::array<uint32_t, core::kMaxL3Tiers> by_tier{};
+  const uint32_t best = l3_lookup_->Attribute(runs, &chain->tiers, absl::MakeSpan(by_tier));
+  if (best == 0) {
+    call.l3_misses += lookup.size() - l2;
+    return;
+  }
+  auto* result_by_tier = result->mutable_l3_hit_pages_by_tier();
+  result_by_tier->Resize(static_cast<int>(call.num_tiers), 0);
+  for (size_t t = 0; t < call.num_tiers; ++t) {
+    (*result_by_tier)[static_cast<int>(t)] = by_tier[t];
+    call.l3_hits_by_tier[t] += by_tier[t];
+  }
+  result->set_l3_hit_pages(best);
+  call.l3_misses += lookup.size() - l2 - best;
+  if (call.policy == v1::PREFETCH_POLICY_NONE) return;
+  chain->parent = l2 > 0 ? std::optional(lookup[l2 - 1]) : in.parent0;
+  chain->parent_known = l2 > 0 || in.parent0_known;
+  chain->keys.assign(lookup.begin() + l2, lookup.begin() + l2 + best);
+  call.prefetch_tokens += uint64_t{best} * call.page_size;
+  if (call.pin) {
+    if (!hit.pinned) {
+      // Nothing in L2 yet: a pin for the prefetched pages to join as they land.
+      pins_->Add(hit.pin_id, call.session.instance_id, call.session.ns, {},
+                 call.session.tp_size, call.lease, call.deadline);
+      result->set_pin_id(hit.pin_id);
+    }
+    chain->pin_id = hit.pin_id;
+  }
+}
+
+void Matcher::Count(Call& call, const v1::MatchRequest& request) {
+  metrics_->CountMatch(call.hits, call.lookups - call.hits, call.page_size);
+  NamespaceCounters& c = call.ns.counters();
   NamespaceCounters::Add(c.match_calls, 1);
   NamespaceCounters::Add(c.match_sequences, static_cast<uint64_t>(request.sequences_size()));
-  NamespaceCounters::Add(c.lookup_pages, lookups);
-  NamespaceCounters::Add(c.l2_hit_pages, hits);
+  NamespaceCounters::Add(c.lookup_pages, call.lookups);
+  NamespaceCounters::Add(c.l2_hit_pages, call.hits);
   uint64_t l3_hits = 0;
-  for (uint32_t h : l3_hits_by_tier) l3_hits += h;
+  for (uint32_t h : call.l3_hits_by_tier) l3_hits += h;
   NamespaceCounters::Add(c.l3_hit_pages, l3_hits);
   c.Touch();
-  if (num_tiers == 0) return;
-  metrics_->CountL3Match(absl::MakeConstSpan(l3_hits_by_tier.data(), num_tiers), l3_misses,
-                         page_size);
-  if (prefetch_tokens == 0) return;
+  if (call.num_tiers == 0) return;
+  metrics_->CountL3Match(absl::MakeConstSpan(call.l3_hits_by_tier.data(), call.num_tiers),
+                         call.l3_misses, call.page_size);
+}
+
+void Matcher::StartPrefetch(Call& call, const v1::MatchRequest& request,
+                            v1::MatchResponse* response) {
+  if (call.num_tiers == 0 || call.prefetch_tokens == 0) return;
   L3Prefetcher::Started started = l3_.prefetcher->Start(
-      session, std::move(chains), policy,
-      l3_.prefetcher->Deadline(policy, request.prefetch_timeout_ms(), prefetch_tokens),
+      call.session, std::move(call.chains), call.policy,
+      l3_.prefetcher->Deadline(call.policy, request.prefetch_timeout_ms(), call.prefetch_tokens),
       /*always_op=*/false);
   if (started.op == nullptr) return;
   response->set_prefetch_op_id(started.op->id);
   for (size_t i = 0; i < started.fetching.size(); ++i) {
     response->mutable_results(static_cast<int>(i))->set_prefetch_pages(started.fetching[i]);
   }
-}
-
-void Matcher::LookUpL3(Namespace& ns, absl::Span<const core::PageKey> lookup, size_t from,
-                       std::optional<core::PageKey> parent, absl::Duration budget,
-                       std::array<uint32_t, core::kMaxL3Tiers>& runs) {
-  const size_t num_tiers = l3_.tiers->size();
-  std::vector<uint32_t> shards(static_cast<size_t>(ns.shards()));
-  for (size_t s = 0; s < shards.size(); ++s) shards[s] = static_cast<uint32_t>(s);
-  const absl::Span<const core::PageKey> ask = lookup.subspan(from);
-  const absl::Time deadline = absl::Now() + budget;
-  std::vector<std::optional<storage::ExistsFuture>> futures(num_tiers);
-  for (size_t t = 0; t < num_tiers; ++t) {
-    absl::StatusOr<storage::ExistsFuture> f = l3_.tiers->tier(t).backend->ExistsAsync(
-        {ns.digest(), ask, shards, budget});
-    if (f.ok()) futures[t] = *std::move(f);
-  }
-  std::vector<core::L3Update> updates;
-  for (size_t t = 0; t < num_tiers; ++t) {
-    if (!futures[t].has_value()) continue;
-    const storage::ExistsResult* r =
-        futures[t]->WaitFor(std::max(absl::ZeroDuration(), deadline - absl::Now()));
-    if (r == nullptr) continue;  // Too slow this time: the pages count as not found.
-    runs[t] = static_cast<uint32_t>(r->present_prefix);
-    for (size_t p = 0; p < r->present_prefix; ++p) {
-      std::optional<core::PageKey> page_parent = p > 0 ? std::optional(ask[p - 1]) : parent;
-      for (uint32_t s : shards) {
-        updates.push_back({ask[p], page_parent, static_cast<uint16_t>(s),
-                           static_cast<uint8_t>(t), true});
-      }
-    }
-  }
-  if (updates.empty()) return;
-  // A page whose parent is unknown to the index cannot be recorded (the tree stays
-  // prefix-closed); it still counts for this answer, and is read by key if prefetched.
-  std::vector<absl::Status> statuses(updates.size());
-  ns.index()->UpdateL3(updates, absl::MakeSpan(statuses));
 }
 
 size_t Matcher::Prune(absl::Time now) {

@@ -8,17 +8,12 @@
 // `pin`, the hit is pinned in the same index call (no eviction can slip between lookup and pin)
 // under a new pin id with tp_size holds (PinTable).
 //
-// L3 (when tiers are configured): after the L2 hit, the index says per tier how many further
-// pages that tier holds (copies this daemon wrote, read or was told of). With
-// l3_lookup_timeout_ms > 0 (capped by storage.max_lookup_ms) the backends are also asked (Exists,
-// all tiers at once, the handler waiting at most that budget) about the pages past what the index
-// knows: other nodes write shared tiers, and a restarted daemon's index is empty while its files
-// are not. What they report is recorded in the index (UpdateL3) for the next Match. The L3 hit is
-// the longest such run; each page is attributed to the first tier (in lookup order) whose run
-// covers it, which is also the tier a prefetch reads it from. Under a prefetch policy other than
-// NONE one prefetch op (L3Prefetcher) covers every sequence's L3 hit; with `pin` the sequence's
-// pin grows over its pages as they land (a pin is created for this even when the L2 hit is 0).
-// L2 hits are reported to the L3Writer (write_through_selective and admission count them).
+// L3 (when tiers are configured): after the L2 hit, L3Lookup (server/l3/l3_lookup.h) says how many
+// further pages each tier holds, asking the backends within the request's budget, and which tier
+// each page is read from. Under a prefetch policy other than NONE one prefetch op (L3Prefetcher)
+// covers every sequence's L3 hit; with `pin` the sequence's pin grows over its pages as they land
+// (a pin is created for this even when the L2 hit is 0). L2 hits are reported to the L3Writer
+// (write_through_selective and admission count them).
 //
 // step_id memo: the first Match of (instance, step_id) computes the answer and keeps it for
 // group_match_window_ms; a later one with the same request gets it back with memoized = true, and
@@ -40,11 +35,13 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kvcellar/v1/cache_service.pb.h"
 #include "server/config/cache_limits.h"
 #include "server/metrics/cache_metrics.h"
+#include "server/l3/l3_lookup.h"
 #include "server/l3/l3_prefetcher.h"
 #include "server/l3/l3_tiers.h"
 #include "server/l3/l3_writer.h"
@@ -83,19 +80,35 @@ class Matcher {
     v1::MatchResponse response;
   };
 
+  // One Match's state shared by its sequences' lookups.
+  struct Call;
+  // What one sequence's lookup found.
+  struct SequenceHit;
+
   void Compute(const SessionInfo& session, const v1::MatchRequest& request,
                v1::MatchResponse* response);
-  // Pages after `from` that each tier holds, asked of the backends within `budget`; recorded in
-  // the index. `parent` is the key before lookup[from] (nullopt: page 0 or unknown).
-  void LookUpL3(Namespace& ns, absl::Span<const core::PageKey> lookup, size_t from,
-                std::optional<core::PageKey> parent, absl::Duration budget,
-                std::array<uint32_t, core::kMaxL3Tiers>& runs);
+  // The phases of Compute, in order.
+  // The sequence's index keys from its first page to look up; returns that page's index in `keys`.
+  size_t SequenceKeys(Namespace& ns, const v1::MatchSequence& seq,
+                      std::vector<core::PageKey>* keys) const;
+  // The L2 hit, pinned under a new pin id when the request asks for pins.
+  absl::StatusOr<SequenceHit> MatchL2(Call& call, absl::Span<const core::PageKey> lookup,
+                                      v1::MatchResult* result);
+  // The L3 hit after the L2 hit, and the prefetch chain that will read it.
+  void MatchL3(Call& call, const v1::MatchSequence& seq, absl::Span<const core::PageKey> keys,
+               size_t first, const SequenceHit& hit, v1::MatchResult* result,
+               PrefetchChain* chain);
+  // The per-call counters into the metrics and the namespace's statistics.
+  void Count(Call& call, const v1::MatchRequest& request);
+  // One prefetch op over every sequence's L3 hit, named in the response.
+  void StartPrefetch(Call& call, const v1::MatchRequest& request, v1::MatchResponse* response);
 
   PinTable* const pins_;
   OpTable* const ids_;
   CacheMetrics* const metrics_;
   const CacheLimits* const limits_;
   const MatcherL3 l3_;
+  std::optional<L3Lookup> l3_lookup_;  // Set when the daemon has L3 tiers.
 
   absl::Mutex mu_;
   absl::flat_hash_map<std::pair<std::string, uint64_t>, std::shared_ptr<MemoEntry>> memo_

@@ -152,226 +152,57 @@ absl::Duration L3Prefetcher::Deadline(v1::PrefetchPolicy policy, uint32_t timeou
   return std::min(max, base_timeout_ + per_1k_tokens_ * (static_cast<double>(tokens) / 1024.0));
 }
 
+// One Start's plan: per page its status, and per tier the reads to make.
+struct L3Prefetcher::Plan {
+  Plan(Namespace& n, size_t num_tiers)
+      : ns(n), index(n.index()), shards(n.shards()), group(n.group_shards()),
+        page_bytes(n.object_bytes() * n.shards()), items(num_tiers), item_page(num_tiers) {}
+
+  Namespace& ns;
+  core::RadixIndex* const index;
+  const int shards;
+  const core::ShardMask group;
+  const uint64_t page_bytes;  // Every shard of a page: what it reserves of max_pending_bytes.
+
+  std::vector<uint8_t> statuses;  // Per page, flat over the chains.
+  std::vector<uint32_t> seq_begin;
+  std::vector<std::vector<storage::GetItem>> items;  // Per tier, the objects to read.
+  // Per tier and item: (index in Fetch::pages, shard).
+  std::vector<std::vector<std::pair<uint32_t, uint16_t>>> item_page;
+  std::vector<std::pair<uint64_t, core::PageKey>> present_pins;  // (pin, key) to extend.
+};
+
+// What the index says of a page for the group: shards committed, shards being written, and the
+// tiers holding every shard.
+struct L3Prefetcher::PageState {
+  std::optional<core::PageInfo> info;
+  core::ShardMask committed = 0;
+  core::ShardMask writing = 0;
+  uint8_t tiers_all = 0;
+};
+
 L3Prefetcher::Started L3Prefetcher::Start(const SessionInfo& session,
                                           std::vector<PrefetchChain> chains,
                                           v1::PrefetchPolicy policy, absl::Duration deadline,
                                           bool always_op) {
   Started started;
   started.fetching.assign(chains.size(), 0);
-  Namespace& ns = *session.ns;
-  core::RadixIndex* index = ns.index();
-  const int shards = ns.shards();
-  const core::ShardMask group = ns.group_shards();
-  const uint64_t page_bytes = ns.object_bytes() * shards;
-
   auto fetch = std::make_shared<Fetch>();
   fetch->ns = session.ns;
   fetch->policy = policy;
-  auto record = std::make_unique<OpRecord>();
-  std::vector<uint8_t> statuses;
-  std::vector<std::vector<storage::GetItem>> items(tiers_->size());
-  std::vector<std::vector<std::pair<uint32_t, uint16_t>>> item_page(tiers_->size());
-  std::vector<std::pair<uint64_t, core::PageKey>> present_pins;
-
+  Plan plan(*session.ns, tiers_->size());
   for (size_t c = 0; c < chains.size(); ++c) {
-    PrefetchChain& chain = chains[c];
-    record->seq_begin.push_back(static_cast<uint32_t>(statuses.size()));
-    std::optional<core::PageKey> parent = chain.parent;
-    bool stopped = index == nullptr;
-    for (size_t i = 0; i < chain.keys.size(); ++i) {
-      const uint32_t flat = static_cast<uint32_t>(statuses.size());
-      statuses.push_back(v1::PAGE_STATUS_SKIPPED);
-      if (stopped) continue;
-      const core::PageKey& key = chain.keys[i];
-      std::optional<core::PageInfo> info = index->Inspect(key);
-      core::ShardMask committed = 0;
-      core::ShardMask writing = 0;
-      uint8_t tiers_all = 0xff;
-      if (info.has_value()) {
-        for (int s = 0; s < shards && s < static_cast<int>(info->shards.size()); ++s) {
-          const core::ShardInfo& si = info->shards[s];
-          if (si.l2 == core::L2State::kResident) committed |= core::ShardMask{1} << s;
-          if (si.l2 == core::L2State::kWriting) writing |= core::ShardMask{1} << s;
-          tiers_all &= si.l3_tiers;
-        }
-      } else {
-        tiers_all = 0;
-      }
-      if (i == 0 && !chain.parent_known) {
-        if (!info.has_value()) {
-          statuses[flat] = v1::PAGE_STATUS_MISS;
-          stopped = true;
-          continue;
-        }
-        parent = info->parent;
-      }
-      if ((committed & group) == group) {
-        statuses[flat] = v1::PAGE_STATUS_ALREADY_PRESENT;
-        if (chain.pin_id != 0) present_pins.emplace_back(chain.pin_id, key);
-        parent = key;
-        continue;
-      }
-      if (writing != 0) {
-        // Another op brings it (or some of its shards): watch, do not read it twice.
-        statuses[flat] = v1::PAGE_STATUS_PENDING;
-        fetch->pages.push_back({key, flat, -1, chain.pin_id, {}, v1::PAGE_STATUS_OK});
-        parent = key;
-        continue;
-      }
-      int tier = i < chain.tiers.size() ? chain.tiers[i] : -1;
-      if (tier < 0) {
-        for (size_t t = 0; t < tiers_->size(); ++t) {
-          if ((tiers_all >> t & 1) != 0) {
-            tier = static_cast<int>(t);
-            break;
-          }
-        }
-      }
-      if (tier < 0) {
-        statuses[flat] = v1::PAGE_STATUS_MISS;
-        stopped = true;
-        continue;
-      }
-      uint64_t cur = pending_bytes_.load(std::memory_order_relaxed);
-      bool reserved = false;
-      while (cur + page_bytes <= max_pending_bytes_) {
-        if (pending_bytes_.compare_exchange_weak(cur, cur + page_bytes,
-                                                 std::memory_order_relaxed)) {
-          reserved = true;
-          break;
-        }
-      }
-      if (!reserved) {
-        statuses[flat] = v1::PAGE_STATUS_THROTTLED;
-        stopped = true;
-        continue;
-      }
-      // Every shard of the page: a slot, then an in-flight entry in the index.
-      Fetch::Page page{key, flat, tier, chain.pin_id, {}, v1::PAGE_STATUS_OK};
-      v1::PageStatus failed = v1::PAGE_STATUS_UNSPECIFIED;
-      std::vector<core::ObjectId> begun;
-      for (int s = 0; s < shards && failed == v1::PAGE_STATUS_UNSPECIFIED; ++s) {
-        if ((committed >> s & 1) != 0) {
-          page.slots.push_back(core::SlotRef{});  // This shard is already in L2.
-          continue;
-        }
-        absl::StatusOr<core::SlotRef> slot =
-            l2_->Allocate(ns, key, static_cast<uint16_t>(s), ns.slot_bytes());
-        if (!slot.ok()) {
-          failed = v1::PAGE_STATUS_NO_SPACE;
-          break;
-        }
-        absl::Status b = index->BeginWrite(
-            {key, parent, static_cast<uint16_t>(s), *slot, core::WriteKind::kPrefetch});
-        if (!b.ok()) {
-          l2_->Free(*slot);
-          failed = b.code() == absl::StatusCode::kFailedPrecondition
-                       ? v1::PAGE_STATUS_PARENT_MISSING
-                       : v1::PAGE_STATUS_MISS;  // Raced with a writer: not ours to fetch.
-          break;
-        }
-        begun.push_back({key, static_cast<uint16_t>(s)});
-        page.slots.push_back(*slot);
-      }
-      if (failed != v1::PAGE_STATUS_UNSPECIFIED) {
-        std::vector<core::ReleasedObject> released;
-        index->Abort(begun, &released);
-        l2_->FreeReleased(released);
-        pending_bytes_.fetch_sub(page_bytes, std::memory_order_relaxed);
-        statuses[flat] = static_cast<uint8_t>(failed);
-        stopped = true;
-        continue;
-      }
-      const uint32_t page_index = static_cast<uint32_t>(fetch->pages.size());
-      for (int s = 0; s < shards; ++s) {
-        if (!page.slots[s].valid()) continue;
-        items[tier].push_back({key, static_cast<uint32_t>(s), l2_->pool()->Address(page.slots[s]),
-                               ns.object_bytes()});
-        item_page[tier].emplace_back(page_index, static_cast<uint16_t>(s));
-      }
-      fetch->bytes += page_bytes;
-      fetch->pages.push_back(std::move(page));
-      statuses[flat] = v1::PAGE_STATUS_PENDING;
-      ++started.fetching[c];
-      parent = key;
-    }
+    started.fetching[c] = PlanChain(chains[c], plan, *fetch);
   }
-  record->seq_begin.push_back(static_cast<uint32_t>(statuses.size()));
-  for (const auto& [pin, key] : present_pins) pins_->Extend(pin, absl::MakeConstSpan(&key, 1));
-
-  // Reads go out per tier in batches of at most the backend's max_batch_items.
-  std::vector<size_t> max_items(tiers_->size());
-  size_t batches = 0;
-  for (size_t t = 0; t < tiers_->size(); ++t) {
-    max_items[t] = std::max<size_t>(1, tiers_->tier(t).backend->capabilities().max_batch_items);
-    batches += (items[t].size() + max_items[t] - 1) / max_items[t];
+  plan.seq_begin.push_back(static_cast<uint32_t>(plan.statuses.size()));
+  for (const auto& [pin, key] : plan.present_pins) {
+    pins_->Extend(pin, absl::MakeConstSpan(&key, 1));
   }
   if (fetch->pages.empty() && !always_op) return started;
 
-  record->id = ops_->NextId();
-  fetch->op_id = record->id;
-  if (policy == v1::PREFETCH_POLICY_BEST_EFFORT) {
-    for (const PrefetchChain& chain : chains) {
-      if (chain.pin_id != 0) fetch->best_effort_pins.push_back(chain.pin_id);
-    }
-  }
-  record->kind = v1::OP_KIND_PREFETCH;
-  record->instance_id = session.instance_id;
-  record->session_id = session.id;
-  record->submitted = absl::Now();
-  record->ready_deadline = record->submitted + deadline;
-  record->statuses = statuses;
-  record->device = fetch->op;
-  record->completion = std::make_unique<Completion>(fetch, metrics_);
-  {
-    absl::MutexLock lock(&fetch->mu);
-    fetch->statuses = statuses;
-  }
-  fetch->reads_left.store(static_cast<int>(batches), std::memory_order_relaxed);
-  {
-    absl::MutexLock lock(&mu_);
-    ++inflight_;
-    for (uint64_t pin : fetch->best_effort_pins) best_effort_by_pin_[pin] = fetch->op_id;
-  }
+  std::unique_ptr<OpRecord> record = NewRecord(session, chains, plan, deadline, fetch);
   // Reads first, then the op: a read that completes at once lands before Add and Add finalizes.
-  fetch->started = std::chrono::steady_clock::now();
-  if (batches == 0) {
-    Land(*fetch);
-  } else {
-    for (size_t t = 0; t < tiers_->size(); ++t) {
-      for (size_t off = 0; off < items[t].size(); off += max_items[t]) {
-        const size_t n = std::min(max_items[t], items[t].size() - off);
-        auto map = std::make_shared<std::vector<std::pair<uint32_t, uint16_t>>>(
-            item_page[t].begin() + off, item_page[t].begin() + off + n);
-        storage::GetRequest request{ns.digest(), absl::MakeConstSpan(items[t]).subspan(off, n),
-                                    absl::ZeroDuration()};
-        absl::Status s = tiers_->tier(t).backend->Get(
-            request, [this, fetch, map](storage::BatchResult result) {
-              {
-                // A page's shards may span two batches, whose callbacks can run at once.
-                absl::MutexLock lock(&fetch->mu);
-                for (size_t i = 0; i < result.items.size() && i < map->size(); ++i) {
-                  Fetch::Page& page = fetch->pages[(*map)[i].first];
-                  const uint8_t st = ReadStatus(result.items[i].status);
-                  if (Severity(st) > Severity(page.result)) page.result = st;
-                }
-              }
-              if (fetch->reads_left.fetch_sub(1, std::memory_order_acq_rel) == 1) Land(*fetch);
-            });
-        if (!s.ok()) {
-          KVLOG(Warn, "l3 read not submitted",
-                {{"tier", tiers_->tier(t).spec.name}, {"error", s.ToString()}});
-          {
-            absl::MutexLock lock(&fetch->mu);
-            for (size_t i = 0; i < n; ++i) {
-              fetch->pages[(*map)[i].first].result = v1::PAGE_STATUS_L3_ERROR;
-            }
-          }
-          if (fetch->reads_left.fetch_sub(1, std::memory_order_acq_rel) == 1) Land(*fetch);
-        }
-      }
-    }
-  }
+  SubmitReads(plan, fetch);
   started.op = ops_->Add(std::move(record));
   {
     absl::MutexLock lock(&fetch->mu);
@@ -380,6 +211,226 @@ L3Prefetcher::Started L3Prefetcher::Start(const SessionInfo& session,
   // The reads may have landed between Add's own attempt and the line above.
   if (fetch->op->Poll()) ops_->TryFinalize(*started.op);
   return started;
+}
+
+uint32_t L3Prefetcher::PlanChain(const PrefetchChain& chain, Plan& plan, Fetch& fetch) {
+  uint32_t fetching = 0;
+  plan.seq_begin.push_back(static_cast<uint32_t>(plan.statuses.size()));
+  std::optional<core::PageKey> parent = chain.parent;
+  bool stopped = plan.index == nullptr;
+  for (size_t i = 0; i < chain.keys.size(); ++i) {
+    const uint32_t flat = static_cast<uint32_t>(plan.statuses.size());
+    plan.statuses.push_back(v1::PAGE_STATUS_SKIPPED);
+    if (stopped) continue;
+    const core::PageKey& key = chain.keys[i];
+    const PageState state = Inspect(plan, key);
+    if (i == 0 && !chain.parent_known) {
+      if (!state.info.has_value()) {
+        plan.statuses[flat] = v1::PAGE_STATUS_MISS;
+        stopped = true;
+        continue;
+      }
+      parent = state.info->parent;
+    }
+    if ((state.committed & plan.group) == plan.group) {
+      plan.statuses[flat] = v1::PAGE_STATUS_ALREADY_PRESENT;
+      if (chain.pin_id != 0) plan.present_pins.emplace_back(chain.pin_id, key);
+      parent = key;
+      continue;
+    }
+    if (state.writing != 0) {
+      // Another op brings it (or some of its shards): watch, do not read it twice.
+      plan.statuses[flat] = v1::PAGE_STATUS_PENDING;
+      fetch.pages.push_back({key, flat, -1, chain.pin_id, {}, v1::PAGE_STATUS_OK});
+      parent = key;
+      continue;
+    }
+    const int tier = ReadTier(i < chain.tiers.size() ? chain.tiers[i] : -1, state.tiers_all);
+    if (tier < 0) {
+      plan.statuses[flat] = v1::PAGE_STATUS_MISS;
+      stopped = true;
+      continue;
+    }
+    if (!ReservePending(plan.page_bytes)) {
+      plan.statuses[flat] = v1::PAGE_STATUS_THROTTLED;
+      stopped = true;
+      continue;
+    }
+    Fetch::Page page{key, flat, tier, chain.pin_id, {}, v1::PAGE_STATUS_OK};
+    const v1::PageStatus failed = BeginPage(plan, key, parent, state.committed, &page.slots);
+    if (failed != v1::PAGE_STATUS_UNSPECIFIED) {
+      pending_bytes_.fetch_sub(plan.page_bytes, std::memory_order_relaxed);
+      plan.statuses[flat] = static_cast<uint8_t>(failed);
+      stopped = true;
+      continue;
+    }
+    const uint32_t page_index = static_cast<uint32_t>(fetch.pages.size());
+    for (int s = 0; s < plan.shards; ++s) {
+      if (!page.slots[s].valid()) continue;
+      plan.items[tier].push_back({key, static_cast<uint32_t>(s),
+                                  l2_->pool()->Address(page.slots[s]), plan.ns.object_bytes()});
+      plan.item_page[tier].emplace_back(page_index, static_cast<uint16_t>(s));
+    }
+    fetch.bytes += plan.page_bytes;
+    fetch.pages.push_back(std::move(page));
+    plan.statuses[flat] = v1::PAGE_STATUS_PENDING;
+    ++fetching;
+    parent = key;
+  }
+  return fetching;
+}
+
+L3Prefetcher::PageState L3Prefetcher::Inspect(const Plan& plan, const core::PageKey& key) const {
+  PageState state;
+  state.info = plan.index->Inspect(key);
+  if (!state.info.has_value()) return state;
+  state.tiers_all = 0xff;
+  const auto& shards = state.info->shards;
+  for (int s = 0; s < plan.shards && s < static_cast<int>(shards.size()); ++s) {
+    const core::ShardInfo& si = shards[s];
+    if (si.l2 == core::L2State::kResident) state.committed |= core::ShardMask{1} << s;
+    if (si.l2 == core::L2State::kWriting) state.writing |= core::ShardMask{1} << s;
+    state.tiers_all &= si.l3_tiers;
+  }
+  return state;
+}
+
+int L3Prefetcher::ReadTier(int matched_tier, uint8_t tiers_all) const {
+  if (matched_tier >= 0) return matched_tier;
+  for (size_t t = 0; t < tiers_->size(); ++t) {
+    if ((tiers_all >> t & 1) != 0) return static_cast<int>(t);
+  }
+  return -1;
+}
+
+bool L3Prefetcher::ReservePending(uint64_t bytes) {
+  uint64_t cur = pending_bytes_.load(std::memory_order_relaxed);
+  while (cur + bytes <= max_pending_bytes_) {
+    if (pending_bytes_.compare_exchange_weak(cur, cur + bytes, std::memory_order_relaxed)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+v1::PageStatus L3Prefetcher::BeginPage(Plan& plan, const core::PageKey& key,
+                                       std::optional<core::PageKey> parent,
+                                       core::ShardMask committed,
+                                       std::vector<core::SlotRef>* slots) {
+  // Every shard of the page: a slot, then an in-flight entry in the index.
+  v1::PageStatus failed = v1::PAGE_STATUS_UNSPECIFIED;
+  std::vector<core::ObjectId> begun;
+  for (int s = 0; s < plan.shards; ++s) {
+    if ((committed >> s & 1) != 0) {
+      slots->push_back(core::SlotRef{});  // This shard is already in L2.
+      continue;
+    }
+    absl::StatusOr<core::SlotRef> slot =
+        l2_->Allocate(plan.ns, key, static_cast<uint16_t>(s), plan.ns.slot_bytes());
+    if (!slot.ok()) {
+      failed = v1::PAGE_STATUS_NO_SPACE;
+      break;
+    }
+    absl::Status b = plan.index->BeginWrite(
+        {key, parent, static_cast<uint16_t>(s), *slot, core::WriteKind::kPrefetch});
+    if (!b.ok()) {
+      l2_->Free(*slot);
+      failed = b.code() == absl::StatusCode::kFailedPrecondition
+                   ? v1::PAGE_STATUS_PARENT_MISSING
+                   : v1::PAGE_STATUS_MISS;  // Raced with a writer: not ours to fetch.
+      break;
+    }
+    begun.push_back({key, static_cast<uint16_t>(s)});
+    slots->push_back(*slot);
+  }
+  if (failed != v1::PAGE_STATUS_UNSPECIFIED) {
+    std::vector<core::ReleasedObject> released;
+    plan.index->Abort(begun, &released);
+    l2_->FreeReleased(released);
+  }
+  return failed;
+}
+
+std::unique_ptr<OpRecord> L3Prefetcher::NewRecord(const SessionInfo& session,
+                                                  const std::vector<PrefetchChain>& chains,
+                                                  const Plan& plan, absl::Duration deadline,
+                                                  const std::shared_ptr<Fetch>& shared) {
+  Fetch& fetch = *shared;
+  auto record = std::make_unique<OpRecord>();
+  record->seq_begin = plan.seq_begin;
+  record->id = ops_->NextId();
+  fetch.op_id = record->id;
+  if (fetch.policy == v1::PREFETCH_POLICY_BEST_EFFORT) {
+    for (const PrefetchChain& chain : chains) {
+      if (chain.pin_id != 0) fetch.best_effort_pins.push_back(chain.pin_id);
+    }
+  }
+  record->kind = v1::OP_KIND_PREFETCH;
+  record->instance_id = session.instance_id;
+  record->session_id = session.id;
+  record->submitted = absl::Now();
+  record->ready_deadline = record->submitted + deadline;
+  record->statuses = plan.statuses;
+  record->device = fetch.op;
+  record->completion = std::make_unique<Completion>(shared, metrics_);
+  {
+    absl::MutexLock lock(&fetch.mu);
+    fetch.statuses = plan.statuses;
+  }
+  absl::MutexLock lock(&mu_);
+  ++inflight_;
+  for (uint64_t pin : fetch.best_effort_pins) best_effort_by_pin_[pin] = fetch.op_id;
+  return record;
+}
+
+void L3Prefetcher::SubmitReads(const Plan& plan, const std::shared_ptr<Fetch>& fetch) {
+  // Reads go out per tier in batches of at most the backend's max_batch_items.
+  std::vector<size_t> max_items(tiers_->size());
+  size_t batches = 0;
+  for (size_t t = 0; t < tiers_->size(); ++t) {
+    max_items[t] = std::max<size_t>(1, tiers_->tier(t).backend->capabilities().max_batch_items);
+    batches += (plan.items[t].size() + max_items[t] - 1) / max_items[t];
+  }
+  fetch->reads_left.store(static_cast<int>(batches), std::memory_order_relaxed);
+  fetch->started = std::chrono::steady_clock::now();
+  if (batches == 0) {
+    Land(*fetch);
+    return;
+  }
+  for (size_t t = 0; t < tiers_->size(); ++t) {
+    const std::vector<storage::GetItem>& items = plan.items[t];
+    for (size_t off = 0; off < items.size(); off += max_items[t]) {
+      const size_t n = std::min(max_items[t], items.size() - off);
+      auto map = std::make_shared<std::vector<std::pair<uint32_t, uint16_t>>>(
+          plan.item_page[t].begin() + off, plan.item_page[t].begin() + off + n);
+      storage::GetRequest request{plan.ns.digest(), absl::MakeConstSpan(items).subspan(off, n),
+                                  absl::ZeroDuration()};
+      absl::Status s = tiers_->tier(t).backend->Get(
+          request, [this, fetch, map](storage::BatchResult result) {
+            {
+              // A page's shards may span two batches, whose callbacks can run at once.
+              absl::MutexLock lock(&fetch->mu);
+              for (size_t i = 0; i < result.items.size() && i < map->size(); ++i) {
+                Fetch::Page& page = fetch->pages[(*map)[i].first];
+                const uint8_t st = ReadStatus(result.items[i].status);
+                if (Severity(st) > Severity(page.result)) page.result = st;
+              }
+            }
+            if (fetch->reads_left.fetch_sub(1, std::memory_order_acq_rel) == 1) Land(*fetch);
+          });
+      if (!s.ok()) {
+        KVLOG(Warn, "l3 read not submitted",
+              {{"tier", tiers_->tier(t).spec.name}, {"error", s.ToString()}});
+        {
+          absl::MutexLock lock(&fetch->mu);
+          for (size_t i = 0; i < n; ++i) {
+            fetch->pages[(*map)[i].first].result = v1::PAGE_STATUS_L3_ERROR;
+          }
+        }
+        if (fetch->reads_left.fetch_sub(1, std::memory_order_acq_rel) == 1) Land(*fetch);
+      }
+    }
+  }
 }
 
 void L3Prefetcher::Land(Fetch& fetch) {

@@ -104,7 +104,32 @@ class L3Prefetcher {
   class FetchOp;
   class Completion;
 
-  void OnRead(const std::shared_ptr<Fetch>& fetch, size_t tier, storage::BatchResult result);
+  struct Plan;
+  struct PageState;
+
+  // The phases of Start, in order.
+  // Plans one chain's pages: each page's status, and for those to read a slot per shard, an
+  // in-flight entry in the index and a read from its tier. Returns how many pages it fetches.
+  uint32_t PlanChain(const PrefetchChain& chain, Plan& plan, Fetch& fetch);
+  PageState Inspect(const Plan& plan, const core::PageKey& key) const;
+  // The tier a page is read from: the one the Match attributed, else the first tier holding
+  // every shard; -1 when none does.
+  int ReadTier(int matched_tier, uint8_t tiers_all) const;
+  // Reserves `bytes` of max_pending_bytes; false when they do not fit (THROTTLED).
+  bool ReservePending(uint64_t bytes);
+  // A slot (appended to `slots`, per shard; invalid for a committed shard) and an in-flight write
+  // for each shard of `key` not committed yet; on failure undoes them and returns the page's
+  // status (UNSPECIFIED on success).
+  v1::PageStatus BeginPage(Plan& plan, const core::PageKey& key,
+                           std::optional<core::PageKey> parent, core::ShardMask committed,
+                           std::vector<core::SlotRef>* slots);
+  // The op's record, registered as in flight.
+  std::unique_ptr<OpRecord> NewRecord(const SessionInfo& session,
+                                      const std::vector<PrefetchChain>& chains, const Plan& plan,
+                                      absl::Duration deadline, const std::shared_ptr<Fetch>& fetch);
+  // The reads, per tier in batches of at most the backend's max_batch_items; lands the fetch
+  // when the last one completes (at once when there is none).
+  void SubmitReads(const Plan& plan, const std::shared_ptr<Fetch>& fetch);
   void Land(Fetch& fetch);
 
   L3Tiers* const tiers_;

@@ -7,7 +7,7 @@
 #include "platform/log.h"
 #include "server/build_info.h"
 #include "server/config/cache_limits.h"
-#include "server/status_util.h"
+#include "server/rpc/grpc_status.h"
 
 namespace kvcellar::server {
 namespace {

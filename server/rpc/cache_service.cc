@@ -10,7 +10,7 @@
 #include "server/build_info.h"
 #include "server/session/namespace_metrics.h"
 #include "server/rpc/request_validation.h"
-#include "server/status_util.h"
+#include "server/rpc/grpc_status.h"
 
 namespace kvcellar::server {
 namespace {

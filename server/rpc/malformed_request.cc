@@ -9,7 +9,7 @@
 #include "absl/strings/str_replace.h"
 #include "platform/log.h"
 #include "google/protobuf/stubs/logging.h"
-#include "server/status_util.h"
+#include "server/rpc/grpc_status.h"
 
 namespace kvcellar::server {
 namespace {

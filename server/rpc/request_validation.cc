@@ -12,7 +12,7 @@
 #include "gpu/kv_layout.h"
 #include "gpu/shm_mapping.h"
 #include "server/datapath/device_set.h"
-#include "server/status_util.h"
+#include "server/errors/cache_error.h"
 
 namespace kvcellar::server {
 namespace {

@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "core/quote.h"
-#include "server/status_util.h"
+#include "server/errors/cache_error.h"
 
 namespace kvcellar::server {
 

@@ -33,7 +33,7 @@
 #include "server/l3/l3_tiers.h"
 #include "server/metrics/metrics.h"
 #include "server/session/sim_counter_channel.h"
-#include "server/status_util.h"
+#include "server/rpc/grpc_status.h"
 #include "tests/gpu/sim_test_util.h"
 
 namespace kvcellar::server::testing {

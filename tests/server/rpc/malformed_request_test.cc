@@ -25,7 +25,7 @@
 #include "kvcellar/v1/cache_service.pb.h"
 #include "server/rpc/admin_service.h"
 #include "server/config/config.h"
-#include "server/status_util.h"
+#include "server/rpc/grpc_status.h"
 
 namespace kvcellar::server {
 namespace {
