@@ -62,6 +62,7 @@ Daemon::~Daemon() {
   admin_server_.reset();
   l3_admin_.reset();
   cache_service_.reset();
+  cache_.reset();
   if (device_ != nullptr) {
     for (void* chunk : registered_chunks_) {
       if (absl::Status s = device_->UnregisterHostMemory(chunk); !s.ok()) {
@@ -101,7 +102,7 @@ absl::Status Daemon::StartListeners() {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
 
-  CacheServiceOptions cache_options;
+  CacheOptions cache_options;
   cache_options.config = config_;
   cache_options.pool = pool_.get();
   cache_options.devices = devices_;
@@ -111,16 +112,17 @@ absl::Status Daemon::StartListeners() {
     absl::MutexLock lock(&mu_);
     cache_options.daemon_epoch = info_.epoch;
   }
-  cache_service_ = std::make_unique<CacheServiceImpl>(std::move(cache_options));
+  cache_ = std::make_unique<Cache>(std::move(cache_options));
+  cache_service_ = std::make_unique<CacheServiceImpl>(cache_.get());
   if (!l3_->empty()) {
-    l3_admin_ = std::make_unique<L3TierAdmin>(l3_.get(), &cache_service_->namespaces());
+    l3_admin_ = std::make_unique<L3TierAdmin>(l3_.get(), &cache_->namespaces());
   }
   auto info = [this] { return Info(); };
   // Without L3 tiers the admin services get no L3Admin (nullptr): TIER_L3 reports nothing.
   engine_admin_service_ = std::make_unique<AdminServiceImpl>(
-      info, config_, /*allow_mutations=*/false, &cache_service_->admin(), l3_admin_.get());
+      info, config_, /*allow_mutations=*/false, &cache_->admin(), l3_admin_.get());
   admin_service_ = std::make_unique<AdminServiceImpl>(
-      info, config_, /*allow_mutations=*/true, &cache_service_->admin(), l3_admin_.get());
+      info, config_, /*allow_mutations=*/true, &cache_->admin(), l3_admin_.get());
 
   unix_socket_ = ResolveUnixSocketPath(config_);
   admin_socket_ = ResolveAdminSocketPath(config_);
@@ -244,7 +246,7 @@ DaemonInfo Daemon::Info() const {
     info.pool_huge_pages = pool_->backing() != core::HugePageBacking::kNone;
     info.pool_reattached = pool_->reattached();
   }
-  if (cache_service_ != nullptr) cache_service_->FillInfo(&info);
+  if (cache_ != nullptr) cache_->FillInfo(&info);
   if (device_ != nullptr) info.device_kind = std::string(device_->name());
   if (l3_ != nullptr) {
     for (size_t i = 0; i < l3_->size(); ++i) {
@@ -370,7 +372,7 @@ void Daemon::Shutdown() {
     shutting_down_ = true;
   }
   // Engines learn it from Heartbeat; new data ops are refused; waiting WaitOps return now.
-  if (cache_service_ != nullptr) cache_service_->SetDraining();
+  if (cache_ != nullptr) cache_->SetDraining();
   absl::Time start = absl::Now();
   std::chrono::system_clock::time_point deadline =
       std::chrono::system_clock::now() +

@@ -32,6 +32,7 @@
 namespace kvcellar::server {
 
 class AdminServiceImpl;
+class Cache;
 class CacheServiceImpl;
 class HttpServer;
 class MetricsRegistry;
@@ -77,6 +78,7 @@ class Daemon {
   // L3 backends: destroyed after the service (whose writes and reads they complete), before the
   // pool (whose slots their I/O reads and writes).
   std::unique_ptr<L3Tiers> l3_;
+  std::unique_ptr<Cache> cache_;  // The composition root; outlives its service.
   std::unique_ptr<CacheServiceImpl> cache_service_;
   std::unique_ptr<L3TierAdmin> l3_admin_;  // nullptr without L3 tiers.
   std::unique_ptr<AdminServiceImpl> engine_admin_service_;  // Read-only RPCs.

@@ -21,20 +21,10 @@ constexpr uint32_t kApiRevision = 1;
 // WaitOps answers this long before the call's own gRPC deadline, so the reply (with the states as
 // they are) reaches the client instead of DEADLINE_EXCEEDED: a Unix-socket round trip is ~0.1 ms.
 constexpr absl::Duration kDeadlineMargin = absl::Milliseconds(2);
-// How long closing a session waits for a cancelled device op to report that it ended, after its
-// mapping is closed (the sim device has finished it by then; CUDA drains its streams, bounded by
-// its own close timeout).
-constexpr absl::Duration kCancelledOpWait = absl::Seconds(10);
-
 grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, const absl::Status& status) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status, context));
   return reactor;
-}
-
-core::EvictionPolicyKind PolicyOf(const Config& config) {
-  return config.eviction.policy == EvictionPolicy::kLru ? core::EvictionPolicyKind::kLru
-                                                        : core::EvictionPolicyKind::kS3Fifo;
 }
 
 // A gpu-layer error while opening an engine, as the registration's error: which field, which
@@ -76,212 +66,18 @@ class WaitOpsReactor final : public grpc::ServerUnaryReactor, public OpWaiter {
 
 }  // namespace
 
-CacheServiceImpl::CacheServiceImpl(CacheServiceOptions options)
-    : config_(std::move(options.config)),
-      limits_(CacheLimits::FromConfig(config_)),
-      daemon_epoch_(options.daemon_epoch),
-      devices_(std::move(options.devices)),
-      housekeeping_interval_(options.housekeeping_interval),
-      metrics_(options.metrics != nullptr ? options.metrics : &DefaultRegistry()),
-      namespaces_(options.pool, PolicyOf(config_),
-                  options.l3 != nullptr ? static_cast<int>(options.l3->size()) : 0),
-      l2_(options.pool, &namespaces_, config_.pool.high_watermark, config_.pool.low_watermark,
-          &metrics_),
-      ops_(&metrics_, absl::Milliseconds(limits_.op_result_retention_ms)),
-      no_l3_(options.l3 == nullptr ? L3Tiers::None() : nullptr),
-      l3_(options.l3 != nullptr ? options.l3 : no_l3_.get()),
-      writer_(l3_, &l2_, [this] { return ops_.NextId(); }, &metrics_, config_.storage),
-      prefetcher_(l3_, &l2_, &ops_, &pins_, &metrics_, &limits_, config_.storage),
-      mover_(&devices_, &l2_, &pins_, &ops_, &pump_, &metrics_, &limits_, &writer_),
-      matcher_(&pins_, &ops_, &metrics_, &limits_,
-               MatcherL3{l3_, &prefetcher_, &writer_,
-                         absl::Milliseconds(config_.storage.max_lookup_ms)}),
-      admin_(&namespaces_, &sessions_, &pins_, &l2_, &metrics_, absl::Now()) {
-  metrics_.SetL3Tiers(l3_->names());
-  l2_.set_eviction_observer(&writer_);
-  if (!l3_->empty()) metrics_.AddCollector([this](MetricWriter& out) { l3_->Collect(out); });
-  AddCollectors();
-  housekeeper_ = std::thread([this] { HousekeeperLoop(); });
-}
-
-CacheServiceImpl::~CacheServiceImpl() {
-  metrics_.RemoveCollectors();
-  l2_.set_eviction_observer(nullptr);
-  {
-    absl::MutexLock lock(&housekeeper_mu_);
-    stop_ = true;
-  }
-  housekeeper_.join();
-  ops_.FinishAllWaiters();
-  for (SessionRegistry::Removed& r : sessions_.TakeAll()) {
-    EndSession(r.session, r.last_of_instance, absl::ZeroDuration(), "daemon shutdown");
-  }
-}
-
-void CacheServiceImpl::AddCollectors() {
-  metrics_.AddCollector([this](MetricWriter& out) {
-    size_t workers = 0;
-    size_t schedulers = 0;
-    for (const std::shared_ptr<Session>& s : sessions_.Snapshot()) {
-      (s->info().is_worker() ? workers : schedulers)++;
-    }
-    const MetricWriter::Label worker[] = {{"role", "worker"}};
-    const MetricWriter::Label scheduler[] = {{"role", "scheduler"}};
-    out.AddGauge("kvcellar_sessions", "Live engine sessions, by role.", workers, worker);
-    out.AddGauge("kvcellar_sessions", "Live engine sessions, by role.", schedulers, scheduler);
-    out.AddGauge("kvcellar_instances", "Engine instances with a live session.",
-                 sessions_.instances());
-    out.AddGauge("kvcellar_namespaces", "Namespaces known to the daemon.", namespaces_.size());
-    out.AddGauge("kvcellar_pins", "Live Match pins.", pins_.size());
-    out.AddGauge("kvcellar_ops_in_flight", "Load and Backup ops not yet terminal.",
-                 ops_.unfinished());
-    const L2Usage l2 = GetL2Usage();
-    const MetricWriter::Label resident[] = {{"state", "resident"}};
-    const MetricWriter::Label in_flight[] = {{"state", "in_flight"}};
-    out.AddGauge("kvcellar_l2_pages", "Pages with a committed shard in L2.", l2.pages);
-    out.AddGauge("kvcellar_l2_objects",
-                 "(page, shard) objects in L2: resident (committed) or in_flight (being written, "
-                 "invisible).",
-                 l2.objects, resident);
-    out.AddGauge("kvcellar_l2_objects",
-                 "(page, shard) objects in L2: resident (committed) or in_flight (being written, "
-                 "invisible).",
-                 l2.in_flight_objects, in_flight);
-    out.AddGauge("kvcellar_l2_pinned_pages", "L2 pages pinned by a Match or a copy.",
-                 l2.pinned_pages);
-    out.AddGauge("kvcellar_l2_pinned_bytes",
-                 "Pool slot bytes of pinned L2 pages' objects: not evictable now.",
-                 l2.pinned_bytes);
-    out.AddGauge("kvcellar_l2_in_flight_bytes",
-                 "Pool slot bytes of L2 objects being written (Backup, Prefetch), not yet visible.",
-                 l2.in_flight_bytes);
-    out.AddGauge("kvcellar_l2_bytes", "Pool slot bytes held by L2 objects.", l2.bytes);
-  });
-  metrics_.AddCollector(
-      [this, cap = static_cast<size_t>(config_.http.max_namespace_series)](MetricWriter& out) {
-        CollectNamespaceMetrics(namespaces_.Snapshot(), cap, out);
-      });
-}
-
-// ---- Helpers ---------------------------------------------------------------------------------
-
-absl::StatusOr<std::shared_ptr<Session>> CacheServiceImpl::FindSession(uint64_t session_id) const {
-  std::shared_ptr<Session> s = sessions_.Find(session_id, absl::Now());
-  if (s == nullptr) return SessionUnknown(session_id);
-  return s;
-}
-
-absl::Status CacheServiceImpl::CheckNotDraining() const {
-  if (!draining_.load(std::memory_order_acquire)) return absl::OkStatus();
-  return CacheError(absl::StatusCode::kUnavailable, v1::ERROR_REASON_NOT_READY, "",
-                    "the daemon is shutting down; reconnect later");
-}
-
-void CacheServiceImpl::SetDraining() {
-  draining_.store(true, std::memory_order_release);
-  ops_.FinishAllWaiters();
-}
-
-CacheServiceImpl::Counts CacheServiceImpl::GetCounts() const {
-  return {sessions_.sessions(), sessions_.instances(), namespaces_.size()};
-}
-
-CacheServiceImpl::L2Usage CacheServiceImpl::GetL2Usage() const {
-  L2Usage u;
-  for (const std::shared_ptr<Namespace>& ns : namespaces_.Snapshot()) {
-    if (ns->index() == nullptr) continue;
-    const core::RadixIndexStats s = ns->index()->Stats();
-    u.pages += s.l2_pages;
-    u.objects += s.l2_objects;
-    u.in_flight_objects += s.l2_inflight_objects;
-    u.in_flight_bytes += s.l2_inflight_bytes;
-    u.pinned_pages += s.pinned_pages;
-    u.pinned_bytes += s.pinned_bytes;
-    u.bytes += s.l2_bytes;
-  }
-  return u;
-}
-
-void CacheServiceImpl::FillInfo(DaemonInfo* info) const {
-  const Counts counts = GetCounts();
-  info->sessions = counts.sessions;
-  info->instances = counts.instances;
-  info->namespaces = counts.namespaces;
-  const L2Usage l2 = GetL2Usage();
-  info->pool_pinned_bytes = l2.pinned_bytes;
-  info->pool_in_flight_bytes = l2.in_flight_bytes;
-}
-
-CacheServiceImpl::EndCounts CacheServiceImpl::EndSession(const std::shared_ptr<Session>& session,
-                                                         bool last_of_instance,
-                                                         absl::Duration drain,
-                                                         absl::string_view reason) {
-  const SessionInfo& info = session->info();
-  EndCounts counts;
-  // No new op can start; the mapping stays usable by the ops already running.
-  std::unique_ptr<gpu::EngineMapping> mapping = session->Close();
-  const uint32_t before = session->inflight_ops();
-  ops_.WaitSessionOps(info.id, absl::Now() + drain);
-  std::vector<std::shared_ptr<OpRecord>> cancelled = ops_.CancelSessionOps(info.id);
-  counts.ops_cancelled = static_cast<uint32_t>(cancelled.size());
-  counts.ops_completed = before > counts.ops_cancelled ? before - counts.ops_cancelled : 0;
-  // Closing the mapping waits for copies in progress and ends the ones not started: after this
-  // the daemon never touches the engine's memory again.
-  // A worker's mapping comes out of Close() once: release its hold on the geometry once too.
-  const bool held_layout = info.is_worker() && mapping != nullptr;
-  mapping.reset();
-  if (held_layout) info.ns->ReleaseLayout();
-  for (const std::shared_ptr<OpRecord>& op : cancelled) {
-    if (op->device != nullptr) op->device->Wait(kCancelledOpWait);
-    ops_.TryFinalize(*op);
-  }
-  if (last_of_instance) {
-    counts.pins_released = static_cast<uint32_t>(pins_.ReleaseInstance(info.instance_id));
-  } else if (info.is_worker()) {
-    counts.pins_released = static_cast<uint32_t>(pins_.DropRankHolds(info.instance_id, info.rank));
-  }
-  KVLOG(Info, "session ended",
-        {{"session_id", info.id},
-         {"instance_id", info.instance_id},
-         {"rank", info.rank},
-         {"reason", reason},
-         {"ops_completed", counts.ops_completed},
-         {"ops_cancelled", counts.ops_cancelled},
-         {"pins_released", counts.pins_released}});
-  return counts;
-}
-
-// ---- Housekeeping ------------------------------------------------------------------------------
-
-void CacheServiceImpl::Housekeep() {
-  const absl::Time now = absl::Now();
-  for (SessionRegistry::Removed& r : sessions_.TakeExpired(now)) {
-    metrics_.CountSessionLeaseExpiry();
-    EndSession(r.session, r.last_of_instance, absl::ZeroDuration(), "lease expired");
-  }
-  const size_t expired_pins = pins_.ExpireDue(now);
-  if (expired_pins > 0) metrics_.CountPinLeaseExpiries(expired_pins);
-  // The index drops lapsed page pins itself (the records above are gone by now, and so are
-  // their page pins); this also covers copy pins of an op that was never finalized.
-  for (const std::shared_ptr<Namespace>& ns : namespaces_.Snapshot()) {
-    if (ns->index() != nullptr) ns->index()->ExpireLeases(now);
-  }
-  ops_.Prune(now);
-  matcher_.Prune(now);
-  l2_.ReapDoomed();  // Pages an admin Clear doomed whose copies have ended.
-  l2_.EnforceWatermarks();
-}
-
-void CacheServiceImpl::HousekeeperLoop() {
-  absl::MutexLock lock(&housekeeper_mu_);
-  while (!stop_) {
-    housekeeper_mu_.AwaitWithTimeout(absl::Condition(&stop_), housekeeping_interval_);
-    if (stop_) break;
-    housekeeper_mu_.Unlock();
-    Housekeep();
-    housekeeper_mu_.Lock();
-  }
-}
+CacheServiceImpl::CacheServiceImpl(Cache* cache)
+    : cache_(cache),
+      config_(cache->config()),
+      limits_(cache->limits()),
+      daemon_epoch_(cache->daemon_epoch()),
+      devices_(cache->devices()),
+      namespaces_(cache->namespaces()),
+      sessions_(cache->sessions()),
+      ops_(cache->ops()),
+      prefetcher_(cache->l3_prefetcher()),
+      mover_(cache->mover()),
+      matcher_(cache->matcher()) {}
 
 // ---- RegisterEngine
 // ------------------------------------------------------------------------------
@@ -289,7 +85,7 @@ void CacheServiceImpl::HousekeeperLoop() {
 absl::Status CacheServiceImpl::DoRegister(grpc::CallbackServerContext* context,
                                           const v1::RegisterEngineRequest& request,
                                           v1::RegisterEngineResponse* response) {
-  if (absl::Status s = CheckNotDraining(); !s.ok()) return s;
+  if (absl::Status s = cache_->CheckNotDraining(); !s.ok()) return s;
   absl::StatusOr<Registration> reg = ParseRegistration(request, limits_, devices_.kinds());
   if (!reg.ok()) return reg.status();
 
@@ -346,7 +142,7 @@ absl::Status CacheServiceImpl::DoRegister(grpc::CallbackServerContext* context,
     return s;  // The mapping closes with `session`.
   }
   if (replaced != nullptr) {
-    EndSession(replaced, /*last_of_instance=*/false, absl::ZeroDuration(), "replaced");
+    cache_->EndSession(replaced, /*last_of_instance=*/false, absl::ZeroDuration(), "replaced");
   }
 
   const SessionInfo& s = session->info();
@@ -362,9 +158,9 @@ absl::Status CacheServiceImpl::DoRegister(grpc::CallbackServerContext* context,
   response->set_daemon_epoch(daemon_epoch_);
   response->set_daemon_version(kVersion);
   response->set_api_revision(kApiRevision);
-  if (!l3_->empty()) {
-    for (const std::string& name : l3_->names()) response->add_l3_tier_names(name);
-    response->set_default_write_policy(writer_.default_policy());
+  if (!cache_->l3().empty()) {
+    for (const std::string& name : cache_->l3().names()) response->add_l3_tier_names(name);
+    response->set_default_write_policy(cache_->l3_writer().default_policy());
     response->set_default_prefetch_policy(prefetcher_.Resolve(v1::PREFETCH_POLICY_UNSPECIFIED));
   } else {
     response->set_default_write_policy(v1::WRITE_POLICY_L2_ONLY);
@@ -398,7 +194,7 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Heartbeat(grpc::CallbackServerContex
                                                       v1::HeartbeatResponse* response) {
   const absl::Time now = absl::Now();
   response->set_daemon_epoch(daemon_epoch_);
-  response->set_draining(draining_.load(std::memory_order_acquire));
+  response->set_draining(cache_->draining());
   if (static_cast<uint32_t>(request->renew_pin_ids_size()) > limits_.max_batch_sequences) {
     return Finish(context,
                   LimitExceeded("renew_pin_ids",
@@ -418,7 +214,7 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Heartbeat(grpc::CallbackServerContex
   response->set_lease_remaining_ms(limits_.lease_ms);
   response->set_lease_deadline_unix_ms(absl::ToUnixMillis(deadline));
   if (request->renew_pin_ids_size() > 0) {
-    for (uint64_t id : pins_.Renew(request->renew_pin_ids(), session->info().instance_id, now)) {
+    for (uint64_t id : cache_->pins().Renew(request->renew_pin_ids(), session->info().instance_id, now)) {
       response->add_unknown_pin_ids(id);
     }
   }
@@ -430,7 +226,7 @@ absl::Status CacheServiceImpl::DoUnregister(const v1::UnregisterEngineRequest& r
   SessionRegistry::Removed removed = sessions_.Remove(request.session_id());
   if (removed.session == nullptr) return SessionUnknown(request.session_id());
   const uint32_t drain_ms = std::min(request.drain_timeout_ms(), limits_.max_wait_ms);
-  EndCounts counts = EndSession(removed.session, removed.last_of_instance,
+  Cache::EndCounts counts = cache_->EndSession(removed.session, removed.last_of_instance,
                                 absl::Milliseconds(drain_ms), "unregistered");
   response->set_ops_completed(counts.ops_completed);
   response->set_ops_cancelled(counts.ops_cancelled);
@@ -449,8 +245,8 @@ grpc::ServerUnaryReactor* CacheServiceImpl::UnregisterEngine(
 
 absl::Status CacheServiceImpl::DoMatch(const v1::MatchRequest& request,
                                        v1::MatchResponse* response) {
-  if (absl::Status s = CheckNotDraining(); !s.ok()) return s;
-  absl::StatusOr<std::shared_ptr<Session>> session = FindSession(request.session_id());
+  if (absl::Status s = cache_->CheckNotDraining(); !s.ok()) return s;
+  absl::StatusOr<std::shared_ptr<Session>> session = cache_->FindSession(request.session_id());
   if (!session.ok()) return session.status();
   const SessionInfo& info = (*session)->info();
   if (absl::Status s = ValidateMatch(request, info.ns->spec(), limits_); !s.ok()) return s;
@@ -465,8 +261,8 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Match(grpc::CallbackServerContext* c
 
 absl::Status CacheServiceImpl::DoPrefetch(const v1::PrefetchRequest& request,
                                           v1::PrefetchResponse* response) {
-  if (absl::Status s = CheckNotDraining(); !s.ok()) return s;
-  absl::StatusOr<std::shared_ptr<Session>> session = FindSession(request.session_id());
+  if (absl::Status s = cache_->CheckNotDraining(); !s.ok()) return s;
+  absl::StatusOr<std::shared_ptr<Session>> session = cache_->FindSession(request.session_id());
   if (!session.ok()) return session.status();
   if (absl::Status s = ValidatePrefetch(request, limits_); !s.ok()) return s;
   const SessionInfo& info = (*session)->info();
@@ -483,7 +279,7 @@ absl::Status CacheServiceImpl::DoPrefetch(const v1::PrefetchRequest& request,
     pages += chain.keys.size();
     if (request.pin()) {
       chain.pin_id = ops_.NextId();
-      pins_.Add(chain.pin_id, info.instance_id, info.ns, {}, info.tp_size,
+      cache_->pins().Add(chain.pin_id, info.instance_id, info.ns, {}, info.tp_size,
                 absl::Milliseconds(lease_ms), pin_deadline);
       response->add_pin_ids(chain.pin_id);
     }
@@ -508,8 +304,8 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Prefetch(grpc::CallbackServerContext
 }
 
 absl::Status CacheServiceImpl::DoLoad(const v1::LoadRequest& request, v1::LoadResponse* response) {
-  if (absl::Status s = CheckNotDraining(); !s.ok()) return s;
-  absl::StatusOr<std::shared_ptr<Session>> session = FindSession(request.session_id());
+  if (absl::Status s = cache_->CheckNotDraining(); !s.ok()) return s;
+  absl::StatusOr<std::shared_ptr<Session>> session = cache_->FindSession(request.session_id());
   if (!session.ok()) return session.status();
   if (absl::Status s = ValidateLoad(request, (*session)->info(), limits_); !s.ok()) return s;
   // The engine schedules with what has landed: a BEST_EFFORT prefetch under the pin stops here.
@@ -530,8 +326,8 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Load(grpc::CallbackServerContext* co
 
 absl::Status CacheServiceImpl::DoBackup(const v1::BackupRequest& request,
                                         v1::BackupResponse* response) {
-  if (absl::Status s = CheckNotDraining(); !s.ok()) return s;
-  absl::StatusOr<std::shared_ptr<Session>> session = FindSession(request.session_id());
+  if (absl::Status s = cache_->CheckNotDraining(); !s.ok()) return s;
+  absl::StatusOr<std::shared_ptr<Session>> session = cache_->FindSession(request.session_id());
   if (!session.ok()) return session.status();
   if (absl::Status s = ValidateBackup(request, (*session)->info(), limits_); !s.ok()) return s;
   absl::StatusOr<std::shared_ptr<OpRecord>> op = mover_.Backup(*session, request);
@@ -552,7 +348,7 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Backup(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* CacheServiceImpl::WaitOps(grpc::CallbackServerContext* context,
                                                     const v1::WaitOpsRequest* request,
                                                     v1::WaitOpsResponse* response) {
-  absl::StatusOr<std::shared_ptr<Session>> session = FindSession(request->session_id());
+  absl::StatusOr<std::shared_ptr<Session>> session = cache_->FindSession(request->session_id());
   if (!session.ok()) return Finish(context, session.status());
   if (request->op_ids_size() == 0) {
     return Finish(context, InvalidField("op_ids", "op_ids: at least one op id is required"));
@@ -574,7 +370,7 @@ grpc::ServerUnaryReactor* CacheServiceImpl::WaitOps(grpc::CallbackServerContext*
   if (call_deadline < deadline + kDeadlineMargin) {
     deadline = std::max(now, call_deadline - kDeadlineMargin);
   }
-  if (draining_.load(std::memory_order_acquire)) deadline = now;  // Answer at once.
+  if (cache_->draining()) deadline = now;  // Answer at once.
   auto* reactor = new WaitOpsReactor(&ops_);
   reactor->ids.assign(request->op_ids().begin(), request->op_ids().end());
   reactor->instance_id = (*session)->info().instance_id;
@@ -588,7 +384,7 @@ grpc::ServerUnaryReactor* CacheServiceImpl::WaitOps(grpc::CallbackServerContext*
 
 absl::Status CacheServiceImpl::DoRelease(const v1::ReleaseRequest& request,
                                          v1::ReleaseResponse* response) {
-  absl::StatusOr<std::shared_ptr<Session>> session = FindSession(request.session_id());
+  absl::StatusOr<std::shared_ptr<Session>> session = cache_->FindSession(request.session_id());
   if (!session.ok()) return session.status();
   if (static_cast<uint32_t>(request.pin_ids_size()) > limits_.max_batch_sequences) {
     return LimitExceeded("pin_ids", absl::StrCat("pin_ids: ", request.pin_ids_size(),
@@ -603,7 +399,7 @@ absl::Status CacheServiceImpl::DoRelease(const v1::ReleaseRequest& request,
   }
   const std::string& instance = (*session)->info().instance_id;
   for (uint64_t id : request.pin_ids()) {
-    const bool released = pins_.Release(id, instance);
+    const bool released = cache_->pins().Release(id, instance);
     if (released) prefetcher_.Abandon(id, instance);
     response->add_pin_outcomes(released ? v1::RELEASE_OUTCOME_RELEASED
                                         : v1::RELEASE_OUTCOME_UNKNOWN);

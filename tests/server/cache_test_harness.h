@@ -260,7 +260,7 @@ class CacheHarness {
     absl::StatusOr<std::unique_ptr<L3Tiers>> l3 = L3Tiers::Open(o.storage);
     EXPECT_TRUE(l3.ok()) << l3.status();
     if (l3.ok()) l3_ = *std::move(l3);
-    CacheServiceOptions options;
+    CacheOptions options;
     options.config = config;
     options.pool = pool_.get();
     if (o.primary != nullptr) {
@@ -273,7 +273,8 @@ class CacheHarness {
     options.l3 = l3_.get();
     options.metrics = &registry_;
     options.housekeeping_interval = o.housekeeping_interval;
-    service_ = std::make_unique<CacheServiceImpl>(std::move(options));
+    cache_ = std::make_unique<Cache>(std::move(options));
+    service_ = std::make_unique<CacheServiceImpl>(cache_.get());
 
     static std::atomic<int> counter{0};
     socket_ = absl::StrCat("/tmp/kvc-cache-test-", getpid(), "-", counter.fetch_add(1), ".sock");
@@ -291,13 +292,15 @@ class CacheHarness {
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     server_.reset();
     service_.reset();
+    cache_.reset();
     l3_.reset();
     device_.reset();
     pool_.reset();
     ::unlink(socket_.c_str());
   }
 
-  CacheServiceImpl& service() { return *service_; }
+  // The composition root behind the service: its components, counts and housekeeping.
+  Cache& cache() { return *cache_; }
   core::HostPool& pool() { return *pool_; }
   L3Tiers& l3() { return *l3_; }
   MetricsRegistry& registry() { return registry_; }
@@ -416,7 +419,7 @@ class CacheHarness {
   // Index statistics summed over namespaces.
   core::RadixIndexStats IndexStats() {
     core::RadixIndexStats total;
-    for (const auto& ns : service_->namespaces().Snapshot()) {
+    for (const auto& ns : cache_->namespaces().Snapshot()) {
       if (ns->index() == nullptr) continue;
       core::RadixIndexStats s = ns->index()->Stats();
       total.pages += s.pages;
@@ -437,7 +440,7 @@ class CacheHarness {
 
   // Drops every page of every namespace (as an admin Clear would) and frees the slots.
   void ClearIndexes() {
-    for (const auto& ns : service_->namespaces().Snapshot()) {
+    for (const auto& ns : cache_->namespaces().Snapshot()) {
       if (ns->index() == nullptr) continue;
       std::vector<core::ReleasedObject> released;
       ns->index()->Clear(&released);
@@ -454,6 +457,7 @@ class CacheHarness {
   std::unique_ptr<core::HostPool> pool_;
   std::unique_ptr<gpu::SimDevice> device_;
   std::unique_ptr<L3Tiers> l3_;
+  std::unique_ptr<Cache> cache_;
   std::unique_ptr<CacheServiceImpl> service_;
   std::string socket_;
   std::unique_ptr<grpc::Server> server_;

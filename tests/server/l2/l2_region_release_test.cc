@@ -20,7 +20,7 @@ constexpr uint64_t kBigBytesPerBlock = 4 * kBytesPerBlock;
 constexpr uint32_t kPromptPages = 16;
 
 core::RadixIndex* IndexOf(CacheHarness& h, const std::string& model) {
-  for (const auto& ns : h.service().namespaces().Snapshot()) {
+  for (const auto& ns : h.cache().namespaces().Snapshot()) {
     if (ns->spec().model_id == model) return ns->index();
   }
   return nullptr;
@@ -121,7 +121,7 @@ TEST_F(RegionReleaseTest, SecondModelGetsWholeRegionsAndPinnedPagesSurvive) {
   EXPECT_EQ(surviving, 8u);
   EXPECT_THAT(h_.registry().Scrape(),
               HasSubstr("kvcellar_evicted_pages_total{reason=\"region_release\"} 128"));
-  EXPECT_EQ(h_.service().l2().regions_released(), 2u);
+  EXPECT_EQ(h_.cache().l2().regions_released(), 2u);
 
   // A, at its share too, evicts its own pages and keeps serving; B keeps its regions.
   EXPECT_THAT(BackupPrompt(a_, spec_a_, 300), Each(Eq(v1::PAGE_STATUS_OK)));
@@ -152,7 +152,7 @@ TEST_F(RegionReleaseTest, RegionHoldingOnlyBusyPagesIsNotReleased) {
   for (uint32_t p = 0; p < 4; ++p) {
     EXPECT_EQ(h_.L2Hits(scheduler_a_, Tokens(100 + p, kPromptPages)), kPromptPages);
   }
-  EXPECT_EQ(h_.service().l2().regions_released(), 0u);
+  EXPECT_EQ(h_.cache().l2().regions_released(), 0u);
   ExpectConsistent();
 }
 

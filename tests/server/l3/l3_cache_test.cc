@@ -47,8 +47,8 @@ void StoreInL3Only(CacheHarness& h, TestEngine& e, const std::vector<core::PageK
   for (uint32_t b = 0; b < n; ++b) blocks.push_back(b);
   v1::OpResult op = h.Wait(e.session, h.Backup(e.session, keys, 0, n, blocks).op().op_id());
   ASSERT_EQ(op.state(), v1::OP_STATE_DONE);
-  h.service().l3_writer().Drain();
-  for (const auto& ns : h.service().namespaces().Snapshot()) {
+  h.cache().l3_writer().Drain();
+  for (const auto& ns : h.cache().namespaces().Snapshot()) {
     std::vector<core::ReleasedObject> evicted;
     ns->index()->EvictBytes(~uint64_t{0} >> 1, &evicted);
     for (const core::ReleasedObject& r : evicted) {
@@ -108,7 +108,7 @@ TEST(L3CacheTest, WriteThroughThenMatchPrefetchesAndLoadIsByteExact) {
   EXPECT_THAT(Statuses(op), ElementsAre(1, 1, 1, 1, 1, 1));  // PAGE_STATUS_OK
 
   // The pin grew over the landed pages: eviction cannot take them before the Load.
-  for (const auto& ns : h.service().namespaces().Snapshot()) {
+  for (const auto& ns : h.cache().namespaces().Snapshot()) {
     std::vector<core::ReleasedObject> evicted;
     ns->index()->EvictBytes(~uint64_t{0} >> 1, &evicted);
     EXPECT_TRUE(evicted.empty());
@@ -250,7 +250,7 @@ void MarkInTier0(CacheHarness& h, const std::vector<core::PageKey>& keys) {
     updates.push_back({keys[i], i > 0 ? std::optional(keys[i - 1]) : std::nullopt, 0, 0, true});
   }
   std::vector<absl::Status> statuses(updates.size());
-  ASSERT_EQ(h.service().namespaces().Snapshot()[0]->index()->UpdateL3(updates,
+  ASSERT_EQ(h.cache().namespaces().Snapshot()[0]->index()->UpdateL3(updates,
                                                                         absl::MakeSpan(statuses)),
             updates.size());
 }
@@ -338,9 +338,9 @@ TEST(L3CacheTest, SelectiveWritesAfterTheConfiguredHits) {
   const std::vector<core::PageKey> keys = CacheHarness::Keys(Spec(), tokens);
   h.Wait(a.session, h.Backup(a.session, keys, 0, 3, {0, 1, 2}).op().op_id());
   auto l3_objects = [&] {
-    h.service().l3_writer().Drain();
+    h.cache().l3_writer().Drain();
     uint64_t n = 0;
-    for (const auto& ns : h.service().namespaces().Snapshot()) n += ns->index()->Stats().l3_objects[0];
+    for (const auto& ns : h.cache().namespaces().Snapshot()) n += ns->index()->Stats().l3_objects[0];
     return n;
   };
   EXPECT_EQ(l3_objects(), 0u);

@@ -38,10 +38,10 @@ class AdminHarness {
         [&cache] {
           DaemonInfo info;
           info.ready = true;
-          cache.service().FillInfo(&info);
+          cache.cache().FillInfo(&info);
           return info;
         },
-        config_, /*allow_mutations=*/admin, &cache.service().admin());
+        config_, /*allow_mutations=*/admin, &cache.cache().admin());
     static std::atomic<int> counter{0};
     socket_ = absl::StrCat("/tmp/kvc-admin-test-", getpid(), "-", counter.fetch_add(1), ".sock");
     ::unlink(socket_.c_str());

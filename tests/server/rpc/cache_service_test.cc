@@ -52,9 +52,9 @@ TEST(CacheServiceTest, RegisterReturnsSessionGeometryAndLimits) {
   std::memcpy(digest.bytes.data(), r.ns_digest().data(), 32);
   EXPECT_EQ(keys[0], core::ChainPageKey(digest, Tokens(1, 1)));
 
-  EXPECT_EQ(h.service().GetCounts().sessions, 1u);
-  EXPECT_EQ(h.service().GetCounts().instances, 1u);
-  EXPECT_EQ(h.service().GetCounts().namespaces, 1u);
+  EXPECT_EQ(h.cache().GetCounts().sessions, 1u);
+  EXPECT_EQ(h.cache().GetCounts().instances, 1u);
+  EXPECT_EQ(h.cache().GetCounts().namespaces, 1u);
 }
 
 TEST(CacheServiceTest, BackupFromOneInstanceLoadsByteForByteIntoAnother) {
@@ -418,7 +418,7 @@ TEST(CacheServiceTest, SessionLeaseExpiryDropsPinsAndClosesTheSession) {
   EXPECT_EQ(hr.daemon_epoch(), 42u);
   EXPECT_EQ(h.IndexStats().pinned_pages, 0u);
   EXPECT_EQ(h.IndexStats().l2_objects, 2u);
-  EXPECT_EQ(h.service().GetCounts().sessions, 0u);
+  EXPECT_EQ(h.cache().GetCounts().sessions, 0u);
   EXPECT_THAT(h.registry().Scrape(), HasSubstr("kvcellar_session_lease_expiries_total 1"));
 
   v1::LoadResponse l;
@@ -650,7 +650,7 @@ TEST(CacheServiceTest, UnregisterEndsTheSessionAfterItsOps) {
   Rpc again = h.UnregisterEngine(u, &ur);
   EXPECT_EQ(again.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(again.reason, "ERROR_REASON_SESSION_UNKNOWN");
-  EXPECT_EQ(h.service().GetCounts().sessions, 0u);
+  EXPECT_EQ(h.cache().GetCounts().sessions, 0u);
 }
 
 TEST(CacheServiceTest, ReplaceExistingEndsTheOldSession) {
@@ -672,7 +672,7 @@ TEST(CacheServiceTest, ReplaceExistingEndsTheOldSession) {
   v1::HeartbeatResponse hr;
   ASSERT_TRUE(h.Heartbeat(hb, &hr).ok());
   EXPECT_EQ(hr.state(), v1::SESSION_STATE_UNKNOWN);
-  EXPECT_EQ(h.service().GetCounts().sessions, 1u);
+  EXPECT_EQ(h.cache().GetCounts().sessions, 1u);
 }
 
 TEST(CacheServiceTest, AnExpiredSeatHolderIsReplacedBeforeItIsReaped) {
@@ -687,7 +687,7 @@ TEST(CacheServiceTest, AnExpiredSeatHolderIsReplacedBeforeItIsReaped) {
   v1::RegisterEngineResponse resp;
   ASSERT_TRUE(h.RegisterEngine(a.Register("inst-a", 0, Spec()), &resp).ok());
   EXPECT_NE(resp.session_id(), old);
-  EXPECT_EQ(h.service().GetCounts().sessions, 1u);
+  EXPECT_EQ(h.cache().GetCounts().sessions, 1u);
 }
 
 TEST(CacheServiceTest, WatermarkEvictionBringsThePoolDown) {
@@ -705,7 +705,7 @@ TEST(CacheServiceTest, WatermarkEvictionBringsThePoolDown) {
     h.Wait(a.session, h.Backup(a.session, keys, 0, 8, Blocks(0, 8)).op().op_id());
   }
   EXPECT_EQ(h.PoolSlotsUsed(), 40u);  // 62.5% of 64 slots.
-  h.service().Housekeep();
+  h.cache().Housekeep();
   EXPECT_LE(h.PoolSlotsUsed(), 16u);  // 25%.
   EXPECT_EQ(h.PoolSlotsUsed(), h.IndexStats().l2_objects);
   EXPECT_THAT(h.registry().Scrape(),
@@ -816,7 +816,7 @@ TEST(CacheServiceTest, MissingMemfdIsRefusedNamingTheRegion) {
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(r.field, "layout.regions[0]");
   EXPECT_THAT(r.status.error_message(), HasSubstr("no such process or fd"));
-  EXPECT_EQ(h.service().GetCounts().sessions, 0u);
+  EXPECT_EQ(h.cache().GetCounts().sessions, 0u);
 }
 
 // A's registration as a CUDA engine would send it (IPC handles instead of shm names).
@@ -835,8 +835,8 @@ TEST(CacheServiceTest, EachSessionUsesTheBackendOfItsDeviceKind) {
   HarnessOptions o;
   o.primary = &cuda;
   CacheHarness h(o);
-  EXPECT_EQ(h.service().device_kind(), v1::DEVICE_KIND_CUDA);
-  EXPECT_THAT(h.service().devices().kinds(),
+  EXPECT_EQ(h.cache().device_kind(), v1::DEVICE_KIND_CUDA);
+  EXPECT_THAT(h.cache().devices().kinds(),
               ElementsAre(v1::DEVICE_KIND_CUDA, v1::DEVICE_KIND_SIM));
 
   // Host-memory engines: the sim device maps and copies, byte for byte.
@@ -862,7 +862,7 @@ TEST(CacheServiceTest, EachSessionUsesTheBackendOfItsDeviceKind) {
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(r.status.error_message(), HasSubstr(FakeCudaDevice::kOpenError));
   EXPECT_EQ(cuda.open_calls.load(), 1);
-  EXPECT_EQ(h.service().GetCounts().sessions, 2u);
+  EXPECT_EQ(h.cache().GetCounts().sessions, 2u);
 }
 
 TEST(CacheServiceTest, UnservedDeviceKindListsTheServedKinds) {

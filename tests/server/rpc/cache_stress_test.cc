@@ -127,7 +127,7 @@ TEST(CacheStressTest, ConcurrentEnginesNeverLoadWrongBytes) {
   EXPECT_EQ(rpc_errors.load(), 0u);
   EXPECT_GT(loaded_ok.load(), 0u);
   EXPECT_GT(h.IndexStats().evicted_pages, 0u) << "the pool was meant to be under pressure";
-  for (const auto& ns : h.service().namespaces().Snapshot()) {
+  for (const auto& ns : h.cache().namespaces().Snapshot()) {
     ASSERT_NE(ns->index(), nullptr);
     EXPECT_TRUE(ns->index()->CheckInvariants().ok()) << ns->index()->CheckInvariants();
   }

@@ -37,7 +37,7 @@ class CacheValidationTest : public ::testing::Test {
     const std::string memory = a_->Snapshot();
     const core::RadixIndexStats before = h_->IndexStats();
     const uint64_t slots = h_->PoolSlotsUsed();
-    const size_t sessions = h_->service().GetCounts().sessions;
+    const size_t sessions = h_->cache().GetCounts().sessions;
     Rpc r = call();
     EXPECT_EQ(r.status.error_code(), e.code) << r.status.error_message();
     EXPECT_EQ(r.reason, e.reason);
@@ -52,7 +52,7 @@ class CacheValidationTest : public ::testing::Test {
     EXPECT_EQ(after.l2_inflight_objects, before.l2_inflight_objects);
     EXPECT_EQ(after.pinned_pages, before.pinned_pages);
     EXPECT_EQ(h_->PoolSlotsUsed(), slots);
-    EXPECT_EQ(h_->service().GetCounts().sessions, sessions);
+    EXPECT_EQ(h_->cache().GetCounts().sessions, sessions);
   }
 
   v1::LoadRequest GoodLoad() const {

@@ -1,0 +1,198 @@
+#include "server/cache.h"
+
+#include <utility>
+
+#include "absl/time/clock.h"
+#include "platform/log.h"
+#include "server/errors/cache_error.h"
+#include "server/session/namespace_metrics.h"
+
+namespace kvcellar::server {
+namespace {
+
+// How long closing a session waits for a cancelled device op to report that it ended, after its
+// mapping is closed (the sim device has finished it by then; CUDA drains its streams, bounded by
+// its own close timeout).
+constexpr absl::Duration kCancelledOpWait = absl::Seconds(10);
+
+core::EvictionPolicyKind PolicyOf(const Config& config) {
+  return config.eviction.policy == EvictionPolicy::kLru ? core::EvictionPolicyKind::kLru
+                                                        : core::EvictionPolicyKind::kS3Fifo;
+}
+
+}  // namespace
+
+Cache::Cache(CacheOptions options)
+    : config_(std::move(options.config)),
+      limits_(CacheLimits::FromConfig(config_)),
+      daemon_epoch_(options.daemon_epoch),
+      devices_(std::move(options.devices)),
+      metrics_(options.metrics != nullptr ? options.metrics : &DefaultRegistry()),
+      namespaces_(options.pool, PolicyOf(config_),
+                  options.l3 != nullptr ? static_cast<int>(options.l3->size()) : 0),
+      l2_(options.pool, &namespaces_, config_.pool.high_watermark, config_.pool.low_watermark,
+          &metrics_),
+      ops_(&metrics_, absl::Milliseconds(limits_.op_result_retention_ms)),
+      no_l3_(options.l3 == nullptr ? L3Tiers::None() : nullptr),
+      l3_(options.l3 != nullptr ? options.l3 : no_l3_.get()),
+      writer_(l3_, &l2_, [this] { return ops_.NextId(); }, &metrics_, config_.storage),
+      prefetcher_(l3_, &l2_, &ops_, &pins_, &metrics_, &limits_, config_.storage),
+      mover_(&devices_, &l2_, &pins_, &ops_, &pump_, &metrics_, &limits_, &writer_),
+      matcher_(&pins_, &ops_, &metrics_, &limits_,
+               MatcherL3{l3_, &prefetcher_, &writer_,
+                         absl::Milliseconds(config_.storage.max_lookup_ms)}),
+      admin_(&namespaces_, &sessions_, &pins_, &l2_, &metrics_, absl::Now()) {
+  metrics_.SetL3Tiers(l3_->names());
+  l2_.set_eviction_observer(&writer_);
+  if (!l3_->empty()) metrics_.AddCollector([this](MetricWriter& out) { l3_->Collect(out); });
+  AddCollectors();
+  housekeeper_ = std::make_unique<Housekeeper>(
+      HousekeeperParts{&sessions_, &pins_, &namespaces_, &ops_, &matcher_, &l2_, &metrics_,
+                       [this](const SessionRegistry::Removed& r, absl::string_view reason) {
+                         EndSession(r.session, r.last_of_instance, absl::ZeroDuration(), reason);
+                       }},
+      options.housekeeping_interval);
+}
+
+Cache::~Cache() {
+  metrics_.RemoveCollectors();
+  l2_.set_eviction_observer(nullptr);
+  housekeeper_.reset();
+  ops_.FinishAllWaiters();
+  for (SessionRegistry::Removed& r : sessions_.TakeAll()) {
+    EndSession(r.session, r.last_of_instance, absl::ZeroDuration(), "daemon shutdown");
+  }
+}
+
+void Cache::AddCollectors() {
+  metrics_.AddCollector([this](MetricWriter& out) {
+    size_t workers = 0;
+    size_t schedulers = 0;
+    for (const std::shared_ptr<Session>& s : sessions_.Snapshot()) {
+      (s->info().is_worker() ? workers : schedulers)++;
+    }
+    const MetricWriter::Label worker[] = {{"role", "worker"}};
+    const MetricWriter::Label scheduler[] = {{"role", "scheduler"}};
+    out.AddGauge("kvcellar_sessions", "Live engine sessions, by role.", workers, worker);
+    out.AddGauge("kvcellar_sessions", "Live engine sessions, by role.", schedulers, scheduler);
+    out.AddGauge("kvcellar_instances", "Engine instances with a live session.",
+                 sessions_.instances());
+    out.AddGauge("kvcellar_namespaces", "Namespaces known to the daemon.", namespaces_.size());
+    out.AddGauge("kvcellar_pins", "Live Match pins.", pins_.size());
+    out.AddGauge("kvcellar_ops_in_flight", "Load and Backup ops not yet terminal.",
+                 ops_.unfinished());
+    const L2Usage l2 = GetL2Usage();
+    const MetricWriter::Label resident[] = {{"state", "resident"}};
+    const MetricWriter::Label in_flight[] = {{"state", "in_flight"}};
+    out.AddGauge("kvcellar_l2_pages", "Pages with a committed shard in L2.", l2.pages);
+    out.AddGauge("kvcellar_l2_objects",
+                 "(page, shard) objects in L2: resident (committed) or in_flight (being written, "
+                 "invisible).",
+                 l2.objects, resident);
+    out.AddGauge("kvcellar_l2_objects",
+                 "(page, shard) objects in L2: resident (committed) or in_flight (being written, "
+                 "invisible).",
+                 l2.in_flight_objects, in_flight);
+    out.AddGauge("kvcellar_l2_pinned_pages", "L2 pages pinned by a Match or a copy.",
+                 l2.pinned_pages);
+    out.AddGauge("kvcellar_l2_pinned_bytes",
+                 "Pool slot bytes of pinned L2 pages' objects: not evictable now.",
+                 l2.pinned_bytes);
+    out.AddGauge("kvcellar_l2_in_flight_bytes",
+                 "Pool slot bytes of L2 objects being written (Backup, Prefetch), not yet visible.",
+                 l2.in_flight_bytes);
+    out.AddGauge("kvcellar_l2_bytes", "Pool slot bytes held by L2 objects.", l2.bytes);
+  });
+  metrics_.AddCollector(
+      [this, cap = static_cast<size_t>(config_.http.max_namespace_series)](MetricWriter& out) {
+        CollectNamespaceMetrics(namespaces_.Snapshot(), cap, out);
+      });
+}
+
+absl::StatusOr<std::shared_ptr<Session>> Cache::FindSession(uint64_t session_id) const {
+  std::shared_ptr<Session> s = sessions_.Find(session_id, absl::Now());
+  if (s == nullptr) return SessionUnknown(session_id);
+  return s;
+}
+
+absl::Status Cache::CheckNotDraining() const {
+  if (!draining_.load(std::memory_order_acquire)) return absl::OkStatus();
+  return CacheError(absl::StatusCode::kUnavailable, v1::ERROR_REASON_NOT_READY, "",
+                    "the daemon is shutting down; reconnect later");
+}
+
+void Cache::SetDraining() {
+  draining_.store(true, std::memory_order_release);
+  ops_.FinishAllWaiters();
+}
+
+Cache::Counts Cache::GetCounts() const {
+  return {sessions_.sessions(), sessions_.instances(), namespaces_.size()};
+}
+
+Cache::L2Usage Cache::GetL2Usage() const {
+  L2Usage u;
+  for (const std::shared_ptr<Namespace>& ns : namespaces_.Snapshot()) {
+    if (ns->index() == nullptr) continue;
+    const core::RadixIndexStats s = ns->index()->Stats();
+    u.pages += s.l2_pages;
+    u.objects += s.l2_objects;
+    u.in_flight_objects += s.l2_inflight_objects;
+    u.in_flight_bytes += s.l2_inflight_bytes;
+    u.pinned_pages += s.pinned_pages;
+    u.pinned_bytes += s.pinned_bytes;
+    u.bytes += s.l2_bytes;
+  }
+  return u;
+}
+
+void Cache::FillInfo(DaemonInfo* info) const {
+  const Counts counts = GetCounts();
+  info->sessions = counts.sessions;
+  info->instances = counts.instances;
+  info->namespaces = counts.namespaces;
+  const L2Usage l2 = GetL2Usage();
+  info->pool_pinned_bytes = l2.pinned_bytes;
+  info->pool_in_flight_bytes = l2.in_flight_bytes;
+}
+
+Cache::EndCounts Cache::EndSession(const std::shared_ptr<Session>& session,
+                                                         bool last_of_instance,
+                                                         absl::Duration drain,
+                                                         absl::string_view reason) {
+  const SessionInfo& info = session->info();
+  EndCounts counts;
+  // No new op can start; the mapping stays usable by the ops already running.
+  std::unique_ptr<gpu::EngineMapping> mapping = session->Close();
+  const uint32_t before = session->inflight_ops();
+  ops_.WaitSessionOps(info.id, absl::Now() + drain);
+  std::vector<std::shared_ptr<OpRecord>> cancelled = ops_.CancelSessionOps(info.id);
+  counts.ops_cancelled = static_cast<uint32_t>(cancelled.size());
+  counts.ops_completed = before > counts.ops_cancelled ? before - counts.ops_cancelled : 0;
+  // Closing the mapping waits for copies in progress and ends the ones not started: after this
+  // the daemon never touches the engine's memory again.
+  // A worker's mapping comes out of Close() once: release its hold on the geometry once too.
+  const bool held_layout = info.is_worker() && mapping != nullptr;
+  mapping.reset();
+  if (held_layout) info.ns->ReleaseLayout();
+  for (const std::shared_ptr<OpRecord>& op : cancelled) {
+    if (op->device != nullptr) op->device->Wait(kCancelledOpWait);
+    ops_.TryFinalize(*op);
+  }
+  if (last_of_instance) {
+    counts.pins_released = static_cast<uint32_t>(pins_.ReleaseInstance(info.instance_id));
+  } else if (info.is_worker()) {
+    counts.pins_released = static_cast<uint32_t>(pins_.DropRankHolds(info.instance_id, info.rank));
+  }
+  KVLOG(Info, "session ended",
+        {{"session_id", info.id},
+         {"instance_id", info.instance_id},
+         {"rank", info.rank},
+         {"reason", reason},
+         {"ops_completed", counts.ops_completed},
+         {"ops_cancelled", counts.ops_cancelled},
+         {"pins_released", counts.pins_released}});
+  return counts;
+}
+
+}  // namespace kvcellar::server
