@@ -92,16 +92,49 @@ absl::Status Daemon::StartListeners() {
     return s;
   }
   RegisterProcessCollector(registry);
-
   if (absl::Status s = CreateHostPool(); !s.ok()) return s;
   if (absl::Status s = CreateDeviceBackend(); !s.ok()) return s;
   absl::StatusOr<std::unique_ptr<L3Tiers>> l3 = L3Tiers::Open(config_.storage);
   if (!l3.ok()) return l3.status();
   l3_ = *std::move(l3);
+  CreateServices(registry);
 
+  unix_socket_ = ResolveUnixSocketPath(config_);
+  admin_socket_ = ResolveAdminSocketPath(config_);
+  if (absl::Status s = PrepareUnixSocketPath(unix_socket_); !s.ok()) return s;
+  if (admin_socket_) {
+    if (absl::Status s = PrepareUnixSocketPath(*admin_socket_); !s.ok()) return s;
+  }
+  // Before any request can arrive: protobuf's parse errors go to KVLOG, not raw to stderr.
+  InstallProtobufLogHandler();
+  absl::StatusOr<std::string> tcp_address = StartEngineServer();
+  if (!tcp_address.ok()) return tcp_address.status();
+  if (absl::Status s = StartAdminServer(); !s.ok()) return s;
+  absl::StatusOr<std::string> http_address = StartHttpServer(registry);
+  if (!http_address.ok()) return http_address.status();
+
+  for (grpc::Server* server : {engine_server_.get(), admin_server_.get()}) {
+    if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(true);
+  }
+  std::string digest;
+  {
+    absl::MutexLock lock(&mu_);
+    started_ = true;
+    digest = info_.config_digest;
+  }
+  KVLOG(Info, "ready",
+        {{"version", kVersion},
+         {"socket", unix_socket_},
+         {"admin_socket", admin_socket_.value_or("none")},
+         {"tcp", *tcp_address},
+         {"http", *http_address},
+         {"config_digest", digest}});
+  return absl::OkStatus();
+}
+
+void Daemon::CreateServices(MetricsRegistry& registry) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-
   CacheOptions cache_options;
   cache_options.config = config_;
   cache_options.pool = pool_.get();
@@ -123,29 +156,22 @@ absl::Status Daemon::StartListeners() {
       info, config_, /*allow_mutations=*/false, &cache_->admin(), l3_admin_.get());
   admin_service_ = std::make_unique<AdminServiceImpl>(
       info, config_, /*allow_mutations=*/true, &cache_->admin(), l3_admin_.get());
+}
 
-  unix_socket_ = ResolveUnixSocketPath(config_);
-  admin_socket_ = ResolveAdminSocketPath(config_);
-  if (absl::Status s = PrepareUnixSocketPath(unix_socket_); !s.ok()) return s;
-  if (admin_socket_) {
-    if (absl::Status s = PrepareUnixSocketPath(*admin_socket_); !s.ok()) return s;
-  }
+void Daemon::ConfigureServer(grpc::ServerBuilder& builder) const {
+  builder.SetMaxReceiveMessageSize(static_cast<int>(config_.server.max_message_bytes));
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> factories;
+  // First: server interceptors see PRE_SEND_STATUS in list order, and the metrics should count
+  // the INVALID_ARGUMENT a malformed request is given, not gRPC's UNIMPLEMENTED.
+  factories.push_back(std::make_unique<MalformedRequestInterceptorFactory>());
+  factories.push_back(std::make_unique<RpcMetricsInterceptorFactory>(&DefaultRegistry()));
+  builder.experimental().SetInterceptorCreators(std::move(factories));
+}
 
-  // Before any request can arrive: protobuf's parse errors go to KVLOG, not raw to stderr.
-  InstallProtobufLogHandler();
-  auto add_common = [this](grpc::ServerBuilder& builder) {
-    builder.SetMaxReceiveMessageSize(static_cast<int>(config_.server.max_message_bytes));
-    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> factories;
-    // First: server interceptors see PRE_SEND_STATUS in list order, and the metrics should count
-    // the INVALID_ARGUMENT a malformed request is given, not gRPC's UNIMPLEMENTED.
-    factories.push_back(std::make_unique<MalformedRequestInterceptorFactory>());
-    factories.push_back(std::make_unique<RpcMetricsInterceptorFactory>(&DefaultRegistry()));
-    builder.experimental().SetInterceptorCreators(std::move(factories));
-  };
-
+absl::StatusOr<std::string> Daemon::StartEngineServer() {
   // Engine server: the Unix socket, and TCP when configured.
   grpc::ServerBuilder engine;
-  add_common(engine);
+  ConfigureServer(engine);
   engine.AddListeningPort(absl::StrCat("unix:", unix_socket_), grpc::InsecureServerCredentials());
   int tcp_port = 0;
   if (!config_.listen.tcp_address.empty()) {
@@ -181,55 +207,40 @@ absl::Status Daemon::StartListeners() {
     tcp_address = WithPort(config_.listen.tcp_address, tcp_port);
     AddListener({ListenerInfo::Kind::kTcp, tcp_address, TcpSecurity(config_.tls.mode)});
   }
+  return tcp_address;
+}
 
+absl::Status Daemon::StartAdminServer() {
   // Admin server: its own socket, owner-only by default.
-  if (admin_socket_) {
-    grpc::ServerBuilder admin;
-    add_common(admin);
-    admin.AddListeningPort(absl::StrCat("unix:", *admin_socket_),
-                           grpc::InsecureServerCredentials());
-    admin.RegisterService(admin_service_.get());
-    old_umask = ::umask(kOwnerOnlyUmask);
-    admin_server_ = admin.BuildAndStart();
-    ::umask(old_umask);
-    if (admin_server_ == nullptr) {
-      return absl::UnavailableError(absl::StrCat("cannot listen on unix:", *admin_socket_));
-    }
-    if (absl::Status s = SecureUnixSocket(*admin_socket_, config_.listen.admin_socket_mode, "");
-        !s.ok()) {
-      return s;
-    }
-    AddListener(
-        {ListenerInfo::Kind::kAdmin, *admin_socket_, ListenerInfo::Security::kUnixPermissions});
+  if (!admin_socket_) return absl::OkStatus();
+  grpc::ServerBuilder admin;
+  ConfigureServer(admin);
+  admin.AddListeningPort(absl::StrCat("unix:", *admin_socket_), grpc::InsecureServerCredentials());
+  admin.RegisterService(admin_service_.get());
+  const mode_t old_umask = ::umask(kOwnerOnlyUmask);
+  admin_server_ = admin.BuildAndStart();
+  ::umask(old_umask);
+  if (admin_server_ == nullptr) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on unix:", *admin_socket_));
   }
-
-  std::string http_address = "none";
-  if (!config_.http.address.empty()) {
-    absl::StatusOr<std::unique_ptr<HttpServer>> http = HttpServer::Start(
-        config_.http.address, &registry, [this] { return ready(); }, [] { return true; });
-    if (!http.ok()) return http.status();
-    http_server_ = std::move(*http);
-    http_address = WithPort(config_.http.address, http_server_->port());
-    AddListener({ListenerInfo::Kind::kHttp, http_address, ListenerInfo::Security::kPlaintext});
+  if (absl::Status s = SecureUnixSocket(*admin_socket_, config_.listen.admin_socket_mode, "");
+      !s.ok()) {
+    return s;
   }
-
-  for (grpc::Server* server : {engine_server_.get(), admin_server_.get()}) {
-    if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(true);
-  }
-  std::string digest;
-  {
-    absl::MutexLock lock(&mu_);
-    started_ = true;
-    digest = info_.config_digest;
-  }
-  KVLOG(Info, "ready",
-        {{"version", kVersion},
-         {"socket", unix_socket_},
-         {"admin_socket", admin_socket_.value_or("none")},
-         {"tcp", tcp_address},
-         {"http", http_address},
-         {"config_digest", digest}});
+  AddListener(
+      {ListenerInfo::Kind::kAdmin, *admin_socket_, ListenerInfo::Security::kUnixPermissions});
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> Daemon::StartHttpServer(MetricsRegistry& registry) {
+  if (config_.http.address.empty()) return std::string("none");
+  absl::StatusOr<std::unique_ptr<HttpServer>> http = HttpServer::Start(
+      config_.http.address, &registry, [this] { return ready(); }, [] { return true; });
+  if (!http.ok()) return http.status();
+  http_server_ = std::move(*http);
+  std::string http_address = WithPort(config_.http.address, http_server_->port());
+  AddListener({ListenerInfo::Kind::kHttp, http_address, ListenerInfo::Security::kPlaintext});
+  return http_address;
 }
 
 void Daemon::AddListener(ListenerInfo listener) {

@@ -21,6 +21,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "grpcpp/server.h"
+#include "grpcpp/server_builder.h"
 #include "core/host_pool.h"
 #include "gpu/device_backend.h"
 #include "server/config/config.h"
@@ -33,6 +34,7 @@ namespace kvcellar::server {
 
 class AdminServiceImpl;
 class Cache;
+class MetricsRegistry;
 class CacheServiceImpl;
 class HttpServer;
 class MetricsRegistry;
@@ -60,6 +62,18 @@ class Daemon {
  private:
   Daemon(const Config& config, std::string config_file);
   absl::Status StartListeners();
+  // The phases of StartListeners, in order.
+  // The cache, its RPC service, and the admin services (engine-facing and operator-facing).
+  void CreateServices(MetricsRegistry& registry);
+  // The engine-facing server (Unix socket, TCP when configured); returns the TCP address or
+  // "none".
+  absl::StatusOr<std::string> StartEngineServer();
+  // The operator-facing server on the admin socket, unless there is none.
+  absl::Status StartAdminServer();
+  // The HTTP listener (metrics, health); returns its address or "none".
+  absl::StatusOr<std::string> StartHttpServer(MetricsRegistry& registry);
+  // Message size and interceptors, the same for every gRPC server.
+  void ConfigureServer(grpc::ServerBuilder& builder) const;
   void AddListener(ListenerInfo listener);
 
   absl::Status CreateHostPool();
