@@ -9,7 +9,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "platform/log.h"
-#include "server/rpc/request_validation.h"
 #include "server/errors/cache_error.h"
 
 namespace kvcellar::server {

@@ -1,5 +1,6 @@
 #include "server/errors/cache_error.h"
 
+#include <algorithm>
 #include <string>
 
 #include "absl/strings/cord.h"
@@ -38,6 +39,12 @@ absl::Status SessionUnknown(uint64_t session_id) {
   return CacheError(
       absl::StatusCode::kFailedPrecondition, v1::ERROR_REASON_SESSION_UNKNOWN, "session_id",
       absl::StrCat("session_id ", session_id, " is unknown or its lease expired; register again"));
+}
+
+std::string BlockField(const std::vector<uint32_t>& seq_begin, size_t flat) {
+  auto it = std::upper_bound(seq_begin.begin(), seq_begin.end(), static_cast<uint32_t>(flat));
+  const size_t s = static_cast<size_t>(it - seq_begin.begin()) - 1;
+  return absl::StrCat("sequences[", s, "].device_blocks[", flat - seq_begin[s], "]");
 }
 
 absl::Status WithReason(absl::Status status, v1::ErrorReason reason, absl::string_view field) {

@@ -11,7 +11,9 @@
 #ifndef KVCELLAR_SERVER_ERRORS_CACHE_ERROR_H_
 #define KVCELLAR_SERVER_ERRORS_CACHE_ERROR_H_
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -29,6 +31,10 @@ absl::Status InvalidField(absl::string_view field, absl::string_view message);
 absl::Status LimitExceeded(absl::string_view field, absl::string_view message);
 absl::Status BlockOutOfRange(absl::string_view field, absl::string_view message);
 absl::Status SessionUnknown(uint64_t session_id);
+
+// The request field of a device block: "sequences[s].device_blocks[i]" for the flat index `flat`
+// of a request whose sequence s starts at seq_begin[s].
+std::string BlockField(const std::vector<uint32_t>& seq_begin, size_t flat);
 
 // Adds (or replaces) the reason and field of an existing status, keeping its code and message.
 absl::Status WithReason(absl::Status status, v1::ErrorReason reason, absl::string_view field);

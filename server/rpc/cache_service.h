@@ -17,7 +17,7 @@
 
 #include "absl/status/status.h"
 #include "kvcellar/v1/cache_service.grpc.pb.h"
-#include "server/cache.h"
+#include "server/cache/cache.h"
 
 namespace kvcellar::server {
 

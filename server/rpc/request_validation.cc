@@ -551,10 +551,4 @@ absl::Status ValidatePrefetch(const v1::PrefetchRequest& request, const CacheLim
   return CheckPageCount(pages, limits);
 }
 
-std::string BlockField(const std::vector<uint32_t>& seq_begin, size_t flat) {
-  auto it = std::upper_bound(seq_begin.begin(), seq_begin.end(), static_cast<uint32_t>(flat));
-  const size_t s = static_cast<size_t>(it - seq_begin.begin()) - 1;
-  return absl::StrCat("sequences[", s, "].device_blocks[", flat - seq_begin[s], "]");
-}
-
 }  // namespace kvcellar::server

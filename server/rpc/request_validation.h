@@ -70,9 +70,6 @@ absl::Status ValidateLoad(const v1::LoadRequest& request, const SessionInfo& ses
 absl::Status ValidateBackup(const v1::BackupRequest& request, const SessionInfo& session,
                             const CacheLimits& limits);
 
-// "sequences[s].device_blocks[i]" for the flat index `flat` of a request whose sequence s starts
-// at seq_begin[s].
-std::string BlockField(const std::vector<uint32_t>& seq_begin, size_t flat);
 
 }  // namespace kvcellar::server
 

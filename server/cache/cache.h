@@ -20,8 +20,8 @@
 //
 // Threads: any; each component states its own. Owned threads: the op completion thread
 // (OpTable), the SIM signal pump, and the housekeeper.
-#ifndef KVCELLAR_SERVER_CACHE_H_
-#define KVCELLAR_SERVER_CACHE_H_
+#ifndef KVCELLAR_SERVER_CACHE_CACHE_H_
+#define KVCELLAR_SERVER_CACHE_CACHE_H_
 
 #include <atomic>
 #include <cstdint>
@@ -39,7 +39,7 @@
 #include "server/datapath/device_set.h"
 #include "server/datapath/matcher.h"
 #include "server/datapath/sim_signal_pump.h"
-#include "server/housekeeper.h"
+#include "server/cache/housekeeper.h"
 #include "server/l2/l2_space.h"
 #include "server/l3/l3_prefetcher.h"
 #include "server/l3/l3_tiers.h"
@@ -174,4 +174,4 @@ class Cache {
 
 }  // namespace kvcellar::server
 
-#endif  // KVCELLAR_SERVER_CACHE_H_
+#endif  // KVCELLAR_SERVER_CACHE_CACHE_H_

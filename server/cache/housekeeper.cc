@@ -1,4 +1,4 @@
-#include "server/housekeeper.h"
+#include "server/cache/housekeeper.h"
 
 #include <utility>
 

@@ -1,4 +1,4 @@
-#include "server/cache.h"
+#include "server/cache/cache.h"
 
 #include <utility>
 

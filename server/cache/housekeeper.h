@@ -6,8 +6,8 @@
 //
 // Threads: one thread of its own runs the pass; RunOnce may also be called from any thread
 // (tests). Destruction stops and joins the thread.
-#ifndef KVCELLAR_SERVER_HOUSEKEEPER_H_
-#define KVCELLAR_SERVER_HOUSEKEEPER_H_
+#ifndef KVCELLAR_SERVER_CACHE_HOUSEKEEPER_H_
+#define KVCELLAR_SERVER_CACHE_HOUSEKEEPER_H_
 
 #include <functional>
 #include <memory>
@@ -63,4 +63,4 @@ class Housekeeper {
 
 }  // namespace kvcellar::server
 
-#endif  // KVCELLAR_SERVER_HOUSEKEEPER_H_
+#endif  // KVCELLAR_SERVER_CACHE_HOUSEKEEPER_H_
