@@ -27,7 +27,7 @@ inline constexpr uint32_t kClientApiRevision = 1;
 inline constexpr char kClientVersion[] = "libkvcellar-client 0.1.0";
 
 struct ClientOptions {
-  // Socket path or HOST:PORT (channel.h). Empty: core::DefaultSocketPath().
+  // Socket path or HOST:PORT (channel.h). Empty: platform::DefaultSocketPath().
   std::string addr;
   ChannelOptions channel;
   // Deadline of every unary RPC. A daemon that is slow answers a miss within this (plus WaitOps'

@@ -8,7 +8,7 @@
 #include "absl/time/clock.h"
 #include "client/client_core.h"
 #include "client/session_impl.h"
-#include "core/runtime_paths.h"
+#include "platform/runtime_paths.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -212,7 +212,7 @@ void ClientCore::Loop() {
 // --------------------------------------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
-  if (options.addr.empty()) options.addr = core::DefaultSocketPath();
+  if (options.addr.empty()) options.addr = platform::DefaultSocketPath();
   if (options.rpc_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("rpc_timeout must be > 0");
   }

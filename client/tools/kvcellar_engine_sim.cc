@@ -31,7 +31,7 @@
 #include "client/kvcellar_client.h"
 #include "client/sim_engine.h"
 #include "client/tools/json_object.h"
-#include "core/runtime_paths.h"
+#include "platform/runtime_paths.h"
 
 namespace {
 
@@ -729,7 +729,7 @@ int main(int argc, char** argv) {
   for (int i = 0; i < 8; ++i) reg.device_uuid[i] = static_cast<char>(getpid() >> (8 * (i % 4)));
 
   kc::ClientOptions co;
-  co.addr = f.Str("--addr", kvcellar::core::DefaultSocketPath());
+  co.addr = f.Str("--addr", kvcellar::platform::DefaultSocketPath());
   co.rpc_timeout = absl::Milliseconds(f.U64("--rpc-timeout-ms", 1000));
   co.register_timeout = std::max(co.rpc_timeout, absl::Seconds(2));
   co.reconnect_backoff_max = absl::Milliseconds(f.U64("--backoff-max-ms", 1000));

@@ -18,7 +18,7 @@
 #include "absl/time/time.h"
 #include "client/channel.h"
 #include "client/tools/ctl_common.h"
-#include "core/runtime_paths.h"
+#include "platform/runtime_paths.h"
 #include "grpcpp/client_context.h"
 #include "kvcellar/v1/admin_service.grpc.pb.h"
 
@@ -131,7 +131,7 @@ int Config(const Options& options, v1::AdminService::Stub& stub) {
 
 int main(int argc, char** argv) {
   Options options;
-  options.addr = kvcellar::core::DefaultSocketPath();
+  options.addr = kvcellar::platform::DefaultSocketPath();
   std::map<std::string, std::string*> string_flags = {
       {"--addr", &options.addr},
       {"--ca", &options.channel.ca_file},

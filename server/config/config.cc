@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "core/runtime_paths.h"
+#include "platform/runtime_paths.h"
 #include "server/config/config_schema.h"
 
 namespace kvcellar::server {
@@ -91,7 +91,7 @@ std::string ConfigDigest(const Config& config) {
 
 std::string ResolveUnixSocketPath(const Config& config) {
   if (!config.listen.unix_socket.empty()) return config.listen.unix_socket;
-  return core::DefaultSocketPath(core::kDefaultSocketName);
+  return platform::DefaultSocketPath(platform::kDefaultSocketName);
 }
 
 std::optional<std::string> ResolveAdminSocketPath(const Config& config) {
@@ -99,13 +99,13 @@ std::optional<std::string> ResolveAdminSocketPath(const Config& config) {
   if (admin == kAdminSocketNone) return std::nullopt;
   if (!admin.empty()) return admin;
   if (config.listen.unix_socket.empty()) {
-    return core::DefaultSocketPath(core::kDefaultAdminSocketName);
+    return platform::DefaultSocketPath(platform::kDefaultAdminSocketName);
   }
   // Beside an explicit unix_socket.
   const std::string& socket = config.listen.unix_socket;
   size_t slash = socket.rfind('/');
-  if (slash == std::string::npos) return std::string(core::kDefaultAdminSocketName);
-  return absl::StrCat(socket.substr(0, slash + 1), core::kDefaultAdminSocketName);
+  if (slash == std::string::npos) return std::string(platform::kDefaultAdminSocketName);
+  return absl::StrCat(socket.substr(0, slash + 1), platform::kDefaultAdminSocketName);
 }
 
 }  // namespace kvcellar::server

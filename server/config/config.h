@@ -191,7 +191,7 @@ std::string ConfigToYaml(const Config& config, bool redact_secrets);
 // the price is that two configs differing only in a secret share a digest.
 std::string ConfigDigest(const Config& config);
 
-// listen.unix_socket if set; else core::DefaultSocketPath(): `$RUNTIME_DIRECTORY/kvcellard.sock`
+// listen.unix_socket if set; else platform::DefaultSocketPath(): `$RUNTIME_DIRECTORY/kvcellard.sock`
 // (systemd's RuntimeDirectory=), else `$XDG_RUNTIME_DIR/kvcellar/kvcellard.sock`, else
 // `/tmp/kvcellar-<uid>/kvcellard.sock` (the rule the client library and kvcellarctl share). The
 // caller creates a missing parent directory with mode 0700 (and, under /tmp, must check that an

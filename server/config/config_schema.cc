@@ -36,7 +36,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "core/runtime_paths.h"
+#include "platform/runtime_paths.h"
 
 #include "server/config/l3_tier_spec.h"
 

@@ -29,7 +29,7 @@
 #include "client/tools/bench/report.h"
 #include "client/tools/bench/stats.h"
 #include "client/tools/bench/workload.h"
-#include "core/runtime_paths.h"
+#include "platform/runtime_paths.h"
 #include "grpcpp/client_context.h"
 #include "kvcellar/v1/admin_service.grpc.pb.h"
 
@@ -91,7 +91,7 @@ void DefineFlags(Flags& f) {
   f.Section("daemon");
   f.Define("--socket", "",
            "daemon socket path or HOST:PORT\n(default: kvcellarctl's, " +
-               core::DefaultSocketPath() + ")",
+               platform::DefaultSocketPath() + ")",
            "PATH");
   f.Define("--rpc-timeout-ms", "2000", "deadline of each RPC");
   f.Define("--op-timeout-ms", "30000", "longest wait for a Load, Backup or prefetch op");
@@ -126,7 +126,7 @@ void DefineFlags(Flags& f) {
 
 absl::Status ReadConfig(const Flags& f, Config* c) {
   uint64_t v = 0;
-  c->socket = f.Given("--socket") ? f.Str("--socket") : core::DefaultSocketPath();
+  c->socket = f.Given("--socket") ? f.Str("--socket") : platform::DefaultSocketPath();
   if (c->socket.empty()) return absl::InvalidArgumentError("--socket: empty");
   auto u32 = [&](const char* name, uint64_t min, uint64_t max, uint32_t* out) -> absl::Status {
     absl::Status s = f.U64(name, min, max, &v);

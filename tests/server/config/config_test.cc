@@ -18,7 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "core/runtime_paths.h"
+#include "platform/runtime_paths.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -661,8 +661,8 @@ TEST_F(ConfigTest, UnixSocketPathResolution) {
   // The environment rule itself is core/runtime_paths' (shared with the client); here, that the
   // config defers to it and puts the admin socket beside the engine socket.
   Config c = DefaultConfig();
-  EXPECT_EQ(ResolveUnixSocketPath(c), core::DefaultSocketPath(core::kDefaultSocketName));
-  EXPECT_EQ(ResolveAdminSocketPath(c), core::DefaultSocketPath(core::kDefaultAdminSocketName));
+  EXPECT_EQ(ResolveUnixSocketPath(c), platform::DefaultSocketPath(platform::kDefaultSocketName));
+  EXPECT_EQ(ResolveAdminSocketPath(c), platform::DefaultSocketPath(platform::kDefaultAdminSocketName));
 
   c.listen.unix_socket = "/srv/k/engines.sock";
   EXPECT_EQ(ResolveUnixSocketPath(c), "/srv/k/engines.sock");

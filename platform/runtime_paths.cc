@@ -1,4 +1,4 @@
-#include "core/runtime_paths.h"
+#include "platform/runtime_paths.h"
 
 #include <unistd.h>
 
@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 
-namespace kvcellar::core {
+namespace kvcellar::platform {
 
 std::string DefaultRuntimeDir() {
   if (const char* dir = std::getenv("RUNTIME_DIRECTORY"); dir != nullptr && *dir != '\0') {
@@ -24,4 +24,4 @@ std::string DefaultSocketPath(absl::string_view file_name) {
   return absl::StrCat(DefaultRuntimeDir(), "/", file_name);
 }
 
-}  // namespace kvcellar::core
+}  // namespace kvcellar::platform

@@ -1,13 +1,13 @@
 // Where a kvcellard on its embedded defaults puts its sockets, so the daemon, the client library
 // and kvcellarctl agree without configuration.
-#ifndef KVCELLAR_CORE_RUNTIME_PATHS_H_
-#define KVCELLAR_CORE_RUNTIME_PATHS_H_
+#ifndef KVCELLAR_PLATFORM_RUNTIME_PATHS_H_
+#define KVCELLAR_PLATFORM_RUNTIME_PATHS_H_
 
 #include <string>
 
 #include "absl/strings/string_view.h"
 
-namespace kvcellar::core {
+namespace kvcellar::platform {
 
 inline constexpr char kDefaultSocketName[] = "kvcellard.sock";
 inline constexpr char kDefaultAdminSocketName[] = "kvcellard-admin.sock";
@@ -19,6 +19,6 @@ std::string DefaultRuntimeDir();
 // DefaultRuntimeDir()/file_name.
 std::string DefaultSocketPath(absl::string_view file_name = kDefaultSocketName);
 
-}  // namespace kvcellar::core
+}  // namespace kvcellar::platform
 
-#endif  // KVCELLAR_CORE_RUNTIME_PATHS_H_
+#endif  // KVCELLAR_PLATFORM_RUNTIME_PATHS_H_
