@@ -14,6 +14,7 @@
 #include <deque>
 #include <memory>
 #include <random>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -257,37 +258,14 @@ class Scheduler {
   std::string error_ ABSL_GUARDED_BY(mu_);
 };
 
-int Main(int argc, char** argv) {
-  Flags flags;
-  DefineFlags(flags);
-  if (absl::Status s = flags.Parse(argc, argv, {"--json"}); !s.ok()) {
-    std::fprintf(stderr, "kvcellar-bench: %s (--help lists the flags)\n",
-                 std::string(s.message()).c_str());
-    return kExitUsage;
-  }
-  if (flags.help()) {
-    std::printf("%s%s", kIntro, flags.HelpText().c_str());
-    return kExitOk;
-  }
-  Config c;
-  if (absl::Status s = ReadConfig(flags, &c); !s.ok()) {
-    std::fprintf(stderr, "kvcellar-bench: %s\n", std::string(s.message()).c_str());
-    return kExitUsage;
-  }
-  // An engine whose daemon dies must not die of SIGPIPE.
-  signal(SIGPIPE, SIG_IGN);
-
-  absl::StatusOr<v1::GetStatusResponse> status = DaemonStatus(c.socket);
-  if (!status.ok()) {
-    std::fprintf(stderr, "kvcellar-bench: %s\n", std::string(status.status().message()).c_str());
-    return kExitSetup;
-  }
-
-  RunInfo info;
+// The run's description from the daemon's status and the workload: shape (auto-scaled to L2
+// when asked), device blocks, namespace revision, the memcpy baseline. Returns an exit code on a
+// usage error, nullopt when the run can go ahead.
+std::optional<int> PlanRun(const v1::GetStatusResponse& status, Config& c, RunInfo& info) {
   info.socket = c.socket;
-  info.daemon_version = status->version();
-  info.l2_capacity = status->pool().capacity_bytes();
-  info.l2_used_at_start = status->pool().used_bytes();
+  info.daemon_version = status.version();
+  info.l2_capacity = status.pool().capacity_bytes();
+  info.l2_used_at_start = status.pool().used_bytes();
   info.parallel = c.parallel;
   info.fill = c.fill;
   info.auto_scaled = c.auto_layers;
@@ -334,34 +312,20 @@ int Main(int argc, char** argv) {
                  "the hit rate will show evictions\n",
                  info.footprint_ratio, c.fill);
   }
-
   // A fresh namespace per run unless --revision says otherwise.
   std::mt19937_64 rng(static_cast<uint64_t>(getpid()) ^
                       static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())));
   info.revision = c.revision.empty() ? absl::StrFormat("run-%016x", rng()) : c.revision;
   info.instance_id = absl::StrCat("kvcellar-bench-", getpid());
   info.memcpy_gb_s = MemcpyGbPerS();
+  return std::nullopt;
+}
 
-  Stats stats;
-  EngineGroupOptions go;
-  go.addr = c.socket;
-  go.shape = c.shape;
-  go.num_blocks = c.gpu_blocks;
-  go.instance_id = info.instance_id;
-  go.model_id = c.model_id;
-  go.revision = info.revision;
-  go.kv_seed = c.workload.seed ^ 0x6b76636c6c6172ull;  // "kvcllar": apart from the token seed.
-  go.rpc_timeout = c.rpc_timeout;
-  go.op_timeout = c.op_timeout;
-  absl::StatusOr<std::unique_ptr<EngineGroup>> group = EngineGroup::Create(go, &stats);
-  if (!group.ok()) {
-    std::fprintf(stderr, "kvcellar-bench: %s\n", std::string(group.status().message()).c_str());
-    return kExitSetup;
-  }
-  info.l3_tiers = (*group)->l3_tier_names();
-
+// Runs every (client, round) request on c.parallel threads, with a progress line each second
+// when asked. Stops at the first request that fails (the scheduler keeps why).
+void RunWorkload(const Config& c, const Workload& workload, EngineGroup& group, Stats& stats,
+                 Scheduler& scheduler, RunInfo& info) {
   const bool tty = isatty(STDERR_FILENO);
-  Scheduler scheduler(c.workload.clients, c.workload.rounds);
   const absl::Time start = absl::Now();
   std::vector<std::thread> workers;
   for (uint32_t t = 0; t < c.parallel; ++t) {
@@ -370,7 +334,7 @@ int Main(int argc, char** argv) {
       uint64_t step = 0;
       while (scheduler.Next(&client, &round, &step)) {
         const std::vector<uint32_t> tokens = workload.Tokens(client, round);
-        absl::StatusOr<RequestResult> r = (*group)->Run(step, tokens, workload.PromptTokens(round));
+        absl::StatusOr<RequestResult> r = group.Run(step, tokens, workload.PromptTokens(round));
         if (!r.ok()) {
           scheduler.Stop(std::string(r.status().message()));
           return;
@@ -403,10 +367,11 @@ int Main(int argc, char** argv) {
     const std::string l = ProgressLine(info, stats.snapshot(), info.wall_s);
     std::fprintf(stderr, tty ? "\r%s\x1b[K\n" : "%s\n", l.c_str());
   }
-  info.quarantined_blocks = (*group)->quarantined_blocks();
-  info.client = (*group)->client_stats();
-  (*group)->Close();
+}
 
+// The summary (text, JSON or both) and the exit code: WRONG KV BYTES first, then a stopped run.
+int Report(const Config& c, const RunInfo& info, const Stats& stats,
+           const Scheduler& scheduler) {
   const Stats::Snapshot snap = stats.snapshot();
   const auto latencies = stats.Latencies();
   const std::string json = SummaryJson(info, snap, latencies);
@@ -444,6 +409,60 @@ int Main(int argc, char** argv) {
     return kExitRun;
   }
   return kExitOk;
+}
+
+int Main(int argc, char** argv) {
+  Flags flags;
+  DefineFlags(flags);
+  if (absl::Status s = flags.Parse(argc, argv, {"--json"}); !s.ok()) {
+    std::fprintf(stderr, "kvcellar-bench: %s (--help lists the flags)\n",
+                 std::string(s.message()).c_str());
+    return kExitUsage;
+  }
+  if (flags.help()) {
+    std::printf("%s%s", kIntro, flags.HelpText().c_str());
+    return kExitOk;
+  }
+  Config c;
+  if (absl::Status s = ReadConfig(flags, &c); !s.ok()) {
+    std::fprintf(stderr, "kvcellar-bench: %s\n", std::string(s.message()).c_str());
+    return kExitUsage;
+  }
+  // An engine whose daemon dies must not die of SIGPIPE.
+  signal(SIGPIPE, SIG_IGN);
+
+  absl::StatusOr<v1::GetStatusResponse> status = DaemonStatus(c.socket);
+  if (!status.ok()) {
+    std::fprintf(stderr, "kvcellar-bench: %s\n", std::string(status.status().message()).c_str());
+    return kExitSetup;
+  }
+  RunInfo info;
+  if (std::optional<int> exit = PlanRun(*status, c, info)) return *exit;
+  const Workload workload(c.workload);
+
+  Stats stats;
+  EngineGroupOptions go;
+  go.addr = c.socket;
+  go.shape = c.shape;
+  go.num_blocks = c.gpu_blocks;
+  go.instance_id = info.instance_id;
+  go.model_id = c.model_id;
+  go.revision = info.revision;
+  go.kv_seed = c.workload.seed ^ 0x6b76636c6c6172ull;  // "kvcllar": apart from the token seed.
+  go.rpc_timeout = c.rpc_timeout;
+  go.op_timeout = c.op_timeout;
+  absl::StatusOr<std::unique_ptr<EngineGroup>> group = EngineGroup::Create(go, &stats);
+  if (!group.ok()) {
+    std::fprintf(stderr, "kvcellar-bench: %s\n", std::string(group.status().message()).c_str());
+    return kExitSetup;
+  }
+  info.l3_tiers = (*group)->l3_tier_names();
+  Scheduler scheduler(c.workload.clients, c.workload.rounds);
+  RunWorkload(c, workload, **group, stats, scheduler, info);
+  info.quarantined_blocks = (*group)->quarantined_blocks();
+  info.client = (*group)->client_stats();
+  (*group)->Close();
+  return Report(c, info, stats, scheduler);
 }
 
 }  // namespace
