@@ -130,26 +130,53 @@ kc::OpResult EngineGroup::Wait(kc::Session& session, kc::OpResult op) {
   return op;
 }
 
+// One request's pages on their way through Run's phases.
+struct EngineGroup::Request {
+  std::vector<core::PageKey> keys;
+  std::vector<uint32_t> blocks;  // The device block of each page.
+  uint32_t pages = 0;
+  RequestResult out;
+  bool quarantine = false;  // An op did not end in time: its blocks are not reused.
+};
+
 absl::StatusOr<RequestResult> EngineGroup::Run(uint64_t step_id, absl::Span<const uint32_t> tokens,
                                                uint64_t prompt_tokens) {
-  const ModelShape& shape = options_.shape;
-  const uint32_t p = shape.page_size;
-  const uint64_t object_bytes = shape.ObjectBytes();
-  RequestResult out;
-  out.prompt_tokens = prompt_tokens;
-
-  const std::vector<core::PageKey> keys = kc::ComputePageKeys(ns_, tokens);
-  const uint32_t pages = static_cast<uint32_t>(keys.size());
-  const uint32_t prompt_pages = static_cast<uint32_t>(prompt_tokens / p);
-  absl::StatusOr<std::vector<uint32_t>> acquired = blocks_.Acquire(pages);
+  Request req;
+  req.out.prompt_tokens = prompt_tokens;
+  req.keys = kc::ComputePageKeys(ns_, tokens);
+  req.pages = static_cast<uint32_t>(req.keys.size());
+  absl::StatusOr<std::vector<uint32_t>> acquired = blocks_.Acquire(req.pages);
   if (!acquired.ok()) return acquired.status();
-  const std::vector<uint32_t>& blocks = *acquired;
+  req.blocks = *std::move(acquired);
   const Timer request_timer(stats_, Timed::kRequest);
-  bool quarantine = false;
 
+  const uint32_t prompt_pages = static_cast<uint32_t>(prompt_tokens / options_.shape.page_size);
+  uint64_t pin_id = 0;
+  const uint32_t hit = MatchGroup(step_id, prompt_pages, req, &pin_id);
+  const uint32_t usable = LoadAndVerify(hit, pin_id, req);
+  req.out.loaded_tokens = uint64_t{usable} * options_.shape.page_size;
+  if (usable < req.pages) PrefillAndBackup(usable, req);
+
+  // The pin is no longer needed once every rank loaded and the new pages hang below the hit.
+  if (pin_id != 0) {
+    Timer t(stats_, Timed::kRelease);
+    ranks_[0].session->Release({pin_id});
+  }
+  if (req.quarantine) {
+    blocks_.Quarantine(req.blocks);
+  } else {
+    blocks_.Release(req.blocks);
+  }
+  return std::move(req.out);
+}
+
+uint32_t EngineGroup::MatchGroup(uint64_t step_id, uint32_t prompt_pages, Request& req,
+                                 uint64_t* pin_id) {
+  const uint32_t p = options_.shape.page_size;
+  RequestResult& out = req.out;
   // Match on every rank with one step id: the daemon answers the group once (the rest memoized).
   kc::MatchSequence ms;
-  ms.keys = absl::MakeConstSpan(keys).subspan(0, prompt_pages);
+  ms.keys = absl::MakeConstSpan(req.keys).subspan(0, prompt_pages);
   kc::MatchOptions mo;
   mo.pin = true;
   mo.step_id = step_id;
@@ -169,6 +196,7 @@ absl::StatusOr<RequestResult> EngineGroup::Run(uint64_t step_id, absl::Span<cons
     l3 = std::min(l3, m.results[0].l3_hit_pages);
   }
   const kc::MatchResult& first = replies[0].results[0];
+  *pin_id = first.pin_id;
   out.l2_hit_tokens = uint64_t{l2} * p;
   out.l3_hit_tokens_by_tier.assign(l3_tier_names().size(), 0);
   for (size_t i = 0; i < first.l3_hit_pages_by_tier.size() && i < out.l3_hit_tokens_by_tier.size();
@@ -187,97 +215,91 @@ absl::StatusOr<RequestResult> EngineGroup::Run(uint64_t step_id, absl::Span<cons
     pf = Wait(*ranks_[0].session, pf);
     hit += std::min(l3, pf.usable_pages(0));
   }
+  return hit;
+}
 
+uint32_t EngineGroup::LoadAndVerify(uint32_t hit, uint64_t pin_id, Request& req) {
+  if (hit == 0) return 0;
+  RequestResult& out = req.out;
+  const uint64_t object_bytes = options_.shape.ObjectBytes();
   // Load the hit on every rank (the copies of all ranks overlap), then wait and verify.
   uint32_t usable = hit;
-  if (hit > 0) {
-    std::vector<kc::OpResult> loads;
-    for (Rank& r : ranks_) {
-      for (uint32_t i = 0; i < hit; ++i) r.sim->ClearBlock(blocks[i], kStaleByte);
-      kc::LoadSequence ls;
-      ls.keys = absl::MakeConstSpan(keys).subspan(0, hit);
-      ls.blocks = absl::MakeConstSpan(blocks).subspan(0, hit);
-      ls.pin_id = first.pin_id;
-      Timer t(stats_, Timed::kLoad);
-      loads.push_back(r.session->Load({ls}));
-      if (!loads.back().status.ok()) ++out.degraded_calls;
-    }
-    for (size_t i = 0; i < ranks_.size(); ++i) {
-      Rank& r = ranks_[i];
-      const absl::Time start = absl::Now();
-      const kc::OpResult done = Wait(*r.session, loads[i]);
-      stats_->Record(Timed::kLoadOp, absl::Now() - start);
-      if (!done.terminal()) quarantine = true;
-      if (!done.done()) ++out.loads_not_done;
-      const uint32_t ok = std::min(hit, done.usable_pages(0));
-      usable = std::min(usable, ok);
-      // Every page the daemon says it loaded is checked, byte for byte.
-      for (uint32_t k = 0; k < ok; ++k) {
-        std::string why;
-        const uint64_t bad =
-            r.sim->CountMismatches(blocks[k], options_.kv_seed, keys[k], r.shard, &why);
-        if (bad > 0 && out.first_mismatch.empty()) {
-          out.first_mismatch =
-              absl::StrCat("rank ", i, " page ", k, " key ", keys[k].Hex(), ": ", why);
-        }
-        out.mismatched_bytes += bad;
-      }
-      out.verified_bytes += uint64_t{ok} * object_bytes;
-      out.load_bytes += uint64_t{ok} * object_bytes;
-    }
+  std::vector<kc::OpResult> loads;
+  for (Rank& r : ranks_) {
+    for (uint32_t i = 0; i < hit; ++i) r.sim->ClearBlock(req.blocks[i], kStaleByte);
+    kc::LoadSequence ls;
+    ls.keys = absl::MakeConstSpan(req.keys).subspan(0, hit);
+    ls.blocks = absl::MakeConstSpan(req.blocks).subspan(0, hit);
+    ls.pin_id = pin_id;
+    Timer t(stats_, Timed::kLoad);
+    loads.push_back(r.session->Load({ls}));
+    if (!loads.back().status.ok()) ++out.degraded_calls;
   }
-  out.loaded_tokens = uint64_t{usable} * p;
+  for (size_t i = 0; i < ranks_.size(); ++i) {
+    Rank& r = ranks_[i];
+    const absl::Time start = absl::Now();
+    const kc::OpResult done = Wait(*r.session, loads[i]);
+    stats_->Record(Timed::kLoadOp, absl::Now() - start);
+    if (!done.terminal()) req.quarantine = true;
+    if (!done.done()) ++out.loads_not_done;
+    const uint32_t ok = std::min(hit, done.usable_pages(0));
+    usable = std::min(usable, ok);
+    // Every page the daemon says it loaded is checked, byte for byte.
+    for (uint32_t k = 0; k < ok; ++k) {
+      std::string why;
+      const uint64_t bad =
+          r.sim->CountMismatches(req.blocks[k], options_.kv_seed, req.keys[k], r.shard, &why);
+      if (bad > 0 && out.first_mismatch.empty()) {
+        out.first_mismatch =
+            absl::StrCat("rank ", i, " page ", k, " key ", req.keys[k].Hex(), ": ", why);
+      }
+      out.mismatched_bytes += bad;
+    }
+    out.verified_bytes += uint64_t{ok} * object_bytes;
+    out.load_bytes += uint64_t{ok} * object_bytes;
+  }
+  return usable;
+}
 
+void EngineGroup::PrefillAndBackup(uint32_t usable, Request& req) {
   // "Prefill" what was not loaded and back up every new full page.
-  if (usable < pages) {
-    std::vector<std::pair<Rank*, kc::OpResult>> backups;
-    kc::BackupSequence bs;
-    bs.has_parent = usable > 0;
-    if (bs.has_parent) bs.parent = keys[usable - 1];
-    bs.keys = absl::MakeConstSpan(keys).subspan(usable);
-    bs.blocks = absl::MakeConstSpan(blocks).subspan(usable);
-    for (Rank& r : ranks_) {
-      if (!r.writer) continue;  // MLA: other ranks hold the same latent; one copy is stored.
-      for (uint32_t k = usable; k < pages; ++k) {
-        r.sim->FillBlock(blocks[k], options_.kv_seed, keys[k], r.shard);
-      }
-      Timer t(stats_, Timed::kBackup);
-      backups.emplace_back(&r, r.session->Backup({bs}));
-      if (!backups.back().second.status.ok()) ++out.degraded_calls;
-      out.backup_pages += pages - usable;
+  RequestResult& out = req.out;
+  const uint32_t pages = req.pages;
+  const uint64_t object_bytes = options_.shape.ObjectBytes();
+  std::vector<std::pair<Rank*, kc::OpResult>> backups;
+  kc::BackupSequence bs;
+  bs.has_parent = usable > 0;
+  if (bs.has_parent) bs.parent = req.keys[usable - 1];
+  bs.keys = absl::MakeConstSpan(req.keys).subspan(usable);
+  bs.blocks = absl::MakeConstSpan(req.blocks).subspan(usable);
+  for (Rank& r : ranks_) {
+    if (!r.writer) continue;  // MLA: other ranks hold the same latent; one copy is stored.
+    for (uint32_t k = usable; k < pages; ++k) {
+      r.sim->FillBlock(req.blocks[k], options_.kv_seed, req.keys[k], r.shard);
     }
-    for (auto& [rank, op] : backups) {
-      const absl::Time start = absl::Now();
-      const kc::OpResult done = Wait(*rank->session, op);
-      stats_->Record(Timed::kBackupOp, absl::Now() - start);
-      if (!done.terminal()) quarantine = true;
-      if (!done.done()) ++out.backups_not_done;
-      uint64_t stored = 0;
-      if (!done.sequences.empty() && !done.sequences[0].page_status.empty()) {
-        for (kc::PageStatus s : done.sequences[0].page_status) {
-          ++out.backup_status[kc::PageStatusName(s)];
-          if (s == kc::PageStatus::kOk) ++stored;
-        }
-      } else {
-        out.backup_status[done.terminal() ? kc::OpStateName(done.state) : "UNKNOWN"] +=
-            pages - usable;
+    Timer t(stats_, Timed::kBackup);
+    backups.emplace_back(&r, r.session->Backup({bs}));
+    if (!backups.back().second.status.ok()) ++out.degraded_calls;
+    out.backup_pages += pages - usable;
+  }
+  for (auto& [rank, op] : backups) {
+    const absl::Time start = absl::Now();
+    const kc::OpResult done = Wait(*rank->session, op);
+    stats_->Record(Timed::kBackupOp, absl::Now() - start);
+    if (!done.terminal()) req.quarantine = true;
+    if (!done.done()) ++out.backups_not_done;
+    uint64_t stored = 0;
+    if (!done.sequences.empty() && !done.sequences[0].page_status.empty()) {
+      for (kc::PageStatus s : done.sequences[0].page_status) {
+        ++out.backup_status[kc::PageStatusName(s)];
+        if (s == kc::PageStatus::kOk) ++stored;
       }
-      out.backup_bytes += stored * object_bytes;
+    } else {
+      out.backup_status[done.terminal() ? kc::OpStateName(done.state) : "UNKNOWN"] +=
+          pages - usable;
     }
+    out.backup_bytes += stored * object_bytes;
   }
-
-  // The pin is no longer needed once every rank loaded and the new pages hang below the hit.
-  if (first.pin_id != 0) {
-    const uint64_t pin = first.pin_id;
-    Timer t(stats_, Timed::kRelease);
-    ranks_[0].session->Release({pin});
-  }
-  if (quarantine) {
-    blocks_.Quarantine(blocks);
-  } else {
-    blocks_.Release(blocks);
-  }
-  return out;
 }
 
 }  // namespace kvcellar::bench

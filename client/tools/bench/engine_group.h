@@ -80,6 +80,16 @@ class EngineGroup {
   // Waits until the op is terminal or the op timeout passes, timing each WaitOps.
   client::OpResult Wait(client::Session& session, client::OpResult op);
 
+  // The phases of Run, in order.
+  struct Request;
+  // Match on every rank (one step id), and the L3 hit prefetched; returns the pages to load and
+  // sets the group's pin.
+  uint32_t MatchGroup(uint64_t step_id, uint32_t prompt_pages, Request& req, uint64_t* pin_id);
+  // Loads the hit on every rank and checks every loaded byte; returns the pages every rank has.
+  uint32_t LoadAndVerify(uint32_t hit, uint64_t pin_id, Request& req);
+  // Fills the pages after `usable` as a prefill would, and backs them up.
+  void PrefillAndBackup(uint32_t usable, Request& req);
+
   const EngineGroupOptions options_;
   Stats* const stats_;
   core::NamespaceSpec ns_;
