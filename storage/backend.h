@@ -7,6 +7,7 @@
 // (DESIGN.md "Failure semantics"). Implementations live beside this header:
 //   file_backend.h   one file per object on a local or shared file system (io_uring, O_DIRECT)
 //   redis_backend.h  Redis/Valkey, standalone or cluster (hiredis, pipelined)
+// and what they share about a batch (its checks, outcomes and delivery) in backend_batch.h.
 //
 // Calling convention, the same for every operation:
 //  - Every call takes a batch (one namespace, many objects) and returns absl::Status at once.
