@@ -7,6 +7,8 @@
 
 namespace kvcellar::storage {
 
+namespace {
+
 absl::Status CheckBatchSize(size_t items, size_t max_batch_items) {
   if (items > max_batch_items) {
     return absl::InvalidArgumentError(
@@ -15,31 +17,69 @@ absl::Status CheckBatchSize(size_t items, size_t max_batch_items) {
   return absl::OkStatus();
 }
 
-absl::Status CheckGetItems(const GetRequest& request) {
-  for (size_t i = 0; i < request.items.size(); ++i) {
-    const GetItem& it = request.items[i];
-    if (it.dst == nullptr || it.capacity == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("items[", i, "]: no destination buffer"));
+// Every item has a buffer (`has_buffer`), then the batch size.
+template <typename Item, typename HasBuffer>
+absl::Status CheckItems(absl::Span<const Item> items, size_t max_batch_items, HasBuffer has_buffer,
+                        absl::string_view problem) {
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (!has_buffer(items[i])) {
+      return absl::InvalidArgumentError(absl::StrCat("items[", i, "]: ", problem));
     }
   }
-  return absl::OkStatus();
+  return CheckBatchSize(items.size(), max_batch_items);
 }
 
-absl::Status CheckPutItems(const PutRequest& request) {
-  for (size_t i = 0; i < request.items.size(); ++i) {
-    const PutItem& it = request.items[i];
-    if (it.src == nullptr || it.size == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("items[", i, "]: empty source buffer"));
-    }
-  }
-  return absl::OkStatus();
+}  // namespace
+
+absl::Status CheckRequest(const GetRequest& request, size_t max_batch_items) {
+  return CheckItems(
+      request.items, max_batch_items,
+      [](const GetItem& it) { return it.dst != nullptr && it.capacity != 0; },
+      "no destination buffer");
 }
 
-absl::Status CheckExistsShards(const ExistsRequest& request) {
+absl::Status CheckRequest(const PutRequest& request, size_t max_batch_items) {
+  return CheckItems(
+      request.items, max_batch_items,
+      [](const PutItem& it) { return it.src != nullptr && it.size != 0; }, "empty source buffer");
+}
+
+absl::Status CheckRequest(const DeleteRequest& request, size_t max_batch_items) {
+  return CheckBatchSize(request.items.size(), max_batch_items);
+}
+
+absl::Status CheckRequest(const ExistsRequest& request, size_t max_batch_items) {
   if (request.shards.empty() && !request.keys.empty()) {
     return absl::InvalidArgumentError("shards: empty");
   }
+  return CheckBatchSize(ExistsObjectCount(request), max_batch_items);
+}
+
+absl::Status InFlightBatches::CheckOpen() const {
+  absl::MutexLock lock(&mu_);
+  if (closed_) return absl::FailedPreconditionError(absl::StrCat(backend_, " is shutting down"));
   return absl::OkStatus();
+}
+
+void InFlightBatches::Add() {
+  absl::MutexLock lock(&mu_);
+  ++count_;
+}
+
+void InFlightBatches::Remove() {
+  absl::MutexLock lock(&mu_);
+  --count_;
+}
+
+void InFlightBatches::Close() {
+  absl::MutexLock lock(&mu_);
+  closed_ = true;
+}
+
+void InFlightBatches::WaitIdle() {
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(
+      +[](size_t* n) { return *n == 0; }, &count_));
 }
 
 absl::Time BatchDeadline(absl::Duration timeout, absl::Duration default_timeout) {

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -101,12 +102,21 @@ class FileBackendImpl final : public FileBackend, private FileObjectIo::Listener
   void StartScan();
 
   // Submission.
-  absl::Status CheckOpen(size_t items) const;
+  template <typename Request>
+  absl::Status Admit(const Request& request) const;
   Batch* NewBatch(OpKind kind, const PageKey& ns, absl::Duration timeout, size_t ntasks);
-  // A Get, Put or Delete batch; nullptr when it has no items (it is then complete already).
-  Batch* NewItemBatch(OpKind kind, const PageKey& ns, absl::Duration timeout, size_t ntasks,
-                      BatchCallback done);
   void InitTask(Batch* b, Task* t, uint32_t index, const PageKey& key, uint32_t shard);
+  // Get, Put and Delete: each item is admitted by AdmitLocked, then queued for I/O or settled.
+  template <typename RequestItem>
+  absl::Status SubmitItems(OpKind kind, const ItemsRequest<RequestItem>& request,
+                           BatchCallback done);
+  // Prepares a task for I/O; kOk to queue it, or the status it is settled with at once.
+  ObjectStatus AdmitLocked(Task* t, const GetItem& item, FileVictims* victims)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  ObjectStatus AdmitLocked(Task* t, const PutItem& item, FileVictims* victims)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  ObjectStatus AdmitLocked(Task* t, const ObjectRef& item, FileVictims* victims)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EnqueueLocked(Task* t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Pump();
 
@@ -151,6 +161,7 @@ class FileBackendImpl final : public FileBackend, private FileObjectIo::Listener
   std::atomic<bool> stop_scan_{false};
   // Owned by Init's thread, then by the scanner thread alone.
   std::unique_ptr<FileStartupScan> scan_;
+  InFlightBatches in_flight_{"file backend"};
 
   mutable absl::Mutex mu_;
   FileCapacity capacity_ ABSL_GUARDED_BY(mu_);
@@ -159,8 +170,6 @@ class FileBackendImpl final : public FileBackend, private FileObjectIo::Listener
   Task* queue_tail_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::vector<EvictOp*> free_evict_ops_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<EvictOp>> evict_ops_ ABSL_GUARDED_BY(mu_);
-  size_t batches_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
-  bool closed_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
 };
 
@@ -244,18 +253,14 @@ void FileBackendImpl::StartScan() {
 }
 
 FileBackendImpl::~FileBackendImpl() {
-  {
-    absl::MutexLock lock(&mu_);
-    closed_ = true;
-  }
+  in_flight_.Close();
   stop_scan_.store(true);
   if (scanner_.joinable()) scanner_.join();
+  // Every batch completes: queued tasks are started as slots free up, or the sweeper fails them
+  // at their deadline.
+  in_flight_.WaitIdle();
   {
-    // Every batch completes: queued tasks are started as slots free up, or the sweeper fails them
-    // at their deadline.
     absl::MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(
-        +[](size_t* n) { return *n == 0; }, &batches_in_flight_));
     stopping_ = true;
   }
   if (sweeper_.joinable()) sweeper_.join();
@@ -276,11 +281,10 @@ Capabilities FileBackendImpl::capabilities() const {
 
 // ---- Submission -------------------------------------------------------------------------------
 
-absl::Status FileBackendImpl::CheckOpen(size_t items) const {
-  if (absl::Status s = CheckBatchSize(items, options_.max_batch_items); !s.ok()) return s;
-  absl::MutexLock lock(&mu_);
-  if (closed_) return absl::FailedPreconditionError("file backend is shutting down");
-  return absl::OkStatus();
+template <typename Request>
+absl::Status FileBackendImpl::Admit(const Request& request) const {
+  if (absl::Status s = CheckRequest(request, options_.max_batch_items); !s.ok()) return s;
+  return in_flight_.CheckOpen();
 }
 
 FileBackendImpl::Batch* FileBackendImpl::NewBatch(OpKind kind, const PageKey& ns,
@@ -293,20 +297,8 @@ FileBackendImpl::Batch* FileBackendImpl::NewBatch(OpKind kind, const PageKey& ns
   b->ntasks = ntasks;
   b->tasks.reset(new Task[ntasks]);
   b->remaining.store(ntasks, std::memory_order_relaxed);
-  absl::MutexLock lock(&mu_);
-  ++batches_in_flight_;
+  in_flight_.Add();
   return b;
-}
-
-FileBackendImpl::Batch* FileBackendImpl::NewItemBatch(OpKind kind, const PageKey& ns,
-                                                      absl::Duration timeout, size_t ntasks,
-                                                      BatchCallback done) {
-  Batch* b = NewBatch(kind, ns, timeout, ntasks);
-  b->done = std::move(done);
-  b->results.resize(ntasks);
-  if (ntasks != 0) return b;
-  CompleteBatch(b);
-  return nullptr;
 }
 
 void FileBackendImpl::InitTask(Batch* b, Task* t, uint32_t index, const PageKey& key,
@@ -328,88 +320,76 @@ void FileBackendImpl::EnqueueLocked(Task* t) {
 }
 
 absl::Status FileBackendImpl::Get(const GetRequest& request, BatchCallback done) {
-  if (absl::Status s = CheckGetItems(request); !s.ok()) return s;
-  if (absl::Status s = CheckOpen(request.items.size()); !s.ok()) return s;
-  SubmitScope scope;
-  Batch* b = NewItemBatch(OpKind::kGet, request.ns, request.timeout, request.items.size(),
-                          std::move(done));
-  if (b == nullptr) return absl::OkStatus();
-  absl::InlinedVector<Task*, 16> misses;
-  {
-    absl::MutexLock lock(&mu_);
-    const bool authoritative = capacity_.Authoritative();
-    for (size_t i = 0; i < b->ntasks; ++i) {
-      Task* t = &b->tasks[i];
-      const GetItem& it = request.items[i];
-      InitTask(b, t, static_cast<uint32_t>(i), it.key, it.shard);
-      t->buf = it.dst;
-      t->len = it.capacity;
-      if (authoritative && !capacity_.Knows(t->id)) {
-        misses.push_back(t);
-        continue;
-      }
-      EnqueueLocked(t);
-    }
-  }
-  for (Task* t : misses) Finish(t, ObjectStatus::kNotFound);
-  Pump();
-  return absl::OkStatus();
+  return SubmitItems(OpKind::kGet, request, std::move(done));
+}
+absl::Status FileBackendImpl::Put(const PutRequest& request, BatchCallback done) {
+  return SubmitItems(OpKind::kPut, request, std::move(done));
+}
+absl::Status FileBackendImpl::Delete(const DeleteRequest& request, BatchCallback done) {
+  return SubmitItems(OpKind::kDelete, request, std::move(done));
 }
 
-absl::Status FileBackendImpl::Put(const PutRequest& request, BatchCallback done) {
-  if (absl::Status s = CheckPutItems(request); !s.ok()) return s;
-  if (absl::Status s = CheckOpen(request.items.size()); !s.ok()) return s;
+template <typename RequestItem>
+absl::Status FileBackendImpl::SubmitItems(OpKind kind, const ItemsRequest<RequestItem>& request,
+                                          BatchCallback done) {
+  if (absl::Status s = Admit(request); !s.ok()) return s;
   SubmitScope scope;
-  Batch* b = NewItemBatch(OpKind::kPut, request.ns, request.timeout, request.items.size(),
-                          std::move(done));
-  if (b == nullptr) return absl::OkStatus();
-  absl::InlinedVector<Task*, 16> rejected;
+  Batch* b = NewBatch(kind, request.ns, request.timeout, request.items.size());
+  b->done = std::move(done);
+  b->results.resize(request.items.size());
+  if (b->ntasks == 0) {
+    CompleteBatch(b);
+    return absl::OkStatus();
+  }
+  absl::InlinedVector<std::pair<Task*, ObjectStatus>, 16> settled;
   FileVictims victims;
   {
     absl::MutexLock lock(&mu_);
     for (size_t i = 0; i < b->ntasks; ++i) {
       Task* t = &b->tasks[i];
-      const PutItem& it = request.items[i];
+      const RequestItem& it = request.items[i];
       InitTask(b, t, static_cast<uint32_t>(i), it.key, it.shard);
-      t->buf = const_cast<uint8_t*>(it.src);  // Only ever written from.
-      t->len = it.size;
-      const uint64_t bytes = FileFootprint(it.size);
-      if (it.size > options_.max_object_bytes || !capacity_.Reserve(bytes, &victims)) {
-        rejected.push_back(t);
-        continue;
+      const ObjectStatus s = AdmitLocked(t, it, &victims);
+      if (s == ObjectStatus::kOk) {
+        EnqueueLocked(t);
+      } else {
+        settled.emplace_back(t, s);
       }
-      t->reserved = bytes;
-      EnqueueLocked(t);
     }
   }
   UnlinkVictims(victims);
-  for (Task* t : rejected) Finish(t, ObjectStatus::kRejected);
+  for (const auto& [t, s] : settled) Finish(t, s);
   Pump();
   return absl::OkStatus();
 }
 
-absl::Status FileBackendImpl::Delete(const DeleteRequest& request, BatchCallback done) {
-  if (absl::Status s = CheckOpen(request.items.size()); !s.ok()) return s;
-  SubmitScope scope;
-  Batch* b = NewItemBatch(OpKind::kDelete, request.ns, request.timeout, request.items.size(),
-                          std::move(done));
-  if (b == nullptr) return absl::OkStatus();
-  {
-    absl::MutexLock lock(&mu_);
-    for (size_t i = 0; i < b->ntasks; ++i) {
-      InitTask(b, &b->tasks[i], static_cast<uint32_t>(i), request.items[i].key,
-               request.items[i].shard);
-      EnqueueLocked(&b->tasks[i]);
-    }
+// Once the index is authoritative, a miss costs no system call.
+ObjectStatus FileBackendImpl::AdmitLocked(Task* t, const GetItem& item, FileVictims*) {
+  t->buf = item.dst;
+  t->len = item.capacity;
+  const bool miss = capacity_.Authoritative() && !capacity_.Knows(t->id);
+  return miss ? ObjectStatus::kNotFound : ObjectStatus::kOk;
+}
+
+// A write reserves its footprint first; one that does not fit is rejected.
+ObjectStatus FileBackendImpl::AdmitLocked(Task* t, const PutItem& item, FileVictims* victims) {
+  t->buf = const_cast<uint8_t*>(item.src);  // Only ever written from.
+  t->len = item.size;
+  const uint64_t bytes = FileFootprint(item.size);
+  if (item.size > options_.max_object_bytes || !capacity_.Reserve(bytes, victims)) {
+    return ObjectStatus::kRejected;
   }
-  Pump();
-  return absl::OkStatus();
+  t->reserved = bytes;
+  return ObjectStatus::kOk;
+}
+
+ObjectStatus FileBackendImpl::AdmitLocked(Task*, const ObjectRef&, FileVictims*) {
+  return ObjectStatus::kOk;
 }
 
 absl::Status FileBackendImpl::Exists(const ExistsRequest& request, ExistsCallback done) {
-  if (absl::Status s = CheckExistsShards(request); !s.ok()) return s;
+  if (absl::Status s = Admit(request); !s.ok()) return s;
   const size_t nobj = ExistsObjectCount(request);
-  if (absl::Status s = CheckOpen(nobj); !s.ok()) return s;
   SubmitScope scope;
   Batch* b = NewBatch(OpKind::kExists, request.ns, request.timeout, nobj);
   b->exists_done = std::move(done);
@@ -556,8 +536,7 @@ void FileBackendImpl::OnHop(IoOp* op) {
 void FileBackendImpl::Deliver(Batch* b) {
   b->BatchState::Deliver(stats_);
   delete b;
-  absl::MutexLock lock(&mu_);
-  --batches_in_flight_;
+  in_flight_.Remove();
 }
 
 // ---- What the I/O found, into the index -------------------------------------------------------

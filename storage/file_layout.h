@@ -78,9 +78,7 @@ bool ParseNamespaceDir(absl::string_view name, uint64_t* ns_prefix);
 // A leaf directory: 2 hex characters.
 bool IsLeafDir(absl::string_view name);
 // Whether a leaf entry may be an object or a temp ("<key64>." and more); others are not ours.
-inline bool MayBeObjectFile(absl::string_view name) {
-  return name.size() >= 66 && name[64] == '.';
-}
+inline bool MayBeObjectFile(absl::string_view name) { return name.size() >= 66 && name[64] == '.'; }
 // The "<host>-<pid>-<seq>" after the temp marker, or false when `name` is not a temp.
 bool TempSuffix(absl::string_view name, absl::string_view* suffix);
 // Splits a temp suffix into its writer's host and pid; false when it is not one of ours.

@@ -125,11 +125,18 @@ void FileObjectIo::PrepTransferRest(FileIoTask* t, IoOp::Code code) {
   t->op.iovcnt = n;
 }
 
-void FileObjectIo::DisableDirect(int err) {
+// An O_DIRECT open the file system refused (EINVAL): O_DIRECT goes off for the tier, logged once,
+// and the open is resubmitted buffered. False (nothing done) for any other failure.
+bool FileObjectIo::RetryBuffered(FileIoTask* t, int64_t res, const char* path, int flags) {
+  if (res != -EINVAL || !t->direct) return false;
   if (direct_ok_.exchange(false)) {
     KVLOG(Warn, "file system refused O_DIRECT, using buffered I/O",
-          {{"root", options_.root}, {"errno", err}});
+          {{"root", options_.root}, {"errno", EINVAL}});
   }
+  t->direct = false;
+  PrepOpen(t, path, flags);
+  Submit(t);
+  return true;
 }
 
 // ---- Get --------------------------------------------------------------------------------------
@@ -151,12 +158,7 @@ void FileObjectIo::AdvanceGet(FileIoTask* t, int64_t res) {
 
 void FileObjectIo::GetOpened(FileIoTask* t, int64_t res) {
   if (res < 0) {
-    if (res == -EINVAL && t->direct) {
-      DisableDirect(EINVAL);
-      t->direct = false;
-      PrepOpen(t, t->path, O_RDONLY);
-      return Submit(t);
-    }
+    if (RetryBuffered(t, res, t->path, O_RDONLY)) return;
     return Done(t, StatusFromErrno(static_cast<int>(-res)));
   }
   t->fd = static_cast<int>(res);
@@ -278,12 +280,7 @@ void FileObjectIo::AdvancePut(FileIoTask* t, int64_t res) {
 
 void FileObjectIo::PutOpened(FileIoTask* t, int64_t res) {
   if (res < 0) {
-    if (res == -EINVAL && t->direct) {
-      DisableDirect(EINVAL);
-      t->direct = false;
-      PrepOpen(t, t->tmp, O_WRONLY | O_CREAT | O_EXCL);
-      return Submit(t);
-    }
+    if (RetryBuffered(t, res, t->tmp, O_WRONLY | O_CREAT | O_EXCL)) return;
     if (res == -ENOENT && !t->made_dirs) {
       EnsureDirs(t);  // First write of this namespace or leaf: two mkdirs, once.
       t->made_dirs = true;

@@ -99,7 +99,7 @@ struct FileIoTask {
   char path[kMaxRelPath];  // FormatObjectPath of id.
 
   // What the I/O found.
-  uint64_t payload = 0;  // Get: payload bytes served.
+  uint64_t payload = 0;                       // Get: payload bytes served.
   ObjectDefect defect = ObjectDefect::kNone;  // Get: why it was corrupt.
 
   // The state machine's own.
@@ -166,7 +166,7 @@ class FileObjectIo {
   void PrepSimple(FileIoTask* t, IoOp::Code code, FileIoTask::Stage stage);
   void PrepUnlink(FileIoTask* t, const char* path, FileIoTask::Stage stage);
   void CleanupPut(FileIoTask* t, ObjectStatus status);
-  void DisableDirect(int err);
+  bool RetryBuffered(FileIoTask* t, int64_t res, const char* path, int flags);
   void EnsureDirs(const FileIoTask* t);
 
   const Options options_;

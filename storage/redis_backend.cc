@@ -114,8 +114,16 @@ class RedisBackendImpl final : public RedisBackend {
   };
 
   // Submission.
-  absl::Status CheckOpen(size_t items) const;
+  template <typename Request>
+  absl::Status Admit(const Request& request) const;
   Batch* NewBatch(OpKind kind, const PageKey& ns, absl::Duration timeout, size_t n);
+  // Get, Put and Delete: every item is addressed, and dispatched unless AdmitItem settles it.
+  template <typename RequestItem>
+  absl::Status SubmitItems(OpKind kind, const ItemsRequest<RequestItem>& request,
+                           BatchCallback done);
+  bool AdmitItem(Batch* b, uint32_t i, const GetItem& item);
+  bool AdmitItem(Batch* b, uint32_t i, const PutItem& item);
+  bool AdmitItem(Batch* b, uint32_t i, const ObjectRef& item);
   // Names item i of `b` (key, shard), formats its Redis key and picks its cluster slot from that
   // very key, so the key a command sends and the node it goes to never disagree.
   Item& AddressItem(Batch* b, size_t i, const PageKey& key, uint32_t shard) const;
@@ -168,10 +176,10 @@ class RedisBackendImpl final : public RedisBackend {
   std::thread refresher_;
   std::thread callbacks_;
 
+  InFlightBatches in_flight_{"redis backend"};
+
   mutable absl::Mutex mu_;
   std::vector<std::unique_ptr<Node>> nodes_ ABSL_GUARDED_BY(mu_);  // Indexed by SlotMap node id.
-  size_t batches_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
-  bool closed_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool refresh_requested_ ABSL_GUARDED_BY(mu_) = false;
   std::deque<Batch*> deferred_ ABSL_GUARDED_BY(mu_);  // Completed while submitting.
@@ -216,10 +224,10 @@ absl::Status RedisBackendImpl::Init() {
 }
 
 RedisBackendImpl::~RedisBackendImpl() {
+  in_flight_.Close();
+  in_flight_.WaitIdle();
   {
     absl::MutexLock lock(&mu_);
-    closed_ = true;
-    mu_.Await(absl::Condition(+[](size_t* n) { return *n == 0; }, &batches_in_flight_));
     stopping_ = true;
   }
   std::vector<Node*> nodes;
@@ -276,11 +284,10 @@ std::string RedisBackendImpl::ObjectKey(const PageKey& ns, const PageKey& key,
   return std::string(buf, FormatKey(ns, key, shard, buf));
 }
 
-absl::Status RedisBackendImpl::CheckOpen(size_t items) const {
-  if (absl::Status s = CheckBatchSize(items, options_.max_batch_items); !s.ok()) return s;
-  absl::MutexLock lock(&mu_);
-  if (closed_) return absl::FailedPreconditionError("redis backend is shutting down");
-  return absl::OkStatus();
+template <typename Request>
+absl::Status RedisBackendImpl::Admit(const Request& request) const {
+  if (absl::Status s = CheckRequest(request, options_.max_batch_items); !s.ok()) return s;
+  return in_flight_.CheckOpen();
 }
 
 RedisBackendImpl::Batch* RedisBackendImpl::NewBatch(OpKind kind, const PageKey& ns,
@@ -291,8 +298,7 @@ RedisBackendImpl::Batch* RedisBackendImpl::NewBatch(OpKind kind, const PageKey& 
   b->deadline = BatchDeadline(timeout, options_.command_timeout);
   b->items.resize(n);
   b->remaining.store(n + 1, std::memory_order_relaxed);  // +1: the submission itself.
-  absl::MutexLock lock(&mu_);
-  ++batches_in_flight_;
+  in_flight_.Add();
   return b;
 }
 
@@ -307,37 +313,26 @@ RedisBackendImpl::Item& RedisBackendImpl::AddressItem(Batch* b, size_t i, const 
 }
 
 absl::Status RedisBackendImpl::Get(const GetRequest& request, BatchCallback done) {
-  if (absl::Status s = CheckGetItems(request); !s.ok()) return s;
-  if (absl::Status s = CheckOpen(request.items.size()); !s.ok()) return s;
-  Batch* b = NewBatch(OpKind::kGet, request.ns, request.timeout, request.items.size());
-  b->done = std::move(done);
-  b->results.resize(request.items.size());
-  absl::InlinedVector<uint32_t, 64> all;
-  for (size_t i = 0; i < request.items.size(); ++i) {
-    Item& it = AddressItem(b, i, request.items[i].key, request.items[i].shard);
-    it.buf = request.items[i].dst;
-    it.len = request.items[i].capacity;
-    all.push_back(static_cast<uint32_t>(i));
-  }
-  Dispatch(b, all, -1, false);
-  ReleaseSubmitRef(b);
-  return absl::OkStatus();
+  return SubmitItems(OpKind::kGet, request, std::move(done));
+}
+absl::Status RedisBackendImpl::Put(const PutRequest& request, BatchCallback done) {
+  return SubmitItems(OpKind::kPut, request, std::move(done));
+}
+absl::Status RedisBackendImpl::Delete(const DeleteRequest& request, BatchCallback done) {
+  return SubmitItems(OpKind::kDelete, request, std::move(done));
 }
 
-absl::Status RedisBackendImpl::Put(const PutRequest& request, BatchCallback done) {
-  if (absl::Status s = CheckPutItems(request); !s.ok()) return s;
-  if (absl::Status s = CheckOpen(request.items.size()); !s.ok()) return s;
-  Batch* b = NewBatch(OpKind::kPut, request.ns, request.timeout, request.items.size());
+template <typename RequestItem>
+absl::Status RedisBackendImpl::SubmitItems(OpKind kind, const ItemsRequest<RequestItem>& request,
+                                           BatchCallback done) {
+  if (absl::Status s = Admit(request); !s.ok()) return s;
+  Batch* b = NewBatch(kind, request.ns, request.timeout, request.items.size());
   b->done = std::move(done);
   b->results.resize(request.items.size());
   absl::InlinedVector<uint32_t, 64> admitted;
   for (size_t i = 0; i < request.items.size(); ++i) {
-    Item& it = AddressItem(b, i, request.items[i].key, request.items[i].shard);
-    it.buf = const_cast<uint8_t*>(request.items[i].src);  // Only ever sent from.
-    it.len = request.items[i].size;
-    if (it.len > options_.max_object_bytes) {
-      Resolve(b, static_cast<uint32_t>(i), ObjectStatus::kRejected, 0);
-    } else {
+    AddressItem(b, i, request.items[i].key, request.items[i].shard);
+    if (AdmitItem(b, static_cast<uint32_t>(i), request.items[i])) {
       admitted.push_back(static_cast<uint32_t>(i));
     }
   }
@@ -346,25 +341,26 @@ absl::Status RedisBackendImpl::Put(const PutRequest& request, BatchCallback done
   return absl::OkStatus();
 }
 
-absl::Status RedisBackendImpl::Delete(const DeleteRequest& request, BatchCallback done) {
-  if (absl::Status s = CheckOpen(request.items.size()); !s.ok()) return s;
-  Batch* b = NewBatch(OpKind::kDelete, request.ns, request.timeout, request.items.size());
-  b->done = std::move(done);
-  b->results.resize(request.items.size());
-  absl::InlinedVector<uint32_t, 64> all;
-  for (size_t i = 0; i < request.items.size(); ++i) {
-    AddressItem(b, i, request.items[i].key, request.items[i].shard);
-    all.push_back(static_cast<uint32_t>(i));
-  }
-  Dispatch(b, all, -1, false);
-  ReleaseSubmitRef(b);
-  return absl::OkStatus();
+bool RedisBackendImpl::AdmitItem(Batch* b, uint32_t i, const GetItem& item) {
+  b->items[i].buf = item.dst;
+  b->items[i].len = item.capacity;
+  return true;
 }
 
+// Redis refuses values over proto-max-bulk-len: rejected here rather than sent.
+bool RedisBackendImpl::AdmitItem(Batch* b, uint32_t i, const PutItem& item) {
+  b->items[i].buf = const_cast<uint8_t*>(item.src);  // Only ever sent from.
+  b->items[i].len = item.size;
+  if (item.size <= options_.max_object_bytes) return true;
+  Resolve(b, i, ObjectStatus::kRejected, 0);
+  return false;
+}
+
+bool RedisBackendImpl::AdmitItem(Batch*, uint32_t, const ObjectRef&) { return true; }
+
 absl::Status RedisBackendImpl::Exists(const ExistsRequest& request, ExistsCallback done) {
-  if (absl::Status s = CheckExistsShards(request); !s.ok()) return s;
+  if (absl::Status s = Admit(request); !s.ok()) return s;
   const size_t n = ExistsObjectCount(request);
-  if (absl::Status s = CheckOpen(n); !s.ok()) return s;
   Batch* b = NewBatch(OpKind::kExists, request.ns, request.timeout, n);
   b->exists_done = std::move(done);
   b->nkeys = request.keys.size();
@@ -490,8 +486,8 @@ bool RedisBackendImpl::EnsureConnected(Node* node, RedisConnection* conn, const 
                                        absl::Time now) {
   if (conn->connected()) return true;
   if (absl::ToUnixNanos(now) < node->retry_after_ns.load(std::memory_order_relaxed)) return false;
-  absl::Status s = conn->Connect(node->address, std::min(options_.connect_timeout, b->deadline - now),
-                                 options_.password);
+  absl::Status s = conn->Connect(
+      node->address, std::min(options_.connect_timeout, b->deadline - now), options_.password);
   if (!s.ok()) {
     NodeFailed(node);
     return false;
@@ -706,8 +702,7 @@ void RedisBackendImpl::CallbackLoop() {
 void RedisBackendImpl::Deliver(Batch* b) {
   b->BatchState::Deliver(stats_);
   delete b;
-  absl::MutexLock lock(&mu_);
-  --batches_in_flight_;
+  in_flight_.Remove();
 }
 
 // ---- Cluster topology -------------------------------------------------------------------------

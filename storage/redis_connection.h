@@ -39,7 +39,16 @@ namespace kvcellar::storage {
 enum class RedisCommand : uint8_t { kGet, kSet, kExists, kUnlink, kAsking };
 
 // The RESP types a reply can have (hiredis' REDIS_REPLY_*), kNone before one has arrived.
-enum class RedisReplyType : uint8_t { kNone, kString, kArray, kInteger, kNil, kStatus, kError, kOther };
+enum class RedisReplyType : uint8_t {
+  kNone,
+  kString,
+  kArray,
+  kInteger,
+  kNil,
+  kStatus,
+  kError,
+  kOther
+};
 
 // One reply as the reader left it. Only top-level values are kept: no command here answers with
 // an array of data. A GET's value is split on arrival: its first kObjectHeaderBytes into

@@ -1,5 +1,7 @@
 #include "storage/backend_batch.h"
 
+#include <atomic>
+#include <thread>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -11,33 +13,60 @@ namespace {
 
 using P = Presence;
 
-TEST(BackendBatchTest, ChecksNameTheField) {
-  EXPECT_TRUE(CheckBatchSize(8, 8).ok());
-  absl::Status s = CheckBatchSize(9, 8);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(s.message(), "items: 9 exceeds max_batch_items 8");
-
+TEST(BackendBatchTest, ChecksNameTheFieldBuffersFirst) {
+  const core::PageKey ns = testing::TestNamespace();
   uint8_t byte = 0;
   const GetItem gets[] = {{testing::TestKey(1), 0, &byte, 1}, {testing::TestKey(2), 0, &byte, 0}};
-  s = CheckGetItems(GetRequest{testing::TestNamespace(), gets});
+  absl::Status s = CheckRequest(GetRequest{ns, gets}, 8);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(s.message(), "items[1]: no destination buffer");
-  EXPECT_TRUE(CheckGetItems(GetRequest{testing::TestNamespace(), absl::MakeConstSpan(gets, 1)}).ok());
+  s = CheckRequest(GetRequest{ns, gets}, 1);  // Both wrong: the buffer is named first.
+  EXPECT_EQ(s.message(), "items[1]: no destination buffer");
+  EXPECT_TRUE(CheckRequest(GetRequest{ns, absl::MakeConstSpan(gets, 1)}, 1).ok());
+  s = CheckRequest(GetRequest{ns, absl::MakeConstSpan(gets, 1)}, 0);
+  EXPECT_EQ(s.message(), "items: 1 exceeds max_batch_items 0");
 
   const PutItem puts[] = {{testing::TestKey(1), 0, nullptr, 1}};
-  s = CheckPutItems(PutRequest{testing::TestNamespace(), puts});
+  s = CheckRequest(PutRequest{ns, puts}, 8);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(s.message(), "items[0]: empty source buffer");
+
+  const ObjectRef refs[] = {{testing::TestKey(1), 0}, {testing::TestKey(2), 0}};
+  EXPECT_TRUE(CheckRequest(DeleteRequest{ns, refs}, 2).ok());
+  EXPECT_EQ(CheckRequest(DeleteRequest{ns, refs}, 1).message(),
+            "items: 2 exceeds max_batch_items 1");
 
   const core::PageKey keys[] = {testing::TestKey(1)};
   const uint32_t shards[] = {0, 1};
-  ExistsRequest exists{testing::TestNamespace(), keys, {}};
-  EXPECT_EQ(CheckExistsShards(exists).message(), "shards: empty");
+  ExistsRequest exists{ns, keys, {}};
+  EXPECT_EQ(CheckRequest(exists, 8).message(), "shards: empty");
   exists.keys = {};
-  EXPECT_TRUE(CheckExistsShards(exists).ok());  // Nothing asked, nothing needed.
+  EXPECT_TRUE(CheckRequest(exists, 8).ok());  // Nothing asked, nothing needed.
   exists.keys = keys;
   exists.shards = shards;
-  EXPECT_TRUE(CheckExistsShards(exists).ok());
+  EXPECT_TRUE(CheckRequest(exists, 2).ok());
   EXPECT_EQ(ExistsObjectCount(exists), 2u);
+  EXPECT_EQ(CheckRequest(exists, 1).message(), "items: 2 exceeds max_batch_items 1");
+}
+
+TEST(BackendBatchTest, InFlightBatchesRefusesOnceClosedAndWaitsForTheRest) {
+  InFlightBatches in_flight("test backend");
+  EXPECT_TRUE(in_flight.CheckOpen().ok());
+  in_flight.Add();
+  in_flight.Close();
+  absl::Status s = in_flight.CheckOpen();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.message(), "test backend is shutting down");
+  std::atomic<bool> idle{false};
+  std::thread waiter([&] {
+    in_flight.WaitIdle();
+    idle.store(true);
+  });
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_FALSE(idle.load());
+  in_flight.Remove();
+  waiter.join();
+  EXPECT_TRUE(idle.load());
 }
 
 TEST(BackendBatchTest, DeadlineIsTheTimeoutOrTheDefault) {
@@ -60,8 +89,8 @@ TEST(BackendBatchTest, ExistsAnswerIsTheLongestPresentPrefix) {
   EXPECT_EQ(r.present_prefix, 2u);
   EXPECT_EQ(r.status, ObjectStatus::kOk);
 
-  std::vector<P> gap = {P::kPresent, P::kPresent, P::kPresent, P::kAbsent,
-                        P::kPresent, P::kPresent};
+  std::vector<P> gap = {P::kPresent, P::kPresent, P::kPresent,
+                        P::kAbsent,  P::kPresent, P::kPresent};
   r = ExistsAnswer(gap, 3, 2);
   EXPECT_EQ(r.present_prefix, 1u);
   EXPECT_EQ(r.status, ObjectStatus::kOk);  // Exact: key 1 is absent.

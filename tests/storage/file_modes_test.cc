@@ -56,7 +56,8 @@ TEST(FileModesTest, DirectoriesAndObjectsAreOwnerOnlyWhateverTheUmask) {
     EXPECT_EQ(errno, EEXIST);
 
     const std::string f = d + "/object";
-    const int fd = ::open(f.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, FileModes::kObjectMode);
+    const int fd =
+        ::open(f.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, FileModes::kObjectMode);
     ASSERT_GE(fd, 0);
     modes.FixObject(fd);
     ::close(fd);

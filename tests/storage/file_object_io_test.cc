@@ -74,8 +74,8 @@ class FileObjectIoTest : public ::testing::TestWithParam<IoEngineKind> {
     o.fsync = fsync;
     o.host_id = "testhost";
     o.pid = ::getpid();
-    io_ = std::make_unique<FileObjectIo>(o, FileModes::ForProcessUmask(), engine_.get(),
-                                         &recorder_);
+    io_ =
+        std::make_unique<FileObjectIo>(o, FileModes::ForProcessUmask(), engine_.get(), &recorder_);
   }
 
   ObjectStatus Run(OpKind kind, uint64_t key, uint8_t* buf, uint64_t len, TestTask* t) {

@@ -98,7 +98,7 @@ TEST_F(FileStartupScanTest, SkipsWhatIsNotOurs) {
   const std::string leaf = ObjectRel(1, 0).substr(0, 19);
   Write(leaf + "/README", 10);
   Write(leaf + "/" + std::string(64, 'Z') + ".0", 10);  // Not lowercase hex.
-  Write(leaf + "/" + TestKey(5).Hex() + ".x", 10);     // Not a shard.
+  Write(leaf + "/" + TestKey(5).Hex() + ".x", 10);      // Not a shard.
   Write("notanamespace/ab/" + TestKey(6).Hex() + ".0", 10);
   Write(leaf.substr(0, 16) + "/zz/" + TestKey(7).Hex() + ".0", 10);
   fs::create_directories(dir_.path() + "/" + leaf + "/" + TestKey(8).Hex() + ".0");  // A directory.

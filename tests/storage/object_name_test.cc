@@ -43,8 +43,8 @@ TEST(ObjectNameTest, ParseHexTakesOnlyWhatWeWrite) {
   EXPECT_EQ(out[1], 0xa5);
   EXPECT_EQ(out[2], 0xff);
   EXPECT_TRUE(ParseHex("", out));
-  EXPECT_FALSE(ParseHex("abc", out));   // Odd length.
-  EXPECT_FALSE(ParseHex("AB", out));    // Uppercase: not ours.
+  EXPECT_FALSE(ParseHex("abc", out));  // Odd length.
+  EXPECT_FALSE(ParseHex("AB", out));   // Uppercase: not ours.
   EXPECT_FALSE(ParseHex("0g", out));
 }
 

@@ -39,10 +39,11 @@ class RedisConnectionTest : public ::testing::Test {
   std::vector<Got> Run(RedisConnection& c, absl::Status* status,
                        absl::Duration timeout = absl::Seconds(5)) {
     std::vector<Got> out;
-    c.Run(absl::Now() + timeout, status, [&](const RedisConnection::Expect& e, const RedisReply& r) {
-      out.push_back({e.cmd, e.item, r.type, r.integer, r.text, r.header_len, r.payload_len,
-                     r.oversize});
-    });
+    c.Run(
+        absl::Now() + timeout, status, [&](const RedisConnection::Expect& e, const RedisReply& r) {
+          out.push_back(
+              {e.cmd, e.item, r.type, r.integer, r.text, r.header_len, r.payload_len, r.oversize});
+        });
     return out;
   }
 
