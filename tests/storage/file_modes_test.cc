@@ -12,6 +12,7 @@
 namespace kvcellar::storage {
 namespace {
 
+using testing::ScopedUmask;
 using testing::TempDir;
 
 mode_t ModeOf(const std::string& path) {
@@ -19,16 +20,6 @@ mode_t ModeOf(const std::string& path) {
   EXPECT_EQ(::stat(path.c_str(), &st), 0) << path;
   return st.st_mode & 07777;
 }
-
-// Sets the umask for the test's lifetime (each test runs in a process of its own under ctest).
-class ScopedUmask {
- public:
-  explicit ScopedUmask(mode_t mask) : old_(::umask(mask)) {}
-  ~ScopedUmask() { ::umask(old_); }
-
- private:
-  mode_t old_;
-};
 
 TEST(FileModesTest, UsualUmasksNeedNoChmod) {
   EXPECT_FALSE(FileModes::ForUmask(022).chmod_after_create());

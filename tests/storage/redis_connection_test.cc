@@ -12,18 +12,21 @@
 namespace kvcellar::storage {
 namespace {
 
-using testing::RedisServer;
-using testing::TempDir;
-
-class RedisConnectionTest : public ::testing::Test {
+class RedisConnectionTest : public testing::RedisServerTest {
  protected:
   void SetUp() override {
-    if (!testing::HaveRedis()) GTEST_SKIP() << "redis-server not installed";
-    server_ = RedisServer::Unix(dir_.path());
-    ASSERT_NE(server_, nullptr) << "redis-server did not start";
+    testing::RedisServerTest::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
     absl::StatusOr<RedisAddress> a = ParseRedisAddress(server_->address());
     ASSERT_TRUE(a.ok());
     addr_ = *a;
+  }
+
+  // Connects `c` and builds a pipeline of one EXISTS.
+  void ConnectWithOneExists(RedisConnection& c) {
+    ASSERT_TRUE(c.Connect(addr_, absl::Seconds(1), "").ok());
+    c.Begin();
+    c.AddSimple(RedisCommand::kExists, "EXISTS", "k", 0);
   }
 
   struct Got {
@@ -47,8 +50,15 @@ class RedisConnectionTest : public ::testing::Test {
     return out;
   }
 
-  TempDir dir_;
-  std::unique_ptr<RedisServer> server_;
+  // Runs the pipeline, expecting every reply.
+  std::vector<Got> RunAll(RedisConnection& c) {
+    absl::Status s;
+    std::vector<Got> got = Run(c, &s);
+    EXPECT_TRUE(s.ok()) << s;
+    EXPECT_EQ(got.size(), c.pending());
+    return got;
+  }
+
   RedisAddress addr_;
 };
 
@@ -66,9 +76,7 @@ TEST_F(RedisConnectionTest, APipelineSetsAndGetsWithoutCopies) {
   c.AddSimple(RedisCommand::kExists, "EXISTS", "k1", 1);
   c.AddSimple(RedisCommand::kExists, "EXISTS", "nope", 2);
   EXPECT_EQ(c.pending(), 3u);
-  absl::Status s;
-  std::vector<Got> got = Run(c, &s);
-  ASSERT_TRUE(s.ok()) << s;
+  std::vector<Got> got = RunAll(c);
   ASSERT_EQ(got.size(), 3u);
   EXPECT_EQ(got[0].type, RedisReplyType::kStatus);
   EXPECT_EQ(got[1].type, RedisReplyType::kInteger);
@@ -84,8 +92,7 @@ TEST_F(RedisConnectionTest, APipelineSetsAndGetsWithoutCopies) {
   c.AddSimple(RedisCommand::kGet, "GET", "k1", 0, dst.data(), dst.size());
   c.AddSimple(RedisCommand::kGet, "GET", "k1", 1, small.data(), small.size());
   c.AddSimple(RedisCommand::kGet, "GET", "nope", 2, dst.data(), dst.size());
-  got = Run(c, &s);
-  ASSERT_TRUE(s.ok()) << s;
+  got = RunAll(c);
   ASSERT_EQ(got.size(), 3u);
   EXPECT_EQ(got[0].type, RedisReplyType::kString);
   EXPECT_EQ(got[0].header_len, kObjectHeaderBytes);
@@ -98,7 +105,7 @@ TEST_F(RedisConnectionTest, APipelineSetsAndGetsWithoutCopies) {
 
   c.Begin();
   c.AddSimple(RedisCommand::kUnlink, "UNLINK", "k1", 0);
-  got = Run(c, &s);
+  got = RunAll(c);
   ASSERT_EQ(got.size(), 1u);
   EXPECT_EQ(got[0].integer, 1);
 }
@@ -109,9 +116,7 @@ TEST_F(RedisConnectionTest, ErrorRepliesCarryTheirText) {
   c.Begin();
   c.AddAsking();  // Not a cluster: an error reply, matched to ASKING.
   c.AddSimple(RedisCommand::kGet, "NOSUCHCOMMAND", "k", 4);
-  absl::Status s;
-  std::vector<Got> got = Run(c, &s);
-  ASSERT_TRUE(s.ok()) << s;
+  std::vector<Got> got = RunAll(c);
   ASSERT_EQ(got.size(), 2u);
   EXPECT_EQ(got[0].cmd, RedisCommand::kAsking);
   EXPECT_EQ(got[1].type, RedisReplyType::kError);
@@ -126,9 +131,7 @@ TEST_F(RedisConnectionTest, TheTtlArgumentsGoOnTheSet) {
   const uint8_t payload[] = {1, 2, 3};
   c.Begin();
   c.AddSet("ttl", header, payload, sizeof(payload), "$2\r\nPX\r\n$6\r\n100000\r\n", 0);
-  absl::Status s;
-  ASSERT_EQ(Run(c, &s).size(), 1u);
-  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_EQ(RunAll(c).size(), 1u);
   const long long pttl = server_->CommandInt({"PTTL", "ttl"});
   EXPECT_GT(pttl, 0);
   EXPECT_LE(pttl, 100000);
@@ -136,10 +139,8 @@ TEST_F(RedisConnectionTest, TheTtlArgumentsGoOnTheSet) {
 
 TEST_F(RedisConnectionTest, AStalledServerStopsTheRunAtTheDeadline) {
   RedisConnection c;
-  ASSERT_TRUE(c.Connect(addr_, absl::Seconds(1), "").ok());
+  ASSERT_NO_FATAL_FAILURE(ConnectWithOneExists(c));
   server_->Pause();
-  c.Begin();
-  c.AddSimple(RedisCommand::kExists, "EXISTS", "k", 0);
   absl::Status s;
   const absl::Time start = absl::Now();
   std::vector<Got> got = Run(c, &s, absl::Milliseconds(100));
@@ -154,10 +155,8 @@ TEST_F(RedisConnectionTest, AStalledServerStopsTheRunAtTheDeadline) {
 
 TEST_F(RedisConnectionTest, AServerThatGoesAwayIsUnavailable) {
   RedisConnection c;
-  ASSERT_TRUE(c.Connect(addr_, absl::Seconds(1), "").ok());
+  ASSERT_NO_FATAL_FAILURE(ConnectWithOneExists(c));
   server_->Kill();
-  c.Begin();
-  c.AddSimple(RedisCommand::kExists, "EXISTS", "k", 0);
   absl::Status s;
   EXPECT_TRUE(Run(c, &s).empty());
   EXPECT_TRUE(absl::IsUnavailable(s)) << s;
