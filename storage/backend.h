@@ -7,6 +7,7 @@
 // (DESIGN.md "Failure semantics"). Implementations live beside this header:
 //   file_backend.h   one file per object on a local or shared file system (io_uring, O_DIRECT)
 //   redis_backend.h  Redis/Valkey, standalone or cluster (hiredis, pipelined)
+// and what they share about a batch (its checks, outcomes and delivery) in backend_batch.h.
 //
 // Calling convention, the same for every operation:
 //  - Every call takes a batch (one namespace, many objects) and returns absl::Status at once.
@@ -110,21 +111,15 @@ struct ObjectRef {
 
 // Every batch belongs to one namespace (a session serves one) and has one deadline.
 // timeout == ZeroDuration means the backend's default (its options say which).
-struct GetRequest {
+template <typename Item>
+struct ItemsRequest {
   PageKey ns;
-  absl::Span<const GetItem> items;
+  absl::Span<const Item> items;
   absl::Duration timeout = absl::ZeroDuration();
 };
-struct PutRequest {
-  PageKey ns;
-  absl::Span<const PutItem> items;
-  absl::Duration timeout = absl::ZeroDuration();
-};
-struct DeleteRequest {
-  PageKey ns;
-  absl::Span<const ObjectRef> items;
-  absl::Duration timeout = absl::ZeroDuration();
-};
+using GetRequest = ItemsRequest<GetItem>;
+using PutRequest = ItemsRequest<PutItem>;
+using DeleteRequest = ItemsRequest<ObjectRef>;
 // A page is present when every listed shard of it is (MHA/GQA with TP size T: shards 0..T-1; MLA:
 // shard 0). Exists answers the longest present prefix of `keys`, the question Match asks.
 struct ExistsRequest {

@@ -41,10 +41,16 @@
 // into a miss right after each restart, which is when the cache is most valuable; a stat is
 // cheap next to recomputing a prefill.
 //
+// The parts, one file each: the layout of names (file_layout.h), the object index
+// (file_object_index.h) and the capacity accounting over it (file_capacity.h), the startup scan
+// (file_startup_scan.h), one object's I/O (file_object_io.h), the modes of what the tier creates
+// (file_modes.h). This backend composes them: it checks and queues the objects of a batch, gives
+// each an I/O slot, turns what the I/O found into index updates, and delivers the batch.
+//
 // Threads: all Backend methods from any thread. Completions run on the IoEngine's threads; a
 // sweeper thread fails queued objects whose batch deadline passed; a scanner thread finishes the
-// startup scan. One mutex (mu_) guards the index, the accounting and the queue of objects
-// waiting for an I/O slot; it is never held across a system call.
+// startup scan. One mutex guards the index, the accounting and the queue of objects waiting for
+// an I/O slot; it is never held across a system call.
 #ifndef KVCELLAR_STORAGE_FILE_BACKEND_H_
 #define KVCELLAR_STORAGE_FILE_BACKEND_H_
 
@@ -56,19 +62,10 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "storage/backend.h"
+#include "storage/file_object_io.h"
 #include "storage/io_engine.h"
 
 namespace kvcellar::storage {
-
-enum class FsyncPolicy {
-  // No fsync. A daemon crash loses nothing (the page cache survives it); a power loss may leave
-  // torn objects, which reads detect, remove and count. The right default for a cache.
-  kNone,
-  // fdatasync the temp file before the rename: a name never points at undurable data.
-  kData,
-  // kData, plus fsync of the directory after the rename: the object survives a power loss.
-  kDataAndDirectory,
-};
 
 struct FileBackendOptions {
   std::string root;  // Created (with parents) if missing.
@@ -94,31 +91,19 @@ struct FileBackendOptions {
   std::string host_id;
 };
 
-class FileBackend final : public Backend {
+// Open returns the implementation (file_backend.cc); this class adds what only the file tier
+// answers. Destroying it stops accepting work and waits for every batch in flight to complete
+// (callbacks included).
+class FileBackend : public Backend {
  public:
   static absl::StatusOr<std::unique_ptr<FileBackend>> Open(const FileBackendOptions& options);
-  // Stops accepting work and waits for every batch in flight to complete (callbacks included).
-  ~FileBackend() override;
-
-  absl::string_view name() const override;
-  Capabilities capabilities() const override;
-  absl::Status Exists(const ExistsRequest& request, ExistsCallback done) override;
-  absl::Status Get(const GetRequest& request, BatchCallback done) override;
-  absl::Status Put(const PutRequest& request, BatchCallback done) override;
-  absl::Status Delete(const DeleteRequest& request, BatchCallback done) override;
-  BackendStats Stats() const override;
 
   // True once the startup scan has finished (waits up to `timeout`).
-  bool WaitForIndex(absl::Duration timeout) const;
+  virtual bool WaitForIndex(absl::Duration timeout) const = 0;
   // "io_uring" or "thread_pool".
-  absl::string_view io_engine_name() const;
+  virtual absl::string_view io_engine_name() const = 0;
   // Where an object lives, relative to root (tests and tools).
   static std::string ObjectPath(const PageKey& ns, const PageKey& key, uint32_t shard);
-
- private:
-  class Impl;
-  explicit FileBackend(std::unique_ptr<Impl> impl);
-  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace kvcellar::storage

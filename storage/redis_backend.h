@@ -11,10 +11,8 @@
 // does (an OOM error is kRejected).
 //
 // Batches are pipelined: a batch is split by node (cluster) and over that node's connections,
-// and each connection writes all its commands and reads all replies in one round trip. Writes go
-// out with writev straight from the host slots (no copy into a command buffer); replies are
-// parsed by hiredis' reader with reply functions that copy a GET's payload straight from the
-// socket buffer into the destination slot (no reply object per page).
+// and each connection (storage/redis_connection.h) writes all its commands and reads all replies
+// in one round trip, with no copy of a payload on either side.
 //
 // Failures never hang: every connect and every pipeline runs under a deadline (the batch's, at
 // most command_timeout by default). A dead server fails objects with kRetry within the connect
@@ -67,29 +65,17 @@ struct RedisBackendOptions {
   int max_redirects = 5;
 };
 
-class RedisBackend final : public Backend {
+// Create returns the implementation (redis_backend.cc); this class adds what only this tier
+// answers. Destroying it completes every batch in flight (servers that do not answer fail them at
+// their deadline).
+class RedisBackend : public Backend {
  public:
   // Fails only on bad options: an unreachable server is an L3 that is down, not a startup error
   // (objects get kRetry until it answers).
   static absl::StatusOr<std::unique_ptr<RedisBackend>> Create(const RedisBackendOptions& options);
-  // Completes every batch in flight (servers that do not answer fail them at their deadline).
-  ~RedisBackend() override;
-
-  absl::string_view name() const override;
-  Capabilities capabilities() const override;
-  absl::Status Exists(const ExistsRequest& request, ExistsCallback done) override;
-  absl::Status Get(const GetRequest& request, BatchCallback done) override;
-  absl::Status Put(const PutRequest& request, BatchCallback done) override;
-  absl::Status Delete(const DeleteRequest& request, BatchCallback done) override;
-  BackendStats Stats() const override;
 
   // The Redis key of an object (tests, tools).
-  std::string ObjectKey(const PageKey& ns, const PageKey& key, uint32_t shard) const;
-
- private:
-  class Impl;
-  explicit RedisBackend(std::unique_ptr<Impl> impl);
-  std::unique_ptr<Impl> impl_;
+  virtual std::string ObjectKey(const PageKey& ns, const PageKey& key, uint32_t shard) const = 0;
 };
 
 }  // namespace kvcellar::storage

@@ -357,6 +357,8 @@ class CudaDevice final : public DeviceBackend {
   }
 
   absl::StatusOr<std::unique_ptr<EngineMapping>> OpenEngine(const EngineSpec& spec) override;
+  // The device with this UUID (any spelling NormalizeDeviceUuid takes); NotFound when not here.
+  absl::StatusOr<const DeviceInfo*> FindDevice(const std::string& device_uuid) const;
 
   absl::StatusOr<OpHandle> SubmitGather(EngineMapping& engine, absl::Span<const CopyItem> items,
                                         const ReadyFence& fence, OpSignal signal) override {
@@ -388,19 +390,10 @@ class CudaDevice final : public DeviceBackend {
   std::atomic<bool> batch_api_ok_{CUDART_VERSION >= 12080};
 };
 
-absl::StatusOr<std::unique_ptr<EngineMapping>> CudaDevice::OpenEngine(const EngineSpec& spec) {
-  absl::StatusOr<std::string> uuid = NormalizeDeviceUuid(spec.device_uuid);
-  if (!uuid.ok()) return uuid.status();
-  const DeviceInfo* dev = nullptr;
-  for (const DeviceInfo& d : devices_) {
-    if (d.uuid == *uuid) dev = &d;
-  }
-  if (dev == nullptr) {
-    return absl::NotFoundError(
-        absl::StrCat("device_uuid \"", spec.device_uuid, "\": no such CUDA device here"));
-  }
-  const KvLayout& layout = spec.layout;
-  if (absl::Status s = layout.Validate(); !s.ok()) return s;
+// ---- OpenEngine, in phases ---------------------------------------------------------------------
+
+// Every region names its allocation with a whole cudaIpcMemHandle_t.
+absl::Status CheckRegionHandles(const KvLayout& layout) {
   for (size_t i = 0; i < layout.regions.size(); ++i) {
     if (layout.regions[i].handle.size() != kCudaIpcHandleBytes) {
       return absl::InvalidArgumentError(
@@ -408,14 +401,13 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> CudaDevice::OpenEngine(const Engi
                        " bytes; a cudaIpcMemHandle_t has ", kCudaIpcHandleBytes));
     }
   }
-  ScopedDevice sd(dev->index);
-  if (!sd.status().ok()) return sd.status();
+  return absl::OkStatus();
+}
 
-  auto e = std::make_unique<CudaEngine>(*dev, options_);  // Cleans up after itself on failure.
-  e->layout_ = layout;
-  e->segs = PageSegments(layout);
-  e->object_bytes = layout.PageObjectBytes();
-
+// Opens each region's allocation once (regions may share one), checks that it lives on the
+// engine's device and that the region fits in it, and places every segment at its device address.
+absl::Status MapRegions(CudaEngine& e, MemGetAddressRangeFn mem_get_address_range) {
+  const KvLayout& layout = e.layout_;
   absl::flat_hash_map<std::string, uint8_t*> base;  // Handle -> opened allocation base.
   for (size_t i = 0; i < layout.regions.size(); ++i) {
     const MemoryRegion& r = layout.regions[i];
@@ -429,20 +421,20 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> CudaDevice::OpenEngine(const Engi
           !s.ok()) {
         return absl::Status(s.code(), absl::StrCat("regions[", i, "].handle: ", s.message()));
       }
-      e->ipc_ptrs.push_back(p);
+      e.ipc_ptrs.push_back(p);
       cudaPointerAttributes attr;
-      if (cudaPointerGetAttributes(&attr, p) == cudaSuccess && attr.device != dev->index) {
+      if (cudaPointerGetAttributes(&attr, p) == cudaSuccess && attr.device != e.dev.index) {
         return absl::InvalidArgumentError(
             absl::StrCat("regions[", i, "]: the allocation lives on CUDA device ", attr.device,
-                         ", not on ", dev->display, " (device_uuid)"));
+                         ", not on ", e.dev.display, " (device_uuid)"));
       }
       it = base.emplace(r.handle, static_cast<uint8_t*>(p)).first;
     }
-    if (mem_get_address_range_ != nullptr) {
+    if (mem_get_address_range != nullptr) {
       CUdeviceptr alloc_base = 0;
       size_t alloc_size = 0;
-      if (mem_get_address_range_(&alloc_base, &alloc_size,
-                                 reinterpret_cast<CUdeviceptr>(it->second)) == CUDA_SUCCESS) {
+      if (mem_get_address_range(&alloc_base, &alloc_size,
+                                reinterpret_cast<CUdeviceptr>(it->second)) == CUDA_SUCCESS) {
         const uint64_t end =
             reinterpret_cast<CUdeviceptr>(it->second) - alloc_base + r.offset + r.size;
         if (end > alloc_size) {
@@ -453,83 +445,133 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> CudaDevice::OpenEngine(const Engi
       }
     }
   }
-  for (const PageSegment& s : e->segs) {
+  for (const PageSegment& s : e.segs) {
     const MemoryRegion& r = layout.regions[s.region];
-    e->seg_base.push_back(base[r.handle] + r.offset + s.device_offset);
+    e.seg_base.push_back(base[r.handle] + r.offset + s.device_offset);
   }
-  for (uint32_t i = 0; i < e->segs.size(); ++i) {
-    if (i == 0 || e->segs[i].layer != e->segs[i - 1].layer) e->layer_first.push_back(i);
-  }
-  e->layer_first.push_back(static_cast<uint32_t>(e->segs.size()));
-  {
-    uint32_t runs = 0;
-    for (uint32_t s = 0; s < e->segs.size(); ++s) {
-      if (s == 0 || e->seg_base[s] != e->seg_base[s - 1] + e->segs[s - 1].bytes) ++runs;
-    }
-    e->mean_run_bytes = static_cast<double>(e->object_bytes) / runs;
-  }
+  return absl::OkStatus();
+}
 
-  absl::StatusOr<std::shared_ptr<Stream>> gs = Stream::Create(dev->index);
+// Where each layer's segments start, and the mean run of an object once contiguous segments are
+// merged (what the copy path is chosen by).
+void PlanLayersAndRuns(CudaEngine& e) {
+  for (uint32_t i = 0; i < e.segs.size(); ++i) {
+    if (i == 0 || e.segs[i].layer != e.segs[i - 1].layer) e.layer_first.push_back(i);
+  }
+  e.layer_first.push_back(static_cast<uint32_t>(e.segs.size()));
+  uint32_t runs = 0;
+  for (uint32_t s = 0; s < e.segs.size(); ++s) {
+    if (s == 0 || e.seg_base[s] != e.seg_base[s - 1] + e.segs[s - 1].bytes) ++runs;
+  }
+  e.mean_run_bytes = static_cast<double>(e.object_bytes) / runs;
+}
+
+absl::Status CreateStreams(CudaEngine& e) {
+  absl::StatusOr<std::shared_ptr<Stream>> gs = Stream::Create(e.dev.index);
   if (!gs.ok()) return gs.status();
-  e->gather_stream = *std::move(gs);
-  absl::StatusOr<std::shared_ptr<Stream>> ss = Stream::Create(dev->index);
+  e.gather_stream = *std::move(gs);
+  absl::StatusOr<std::shared_ptr<Stream>> ss = Stream::Create(e.dev.index);
   if (!ss.ok()) return ss.status();
-  e->scatter_stream = *std::move(ss);
+  e.scatter_stream = *std::move(ss);
+  return absl::OkStatus();
+}
 
-  if (!spec.completion_region.empty()) {
-    absl::StatusOr<CompletionRegion> c = CompletionRegion::Attach(
-        spec.completion_region, static_cast<uint32_t>(layout.layers.size()));
-    if (!c.ok()) {
-      return absl::Status(c.status().code(),
-                          absl::StrCat("completion_region: ", c.status().message()));
+// Maps the engine's completion region, registered with CUDA so that kernels store into it.
+absl::Status AttachCompletion(CudaEngine& e, const std::string& completion_region) {
+  absl::StatusOr<CompletionRegion> c = CompletionRegion::Attach(
+      completion_region, static_cast<uint32_t>(e.layout_.layers.size()));
+  if (!c.ok()) {
+    return absl::Status(c.status().code(),
+                        absl::StrCat("completion_region: ", c.status().message()));
+  }
+  e.completion = *std::move(c);
+  // Whole pages: the mapping has them, and older drivers wanted page-aligned sizes.
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t registered = (e.completion.size() + page - 1) / page * page;
+  if (absl::Status s =
+          CudaStatus(cudaHostRegister(e.completion.base(), registered,
+                                      cudaHostRegisterPortable | cudaHostRegisterMapped),
+                     "completion_region: cudaHostRegister");
+      !s.ok()) {
+    return s;
+  }
+  e.completion_registered = true;
+  if (e.dev.host_ptr_is_device_ptr) {
+    e.completion_dev = e.completion.base();
+    return absl::OkStatus();
+  }
+  void* p = nullptr;
+  if (absl::Status s = CudaStatus(cudaHostGetDevicePointer(&p, e.completion.base(), 0),
+                                  "completion_region: cudaHostGetDevicePointer");
+      !s.ok()) {
+    return s;
+  }
+  e.completion_dev = static_cast<uint8_t*>(p);
+  return absl::OkStatus();
+}
+
+// Opens the engine's per-layer Load events: whole slots of one event per layer.
+absl::Status OpenLoadEvents(CudaEngine& e, const std::vector<std::string>& handles) {
+  const size_t layers = e.layout_.layers.size();
+  if (layers == 0 || handles.size() % layers != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda_load_events: ", handles.size(),
+                     " handles is not a whole number of slots of ", layers, " layers"));
+  }
+  for (size_t i = 0; i < handles.size(); ++i) {
+    const std::string& handle = handles[i];
+    if (handle.size() != sizeof(cudaIpcEventHandle_t)) {
+      return absl::InvalidArgumentError(absl::StrCat("cuda_load_events[", i, "]: ",
+                                                     handle.size(), " bytes; 64 required"));
     }
-    e->completion = *std::move(c);
-    // Whole pages: the mapping has them, and older drivers wanted page-aligned sizes.
-    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-    const uint64_t registered = (e->completion.size() + page - 1) / page * page;
-    if (absl::Status s =
-            CudaStatus(cudaHostRegister(e->completion.base(), registered,
-                                        cudaHostRegisterPortable | cudaHostRegisterMapped),
-                       "completion_region: cudaHostRegister");
+    cudaIpcEventHandle_t h;
+    std::memcpy(&h, handle.data(), sizeof(h));
+    cudaEvent_t ev;
+    if (absl::Status s = CudaStatus(cudaIpcOpenEventHandle(&ev, h), "cudaIpcOpenEventHandle");
         !s.ok()) {
-      return s;
+      return absl::Status(s.code(), absl::StrCat("cuda_load_events[", i, "]: ", s.message()));
     }
-    e->completion_registered = true;
-    if (dev->host_ptr_is_device_ptr) {
-      e->completion_dev = e->completion.base();
-    } else {
-      void* p = nullptr;
-      if (absl::Status s = CudaStatus(cudaHostGetDevicePointer(&p, e->completion.base(), 0),
-                                      "completion_region: cudaHostGetDevicePointer");
-          !s.ok()) {
-        return s;
-      }
-      e->completion_dev = static_cast<uint8_t*>(p);
-    }
+    e.load_events.push_back(ev);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<const DeviceInfo*> CudaDevice::FindDevice(const std::string& device_uuid) const {
+  absl::StatusOr<std::string> uuid = NormalizeDeviceUuid(device_uuid);
+  if (!uuid.ok()) return uuid.status();
+  const DeviceInfo* dev = nullptr;
+  for (const DeviceInfo& d : devices_) {
+    if (d.uuid == *uuid) dev = &d;
+  }
+  if (dev == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("device_uuid \"", device_uuid, "\": no such CUDA device here"));
+  }
+  return dev;
+}
+
+absl::StatusOr<std::unique_ptr<EngineMapping>> CudaDevice::OpenEngine(const EngineSpec& spec) {
+  absl::StatusOr<const DeviceInfo*> found = FindDevice(spec.device_uuid);
+  if (!found.ok()) return found.status();
+  const DeviceInfo* dev = *found;
+  const KvLayout& layout = spec.layout;
+  if (absl::Status s = layout.Validate(); !s.ok()) return s;
+  if (absl::Status s = CheckRegionHandles(layout); !s.ok()) return s;
+  ScopedDevice sd(dev->index);
+  if (!sd.status().ok()) return sd.status();
+
+  auto e = std::make_unique<CudaEngine>(*dev, options_);  // Cleans up after itself on failure.
+  e->layout_ = layout;
+  e->segs = PageSegments(layout);
+  e->object_bytes = layout.PageObjectBytes();
+  if (absl::Status s = MapRegions(*e, mem_get_address_range_); !s.ok()) return s;
+  PlanLayersAndRuns(*e);
+  if (absl::Status s = CreateStreams(*e); !s.ok()) return s;
+  if (!spec.completion_region.empty()) {
+    if (absl::Status s = AttachCompletion(*e, spec.completion_region); !s.ok()) return s;
   }
   if (!spec.cuda_load_events.empty()) {
-    const size_t layers = layout.layers.size();
-    if (layers == 0 || spec.cuda_load_events.size() % layers != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("cuda_load_events: ", spec.cuda_load_events.size(),
-                       " handles is not a whole number of slots of ", layers, " layers"));
-    }
-    for (size_t i = 0; i < spec.cuda_load_events.size(); ++i) {
-      const std::string& handle = spec.cuda_load_events[i];
-      if (handle.size() != sizeof(cudaIpcEventHandle_t)) {
-        return absl::InvalidArgumentError(absl::StrCat("cuda_load_events[", i, "]: ",
-                                                       handle.size(), " bytes; 64 required"));
-      }
-      cudaIpcEventHandle_t h;
-      std::memcpy(&h, handle.data(), sizeof(h));
-      cudaEvent_t ev;
-      if (absl::Status s = CudaStatus(cudaIpcOpenEventHandle(&ev, h), "cudaIpcOpenEventHandle");
-          !s.ok()) {
-        return absl::Status(s.code(),
-                            absl::StrCat("cuda_load_events[", i, "]: ", s.message()));
-      }
-      e->load_events.push_back(ev);
-    }
+    if (absl::Status s = OpenLoadEvents(*e, spec.cuda_load_events); !s.ok()) return s;
   }
   KVLOG(Info, "engine mapped",
         {{"backend", "cuda"},

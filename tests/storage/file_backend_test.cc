@@ -29,6 +29,7 @@ using testing::AlignedBuffer;
 using testing::FillPayload;
 using testing::GetOne;
 using testing::PutOne;
+using testing::ScopedUmask;
 using testing::TempDir;
 using testing::TestKey;
 using testing::TestNamespace;
@@ -392,16 +393,6 @@ TEST_P(FileBackendCorruptionTest, NotAnObjectAtAll) {
 }
 
 // ---- Permissions -----------------------------------------------------------------------------
-
-// Sets the process umask for a scope.
-class ScopedUmask {
- public:
-  explicit ScopedUmask(mode_t mask) : old_(::umask(mask)) {}
-  ~ScopedUmask() { ::umask(old_); }
-
- private:
-  mode_t old_;
-};
 
 TEST_P(FileBackendTest, CreatedTreeIsOwnerOnlyWhateverTheUmask) {
   // 022: the usual umask, which left objects 0644 and directories 0755. 0: no help from the

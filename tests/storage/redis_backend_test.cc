@@ -22,13 +22,8 @@ using testing::TempDir;
 using testing::TestKey;
 using testing::TestNamespace;
 
-class RedisBackendTest : public ::testing::Test {
+class RedisBackendTest : public testing::RedisServerTest {
  protected:
-  void SetUp() override {
-    if (!testing::HaveRedis()) GTEST_SKIP() << "redis-server not installed";
-    server_ = RedisServer::Unix(dir_.path());
-    ASSERT_NE(server_, nullptr) << "redis-server did not start";
-  }
   RedisBackendOptions Options() const {
     RedisBackendOptions o;
     o.addresses = {server_->address()};
@@ -44,8 +39,6 @@ class RedisBackendTest : public ::testing::Test {
     return b.ok() ? *std::move(b) : nullptr;
   }
 
-  TempDir dir_;
-  std::unique_ptr<RedisServer> server_;
   core::PageKey ns_ = TestNamespace();
 };
 

@@ -166,6 +166,20 @@ class RedisServer {
   pid_t pid_ = -1;
 };
 
+// A fixture with a standalone redis-server on a Unix socket in a temp directory; the test is
+// skipped where redis-server is not installed.
+class RedisServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!HaveRedis()) GTEST_SKIP() << "redis-server not installed";
+    server_ = RedisServer::Unix(dir_.path());
+    ASSERT_NE(server_, nullptr) << "redis-server did not start";
+  }
+
+  TempDir dir_;
+  std::unique_ptr<RedisServer> server_;
+};
+
 // Three primaries sharing the slots evenly, built with CLUSTER ADDSLOTSRANGE and MEET.
 class RedisCluster {
  public:

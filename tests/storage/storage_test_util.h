@@ -3,6 +3,8 @@
 #ifndef KVCELLAR_TESTS_STORAGE_STORAGE_TEST_UTIL_H_
 #define KVCELLAR_TESTS_STORAGE_STORAGE_TEST_UTIL_H_
 
+#include <sys/stat.h>
+
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -41,6 +43,16 @@ class TempDir {
 
  private:
   std::string path_;
+};
+
+// Sets the process umask for a scope (each test runs in a process of its own under ctest).
+class ScopedUmask {
+ public:
+  explicit ScopedUmask(mode_t mask) : old_(::umask(mask)) {}
+  ~ScopedUmask() { ::umask(old_); }
+
+ private:
+  mode_t old_;
 };
 
 // 4 KiB-aligned, like a host pool slot.

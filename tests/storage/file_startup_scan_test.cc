@@ -1,0 +1,166 @@
+#include "storage/file_startup_scan.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "storage_test_util.h"
+
+namespace kvcellar::storage {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::TempDir;
+using testing::TestKey;
+using testing::TestNamespace;
+
+constexpr char kHost[] = "scanhost";
+
+// A pid that was just used and is no longer (a reaped child).
+pid_t DeadPid() {
+  const pid_t pid = ::fork();
+  if (pid == 0) ::_exit(0);
+  ::waitpid(pid, nullptr, 0);
+  return pid;
+}
+
+class FileStartupScanTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_fd_ = ::open(dir_.path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    ASSERT_GE(root_fd_, 0);
+  }
+  void TearDown() override {
+    if (root_fd_ >= 0) ::close(root_fd_);
+  }
+
+  // Writes `bytes` bytes at the relative path, making its directories.
+  std::string Write(const std::string& rel, size_t bytes) {
+    const std::string path = dir_.path() + "/" + rel;
+    fs::create_directories(fs::path(path).parent_path());
+    std::ofstream(path, std::ios::binary) << std::string(bytes, 'x');
+    return path;
+  }
+  std::string ObjectRel(uint64_t i, uint32_t shard, uint64_t ns = 0) {
+    char buf[kMaxRelPath];
+    FormatObjectPath(NamespacePrefix(TestNamespace(ns)), TestKey(i), shard, buf);
+    return buf;
+  }
+  std::string TempRel(uint64_t i, const std::string& host, pid_t pid) {
+    char buf[kMaxRelPath];
+    FormatTempPath(ObjectRel(i, 0).c_str(), host, pid, 1, buf);
+    return buf;
+  }
+  static void SetMtime(const std::string& path, absl::Time t) {
+    timespec ts[2];
+    ts[0] = ts[1] = absl::ToTimespec(t);
+    ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), ts, 0), 0);
+  }
+  FileStartupScan Scan() {
+    return FileStartupScan(root_fd_, kHost, ::getpid(), absl::Hours(1), &stop_);
+  }
+
+  TempDir dir_;
+  int root_fd_ = -1;
+  std::atomic<bool> stop_{false};
+};
+
+TEST_F(FileStartupScanTest, FindsObjectsNewestFirstWithTheirFootprint) {
+  const absl::Time now = absl::Now();
+  SetMtime(Write(ObjectRel(1, 0), 4096 + 10), now - absl::Seconds(30));
+  SetMtime(Write(ObjectRel(2, 3, /*ns=*/1), 4096 + 8192), now - absl::Seconds(10));
+  SetMtime(Write(ObjectRel(3, 0), 100), now - absl::Seconds(20));
+  FileStartupScan scan = Scan();
+  ASSERT_TRUE(scan.ScanUntil(absl::InfiniteFuture()));
+  const std::vector<FileStartupScan::Found> found = scan.TakeFoundNewestFirst();
+  ASSERT_EQ(found.size(), 3u);
+  EXPECT_EQ(found[0].id, (FileObjectId{NamespacePrefix(TestNamespace(1)), TestKey(2), 3}));
+  EXPECT_EQ(found[0].bytes, 4096u + 8192);
+  EXPECT_EQ(found[1].id.key, TestKey(3));
+  EXPECT_EQ(found[1].bytes, 4096u);  // Whole blocks, even for a torn file.
+  EXPECT_EQ(found[2].id.key, TestKey(1));
+  EXPECT_EQ(found[2].bytes, 8192u);
+  EXPECT_GT(found[0].mtime_ns, found[1].mtime_ns);
+  EXPECT_TRUE(scan.TakeFoundNewestFirst().empty());  // Taken.
+}
+
+TEST_F(FileStartupScanTest, SkipsWhatIsNotOurs) {
+  Write(ObjectRel(1, 0), 10);
+  const std::string leaf = ObjectRel(1, 0).substr(0, 19);
+  Write(leaf + "/README", 10);
+  Write(leaf + "/" + std::string(64, 'Z') + ".0", 10);  // Not lowercase hex.
+  Write(leaf + "/" + TestKey(5).Hex() + ".x", 10);      // Not a shard.
+  Write("notanamespace/ab/" + TestKey(6).Hex() + ".0", 10);
+  Write(leaf.substr(0, 16) + "/zz/" + TestKey(7).Hex() + ".0", 10);
+  fs::create_directories(dir_.path() + "/" + leaf + "/" + TestKey(8).Hex() + ".0");  // A directory.
+  FileStartupScan scan = Scan();
+  ASSERT_TRUE(scan.ScanUntil(absl::InfiniteFuture()));
+  const auto found = scan.TakeFoundNewestFirst();
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].id.key, TestKey(1));
+}
+
+TEST_F(FileStartupScanTest, RemovesOnlyTempsWhoseWriterIsGone) {
+  const std::string dead = Write(TempRel(1, kHost, DeadPid()), 10);
+  const std::string ours = Write(TempRel(2, kHost, ::getpid()), 10);
+  const std::string alive = Write(TempRel(3, kHost, ::getppid()), 10);
+  const std::string other_host = Write(TempRel(4, "otherhost", DeadPid()), 10);
+  const std::string old = Write(TempRel(5, "otherhost", 1), 10);
+  SetMtime(old, absl::Now() - absl::Hours(2));
+  FileStartupScan scan = Scan();
+  ASSERT_TRUE(scan.ScanUntil(absl::InfiniteFuture()));
+  EXPECT_FALSE(fs::exists(dead));
+  EXPECT_TRUE(fs::exists(ours));        // Maybe still being written.
+  EXPECT_TRUE(fs::exists(alive));       // Its writer runs.
+  EXPECT_TRUE(fs::exists(other_host));  // Only age tells another node's writer is gone.
+  EXPECT_FALSE(fs::exists(old));
+  EXPECT_EQ(scan.temps_removed(), 2u);
+  EXPECT_TRUE(scan.TakeFoundNewestFirst().empty());  // Temps are never objects.
+}
+
+TEST_F(FileStartupScanTest, ResumesWhereTheBudgetStoppedIt) {
+  for (uint64_t i = 0; i < 20; ++i) Write(ObjectRel(i, 0), 10);
+  FileStartupScan scan = Scan();
+  int rounds = 0;
+  while (!scan.ScanUntil(absl::InfinitePast())) ++rounds;  // One leaf per call.
+  EXPECT_GT(rounds, 1);
+  EXPECT_EQ(scan.TakeFoundNewestFirst().size(), 20u);
+  EXPECT_EQ(scan.entries_seen(), 20u);
+}
+
+TEST_F(FileStartupScanTest, StopEndsIt) {
+  Write(ObjectRel(1, 0), 10);
+  FileStartupScan scan = Scan();
+  stop_.store(true);
+  EXPECT_FALSE(scan.ScanUntil(absl::InfiniteFuture()));
+  EXPECT_TRUE(scan.TakeFoundNewestFirst().empty());
+}
+
+TEST_F(FileStartupScanTest, AnEmptyOrMissingTreeIsDone) {
+  FileStartupScan scan = Scan();
+  EXPECT_TRUE(scan.ScanUntil(absl::InfiniteFuture()));
+  EXPECT_TRUE(scan.TakeFoundNewestFirst().empty());
+}
+
+TEST_F(FileStartupScanTest, StaleTempRules) {
+  FileStartupScan scan = Scan();
+  const int64_t now = absl::GetCurrentTimeNanos();
+  const int64_t old = now - absl::ToInt64Nanoseconds(absl::Hours(2));
+  EXPECT_TRUE(scan.IsStaleTemp("garbage", old));  // Age alone decides for anything.
+  EXPECT_FALSE(scan.IsStaleTemp("garbage", now));
+  EXPECT_FALSE(scan.IsStaleTemp(absl::StrCat("otherhost-", DeadPid(), "-1"), now));
+  EXPECT_TRUE(scan.IsStaleTemp(absl::StrCat(kHost, "-", DeadPid(), "-1"), now));
+  EXPECT_FALSE(scan.IsStaleTemp(absl::StrCat(kHost, "-", ::getpid(), "-1"), now));
+}
+
+}  // namespace
+}  // namespace kvcellar::storage
