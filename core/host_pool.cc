@@ -158,10 +158,10 @@ absl::StatusOr<std::unique_ptr<HostPool>> HostPool::Create(const HostPoolOptions
 absl::StatusOr<std::unique_ptr<HostPool>> HostPool::Create(const HostPoolOptions& options) {
   absl::StatusOr<uint64_t> bytes = MemoryBytes(options);
   if (!bytes.ok()) return bytes.status();
-  // calloc: zeroed, like the fresh anonymous memory the daemon maps (glibc takes a block this
-  // large straight from the kernel, already zero, and skips the memset, so nothing is touched
-  // here). One alignment more than needed, so that the pool can start on a slot boundary in it.
-  std::unique_ptr<void, void (*)(void*)> heap(std::calloc(1, *bytes + kSlotAlignment), std::free);
+  // calloc: zeroed, like the fresh anonymous memory the daemon maps (glibc takes a large block
+  // straight from the kernel, already zero, and skips the memset: nothing is touched here). One
+  // alignment more than needed, so that the pool can start on a slot boundary in it.
+  std::unique_ptr<void, HeapFree> heap(std::calloc(1, *bytes + kSlotAlignment));
   if (heap == nullptr) {
     return absl::ResourceExhaustedError(
         absl::StrCat("host pool: no heap memory for ", *bytes, " bytes"));

@@ -288,8 +288,11 @@ class HostPool {
   uint64_t region_bytes_ = 0;
   uint32_t region_count_ = 0;
   std::vector<uint64_t> slot_sizes_;
+  struct HeapFree {
+    void operator()(void* p) const { std::free(p); }
+  };
   // The heap block behind base_ when the pool owns its memory (Create without memory).
-  std::unique_ptr<void, void (*)(void*)> heap_{nullptr, std::free};
+  std::unique_ptr<void, HeapFree> heap_;
 
   std::unique_ptr<SizeClass[]> classes_;
   std::unique_ptr<Region[]> regions_;

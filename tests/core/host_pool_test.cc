@@ -47,9 +47,12 @@ std::unique_ptr<HostPool> MustCreate(const HostPoolOptions& o) {
 }
 
 // Heap memory on a slot boundary, standing in for the mapping a caller hands the pool.
-using Memory = std::unique_ptr<uint8_t, decltype(&std::free)>;
+struct FreeMemory {
+  void operator()(uint8_t* p) const { std::free(p); }
+};
+using Memory = std::unique_ptr<uint8_t, FreeMemory>;
 Memory AlignedMemory(uint64_t bytes) {
-  return Memory(static_cast<uint8_t*>(std::aligned_alloc(kSlotAlignment, bytes)), std::free);
+  return Memory(static_cast<uint8_t*>(std::aligned_alloc(kSlotAlignment, bytes)));
 }
 
 std::unique_ptr<HostPool> MustCreate(const HostPoolOptions& o, std::span<uint8_t> memory) {
