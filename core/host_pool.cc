@@ -1,21 +1,12 @@
-// HostPool: mapping setup (anonymous, hugetlb, THP, POSIX shm) and the slab allocator.
+// HostPool: option validation, construction over the caller's memory, and the slab allocator.
 #include "core/host_pool.h"
-
-#include <fcntl.h>
-#include <sys/file.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <sys/statvfs.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <bit>
-#include <cerrno>
-#include <climits>
-#include <cstring>
-#include <fstream>
-#include <optional>
-#include <sstream>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
@@ -30,236 +21,73 @@ constexpr size_t kMaxClasses = 0xffff;
 // large model, e.g. 128 tokens of a 70B model's full KV at bf16 on one shard is 40 MiB).
 constexpr uint64_t kDefaultMinSlot = 64 * kKiB;
 constexpr uint64_t kDefaultMaxSlot = 64 * kMiB;
-// Where tmpfs shm objects live, for the free-space check.
-constexpr char kShmDir[] = "/dev/shm";
-// Linux's huge page size when /proc/meminfo cannot be read.
-constexpr uint64_t kFallbackHugePageBytes = 2 * kMiB;
-
-std::string Errno(int err) { return std::strerror(err); }
 
 uint64_t AlignDown(uint64_t v, uint64_t a) { return v / a * a; }
-uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
-// A field of /proc/meminfo (e.g. "HugePages_Free"), with "kB" values converted to bytes.
-std::optional<uint64_t> MeminfoValue(absl::string_view field) {
-  std::ifstream in("/proc/meminfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.size() > field.size() &&
-        line.compare(0, field.size(), field.data(), field.size()) == 0 &&
-        line[field.size()] == ':') {
-      std::istringstream rest(line.substr(field.size() + 1));
-      uint64_t v = 0;
-      std::string unit;
-      if (!(rest >> v)) return std::nullopt;
-      rest >> unit;
-      return unit == "kB" ? v * kKiB : v;
-    }
-  }
-  return std::nullopt;
-}
-
-uint64_t HugePageBytes() { return MeminfoValue("Hugepagesize").value_or(kFallbackHugePageBytes); }
-
-// True when the kernel's THP mode in `sysfs_file` lets madvise(MADV_HUGEPAGE) take effect: the
-// selected value, in brackets, is anything but "never" or "deny".
-bool ThpHonorsMadvise(const char* sysfs_file) {
-  std::ifstream in(sysfs_file);
-  std::string text;
-  std::getline(in, text);
-  const size_t open = text.find('[');
-  const size_t close = text.find(']', open);
-  if (open == std::string::npos || close == std::string::npos) return false;
-  const std::string mode = text.substr(open + 1, close - open - 1);
-  return mode != "never" && mode != "deny";
-}
-
-// Accepts "name" or "/name"; POSIX wants exactly one leading slash and no other.
-absl::StatusOr<std::string> NormalizeShmName(absl::string_view name) {
-  std::string n = name.empty() || name[0] != '/' ? absl::StrCat("/", name) : std::string(name);
-  if (n.size() < 2 || n.find('/', 1) != std::string::npos || n.size() > NAME_MAX) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "shm_name \"", name, "\" must be one path component (no '/' after the first), 1 to ",
-        NAME_MAX - 1, " characters"));
-  }
-  return n;
-}
-
-std::string HugetlbAdvice(uint64_t bytes) {
-  const uint64_t page = HugePageBytes();
-  return absl::StrCat("HugePages_Total=", MeminfoValue("HugePages_Total").value_or(0),
-                      " HugePages_Free=", MeminfoValue("HugePages_Free").value_or(0),
-                      " Hugepagesize=", page / kKiB, "kB; the pool needs ",
-                      AlignUp(bytes, page) / page,
-                      " free huge pages (sysctl vm.nr_hugepages), or use huge_pages=auto");
-}
-
-struct Mapping {
-  uint8_t* base = nullptr;
-  HugePageBacking backing = HugePageBacking::kNone;
-  int fd = -1;
-  bool reattached = false;
+// What valid options describe.
+struct Geometry {
+  uint64_t bytes = 0;  // Memory carved: capacity_bytes rounded down to whole regions.
+  uint64_t region_count = 0;
+  std::vector<uint64_t> slot_sizes;
 };
 
-// Private, not shared, anonymous memory: nothing else maps the anonymous pool (engines reach it
-// through CUDA), and THP for private anonymous memory follows transparent_hugepage/enabled, whose
-// common default "madvise" honours MADV_HUGEPAGE, while shared anonymous memory is shmem and
-// follows shmem_enabled, which defaults to "never".
-absl::StatusOr<Mapping> MapAnonymous(uint64_t bytes, HugePages mode) {
-  const int prot = PROT_READ | PROT_WRITE;
-  const int flags = MAP_PRIVATE | MAP_ANONYMOUS;
-  Mapping m;
-  if (mode != HugePages::kOff && bytes % HugePageBytes() == 0) {
-    void* p = mmap(nullptr, bytes, prot, flags | MAP_HUGETLB, -1, 0);
-    if (p != MAP_FAILED) {
-      m.base = static_cast<uint8_t*>(p);
-      m.backing = HugePageBacking::kHugetlb;
-      return m;
+// The slot sizes of `options`, or InvalidArgument naming the bad one.
+absl::StatusOr<std::vector<uint64_t>> SlotSizes(const HostPoolOptions& options) {
+  std::vector<uint64_t> sizes = options.slot_sizes.empty()
+                                    ? HostPool::DefaultSlotSizes(options.region_bytes)
+                                    : options.slot_sizes;
+  if (sizes.size() > kMaxClasses) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("host pool has ", sizes.size(), " slot sizes; at most ", kMaxClasses));
+  }
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] == 0 || sizes[i] % kSlotAlignment != 0 || sizes[i] > options.region_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "host pool slot_sizes[", i, "] = ", sizes[i], " must be a positive multiple of ",
+          kSlotAlignment, " no larger than region_bytes ", options.region_bytes));
     }
-    if (mode == HugePages::kOn) {
-      return absl::ResourceExhaustedError(absl::StrCat("huge_pages=on: mmap of ", bytes,
-                                                       " bytes with MAP_HUGETLB failed (",
-                                                       Errno(errno), "); ", HugetlbAdvice(bytes)));
+    if (i > 0 && sizes[i] <= sizes[i - 1]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("host pool slot_sizes must be strictly increasing: slot_sizes[", i,
+                       "] = ", sizes[i], " follows ", sizes[i - 1]));
     }
-  } else if (mode == HugePages::kOn) {
-    return absl::InvalidArgumentError(absl::StrCat("huge_pages=on: capacity ", bytes,
-                                                   " is not a multiple of the huge page size ",
-                                                   HugePageBytes()));
   }
-  void* p = mmap(nullptr, bytes, prot, flags, -1, 0);
-  if (p == MAP_FAILED) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("mmap of ", bytes, " bytes of anonymous memory failed: ", Errno(errno)));
-  }
-  m.base = static_cast<uint8_t*>(p);
-  if (mode == HugePages::kAuto && madvise(p, bytes, MADV_HUGEPAGE) == 0 &&
-      ThpHonorsMadvise("/sys/kernel/mm/transparent_hugepage/enabled")) {
-    m.backing = HugePageBacking::kTransparent;
-  }
-  return m;
+  return sizes;
 }
 
-absl::StatusOr<Mapping> MapShm(const std::string& name, uint64_t bytes, HugePages mode) {
-  if (mode == HugePages::kOn) {
+// Validates `options`; errors name the bad option.
+absl::StatusOr<Geometry> Validate(const HostPoolOptions& options) {
+  const uint64_t region_bytes = options.region_bytes;
+  if (region_bytes == 0 || region_bytes % kSlotAlignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("host pool region_bytes ", region_bytes,
+                                                   " must be a positive multiple of ",
+                                                   kSlotAlignment));
+  }
+  if (options.huge_page_bytes != 0 && region_bytes % options.huge_page_bytes != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("host pool region_bytes ", region_bytes,
+                                                   " must be a multiple of the huge page size ",
+                                                   options.huge_page_bytes, " with huge_pages=on"));
+  }
+  if (options.capacity_bytes < region_bytes) {
     return absl::InvalidArgumentError(
-        "huge_pages=on needs an anonymous pool: a POSIX shm object lives on tmpfs, which cannot "
-        "be hugetlb-backed; use huge_pages=auto (transparent huge pages, per "
-        "transparent_hugepage/shmem_enabled) or drop shm_name");
+        absl::StrCat("host pool capacity_bytes ", options.capacity_bytes,
+                     " is less than one region (region_bytes ", region_bytes, ")"));
   }
-  // Open an existing object, else create it exclusively; retry once if another process created
-  // it between the two calls.
-  int fd = -1;
-  bool created = false;
-  for (int attempt = 0; attempt < 2 && fd < 0; ++attempt) {
-    fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0600);
-    if (fd < 0 && errno == ENOENT) {
-      fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-      created = fd >= 0;
-      if (fd < 0 && errno == EEXIST) continue;
-    }
-    if (fd < 0) {
-      const int err = errno;
-      const std::string msg = absl::StrCat("shm_open(\"", name, "\") failed: ", Errno(err));
-      return err == EACCES ? absl::PermissionDeniedError(msg) : absl::InternalError(msg);
-    }
+  Geometry g;
+  g.region_count = options.capacity_bytes / region_bytes;
+  if (g.region_count > kMaxRegions) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "host pool capacity_bytes ", options.capacity_bytes, " is ", g.region_count, " regions of ",
+        region_bytes, " bytes; at most ", kMaxRegions, " fit a SlotRef: raise region_bytes"));
   }
-  if (fd < 0) {
-    return absl::UnavailableError(absl::StrCat("shm_open(\"", name, "\") kept racing"));
-  }
-  // The first step on any error below is to close; an object this call created is unlinked too.
-  auto fail = [&](absl::Status s) {
-    if (created) shm_unlink(name.c_str());
-    close(fd);
-    return s;
-  };
-  // One live pool per object: two allocators over the same bytes would hand out the same slots.
-  // The lock goes with the descriptor, so a crashed daemon never leaves it held.
-  if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    const int err = errno;
-    if (err == EWOULDBLOCK) {
-      return fail(absl::FailedPreconditionError(
-          absl::StrCat("shm object ", name, " is in use by another live host pool")));
-    }
-    return fail(absl::InternalError(absl::StrCat("flock on shm object ", name, ": ", Errno(err))));
-  }
-  struct stat st;
-  if (fstat(fd, &st) != 0) {
-    return fail(
-        absl::InternalError(absl::StrCat("fstat of shm object ", name, ": ", Errno(errno))));
-  }
-  Mapping m;
-  if (st.st_size != 0) {
-    if (static_cast<uint64_t>(st.st_size) != bytes) {
-      return fail(absl::FailedPreconditionError(absl::StrCat(
-          "shm object ", name, " has ", st.st_size, " bytes but the pool wants ", bytes,
-          "; the geometry changed: remove the object (HostPool::UnlinkShm) or restore the "
-          "capacity")));
-    }
-    m.reattached = true;
-  } else {
-    // tmpfs allocates on first touch; a write past its free space is SIGBUS, not an error. Refuse
-    // up front when the object could never fit (e.g. a container's default 64 MiB /dev/shm).
-    struct statvfs vfs;
-    if (statvfs(kShmDir, &vfs) == 0) {
-      const uint64_t avail = uint64_t{vfs.f_bavail} * vfs.f_frsize;
-      if (avail < bytes) {
-        return fail(absl::ResourceExhaustedError(absl::StrCat(
-            kShmDir, " has ", avail, " bytes free but the pool needs ", bytes,
-            " (in Kubernetes mount an emptyDir with medium: Memory and a sizeLimit at /dev/shm)")));
-      }
-    }
-    if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-      return fail(absl::ResourceExhaustedError(
-          absl::StrCat("ftruncate of shm object ", name, " to ", bytes, ": ", Errno(errno))));
-    }
-  }
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) {
-    return fail(absl::ResourceExhaustedError(
-        absl::StrCat("mmap of shm object ", name, " (", bytes, " bytes): ", Errno(errno))));
-  }
-  m.base = static_cast<uint8_t*>(p);
-  m.fd = fd;
-  if (mode == HugePages::kAuto && madvise(p, bytes, MADV_HUGEPAGE) == 0 &&
-      ThpHonorsMadvise("/sys/kernel/mm/transparent_hugepage/shmem_enabled")) {
-    m.backing = HugePageBacking::kTransparent;
-  }
-  return m;
+  absl::StatusOr<std::vector<uint64_t>> sizes = SlotSizes(options);
+  if (!sizes.ok()) return sizes.status();
+  g.slot_sizes = *std::move(sizes);
+  g.bytes = g.region_count * region_bytes;
+  return g;
 }
 
 }  // namespace
-
-absl::StatusOr<HugePages> ParseHugePages(absl::string_view name) {
-  if (name == "off") return HugePages::kOff;
-  if (name == "auto") return HugePages::kAuto;
-  if (name == "on") return HugePages::kOn;
-  return absl::InvalidArgumentError(
-      absl::StrCat("huge_pages \"", name, "\" is not one of off, auto, on"));
-}
-
-absl::string_view HugePagesName(HugePages mode) {
-  switch (mode) {
-    case HugePages::kOff:
-      return "off";
-    case HugePages::kAuto:
-      return "auto";
-    case HugePages::kOn:
-      return "on";
-  }
-  return "unknown";
-}
-
-absl::string_view HugePageBackingName(HugePageBacking backing) {
-  switch (backing) {
-    case HugePageBacking::kNone:
-      return "none";
-    case HugePageBacking::kHugetlb:
-      return "hugetlb";
-    case HugePageBacking::kTransparent:
-      return "transparent";
-  }
-  return "unknown";
-}
 
 std::vector<uint64_t> HostPool::DefaultSlotSizes(uint64_t region_bytes) {
   region_bytes = AlignDown(region_bytes, kSlotAlignment);
@@ -287,83 +115,32 @@ std::vector<uint64_t> HostPool::DefaultSlotSizes(uint64_t region_bytes) {
   return sizes;
 }
 
-absl::Status HostPool::UnlinkShm(absl::string_view shm_name) {
-  absl::StatusOr<std::string> name = NormalizeShmName(shm_name);
-  if (!name.ok()) return name.status();
-  if (shm_unlink(name->c_str()) != 0) {
-    const int err = errno;
-    if (err == ENOENT) return absl::NotFoundError(absl::StrCat("no shm object ", *name));
-    return absl::InternalError(absl::StrCat("shm_unlink(\"", *name, "\"): ", Errno(err)));
-  }
-  return absl::OkStatus();
+absl::StatusOr<uint64_t> HostPool::MemoryBytes(const HostPoolOptions& options) {
+  absl::StatusOr<Geometry> g = Validate(options);
+  if (!g.ok()) return g.status();
+  return g->bytes;
 }
 
-absl::StatusOr<std::unique_ptr<HostPool>> HostPool::Create(const HostPoolOptions& options) {
+absl::StatusOr<std::unique_ptr<HostPool>> HostPool::Create(const HostPoolOptions& options,
+                                                           std::span<uint8_t> memory) {
+  absl::StatusOr<Geometry> g = Validate(options);
+  if (!g.ok()) return g.status();
+  if (memory.size() < g->bytes ||
+      reinterpret_cast<uintptr_t>(memory.data()) % kSlotAlignment != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("host pool memory of ", memory.size(), " bytes at 0x",
+                     absl::Hex(reinterpret_cast<uintptr_t>(memory.data())), " must hold ", g->bytes,
+                     " bytes and start on a ", kSlotAlignment, "-byte boundary"));
+  }
   const uint64_t region_bytes = options.region_bytes;
-  if (region_bytes == 0 || region_bytes % kSlotAlignment != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("host pool region_bytes ", region_bytes,
-                                                   " must be a positive multiple of ",
-                                                   kSlotAlignment));
-  }
-  if (options.huge_pages == HugePages::kOn && region_bytes % HugePageBytes() != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("host pool region_bytes ", region_bytes,
-                                                   " must be a multiple of the huge page size ",
-                                                   HugePageBytes(), " with huge_pages=on"));
-  }
-  if (options.capacity_bytes < region_bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("host pool capacity_bytes ", options.capacity_bytes,
-                     " is less than one region (region_bytes ", region_bytes, ")"));
-  }
-  const uint64_t region_count = options.capacity_bytes / region_bytes;
-  if (region_count > kMaxRegions) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "host pool capacity_bytes ", options.capacity_bytes, " is ", region_count, " regions of ",
-        region_bytes, " bytes; at most ", kMaxRegions, " fit a SlotRef: raise region_bytes"));
-  }
-  std::vector<uint64_t> sizes =
-      options.slot_sizes.empty() ? DefaultSlotSizes(region_bytes) : options.slot_sizes;
-  if (sizes.size() > kMaxClasses) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("host pool has ", sizes.size(), " slot sizes; at most ", kMaxClasses));
-  }
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    if (sizes[i] == 0 || sizes[i] % kSlotAlignment != 0 || sizes[i] > region_bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "host pool slot_sizes[", i, "] = ", sizes[i], " must be a positive multiple of ",
-          kSlotAlignment, " no larger than region_bytes ", region_bytes));
-    }
-    if (i > 0 && sizes[i] <= sizes[i - 1]) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("host pool slot_sizes must be strictly increasing: slot_sizes[", i,
-                       "] = ", sizes[i], " follows ", sizes[i - 1]));
-    }
-  }
-
-  const uint64_t bytes = region_count * region_bytes;
-  std::string shm_name;
-  absl::StatusOr<Mapping> mapping;
-  if (options.shm_name.empty()) {
-    mapping = MapAnonymous(bytes, options.huge_pages);
-  } else {
-    absl::StatusOr<std::string> name = NormalizeShmName(options.shm_name);
-    if (!name.ok()) return name.status();
-    shm_name = *std::move(name);
-    mapping = MapShm(shm_name, bytes, options.huge_pages);
-  }
-  if (!mapping.ok()) return mapping.status();
+  const uint64_t region_count = g->region_count;
 
   std::unique_ptr<HostPool> pool(new HostPool());
-  pool->base_ = mapping->base;
-  pool->capacity_bytes_ = bytes;
+  pool->base_ = memory.data();
+  pool->capacity_bytes_ = g->bytes;
   pool->region_bytes_ = region_bytes;
   pool->region_count_ = static_cast<uint32_t>(region_count);
-  pool->slot_sizes_ = std::move(sizes);
-  pool->backing_ = mapping->backing;
-  pool->reattached_ = mapping->reattached;
-  pool->shm_name_ = std::move(shm_name);
-  pool->shm_fd_ = mapping->fd;
-  pool->unlink_on_destroy_ = options.unlink_on_destroy;
+  pool->slot_sizes_ = std::move(g->slot_sizes);
 
   pool->classes_ = std::make_unique<SizeClass[]>(pool->slot_sizes_.size());
   for (size_t c = 0; c < pool->slot_sizes_.size(); ++c) {
@@ -378,12 +155,26 @@ absl::StatusOr<std::unique_ptr<HostPool>> HostPool::Create(const HostPoolOptions
   return pool;
 }
 
-HostPool::~HostPool() {
-  if (base_ != nullptr) munmap(base_, capacity_bytes_);
-  if (!shm_name_.empty() && unlink_on_destroy_) shm_unlink(shm_name_.c_str());
-  // Closing drops the flock only after the unlink, so no new pool attaches a dying object.
-  if (shm_fd_ >= 0) close(shm_fd_);
+absl::StatusOr<std::unique_ptr<HostPool>> HostPool::Create(const HostPoolOptions& options) {
+  absl::StatusOr<uint64_t> bytes = MemoryBytes(options);
+  if (!bytes.ok()) return bytes.status();
+  // calloc: zeroed, like the fresh anonymous memory the daemon maps (glibc takes a large block
+  // straight from the kernel, already zero, and skips the memset: nothing is touched here). One
+  // alignment more than needed, so that the pool can start on a slot boundary in it.
+  std::unique_ptr<void, HeapFree> heap(std::calloc(1, *bytes + kSlotAlignment));
+  if (heap == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("host pool: no heap memory for ", *bytes, " bytes"));
+  }
+  const uintptr_t start = reinterpret_cast<uintptr_t>(heap.get());
+  uint8_t* base = static_cast<uint8_t*>(heap.get()) +
+                  (kSlotAlignment - start % kSlotAlignment) % kSlotAlignment;
+  absl::StatusOr<std::unique_ptr<HostPool>> pool = Create(options, {base, *bytes});
+  if (pool.ok()) (*pool)->heap_ = std::move(heap);
+  return pool;
 }
+
+HostPool::~HostPool() = default;
 
 absl::StatusOr<uint16_t> HostPool::ClassFor(uint64_t object_bytes) const {
   if (object_bytes == 0) return absl::InvalidArgumentError("host pool object size is 0");

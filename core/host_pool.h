@@ -1,27 +1,26 @@
-// HostPool: the L2 tier's memory, one large host mapping carved into fixed-size slots.
+// HostPool: the L2 tier's memory, one large block of host memory carved into fixed-size slots.
 //
 // The daemon keeps every L2 page object (one page of one shard, all layers) in a slot of this
-// pool. The mapping is made once at startup (huge pages where available) so that the GPU layer
-// can register it with CUDA in a few large chunks (ForEachChunk) instead of per object. Slots come
-// in size classes so namespaces with different object sizes share one pool. The allocator is
-// CacheLib-style: the mapping is split into equal regions; a class with no free slot takes a whole
+// pool. The pool does not map its memory: its caller does, once at startup (the daemon maps it
+// with platform/host_memory.h, huge pages where available), and hands it over, so that this file
+// makes no system call and is tested on plain heap memory. One block lets the GPU layer register
+// it with CUDA in a few large chunks (ForEachChunk) instead of per object. Slots come in size
+// classes so namespaces with different object sizes share one pool. The allocator is
+// CacheLib-style: the memory is split into equal regions; a class with no free slot takes a whole
 // free region and carves it into its slot size, and hands the region back once all its slots are
 // free. Allocate and Free are O(1), take one size class's mutex, never allocate heap memory in
-// the steady state, and make no system call unless a mutex is contended.
+// the steady state, and make no system call unless a mutex is contended. The pool never touches
+// slot bytes itself.
 //
-// The pool never touches slot bytes itself: it does not populate (MAP_POPULATE) or mlock the
-// mapping. Pages are faulted in by the first copy into a slot, and pinned by cudaHostRegister in
-// gpu/ (ForEachChunk) when a GPU is present; prefaulting 100+ GiB at startup would only delay it.
-//
-// Warm restart: with `shm_name` the pool is a POSIX shared memory object (/dev/shm) that outlives
-// the daemon, and a restarted daemon with the same capacity re-attaches the same bytes. Only the
-// data survives: the allocator state and the index do not, so the new pool starts empty and the
-// bytes are unreachable until something says which slot holds which page. Making them reachable
-// needs (a) the allocator's region/slot state and (b) per slot the (namespace, page key, shard,
-// length, checksum) of its object, both in a second small shm object written when an object is
-// published and cleared before its slot is freed; on restart the daemon rebuilds its index from
-// the records whose checksum verifies (never trusting a torn write) and frees the rest. That is
-// not implemented yet.
+// Warm restart: when the memory is a named shared memory object (platform::HostMemory with a
+// shm_name) it outlives the daemon, and a restarted daemon with the same capacity re-attaches the
+// same bytes. Only the data survives: the allocator state and the index do not, so the new pool
+// starts empty and the bytes are unreachable until something says which slot holds which page.
+// Making them reachable needs (a) the allocator's region/slot state and (b) per slot the
+// (namespace, page key, shard, length, checksum) of its object, both in a second small shm object
+// written when an object is published and cleared before its slot is freed; on restart the daemon
+// rebuilds its index from the records whose checksum verifies (never trusting a torn write) and
+// frees the rest. That is not implemented yet.
 //
 // Owners and region release. Whoever allocates a slot may say whose object it holds (SlotOwner:
 // namespace id, page key, shard). The pool stores that record with the slot and never reads it; it
@@ -41,16 +40,16 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <string>
+#include <span>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
 #include "core/page_key.h"
 #include "core/slot_ref.h"
 
@@ -71,26 +70,6 @@ inline constexpr uint64_t kSlotAlignment = 4 * kKiB;
 // so memory moves between classes without much stranded in half-used regions.
 inline constexpr uint64_t kDefaultRegionBytes = 64 * kMiB;
 
-// Huge-page policy for the mapping.
-enum class HugePages {
-  kOff,   // Plain 4 KiB pages; nothing is requested.
-  kAuto,  // Anonymous pools try MAP_HUGETLB, then fall back to madvise(MADV_HUGEPAGE) (THP).
-          // Shared-memory pools (tmpfs) only madvise.
-  kOn,    // MAP_HUGETLB or fail. Anonymous pools only (tmpfs objects cannot be hugetlb).
-};
-// "off", "auto", "on".
-absl::StatusOr<HugePages> ParseHugePages(absl::string_view name);
-absl::string_view HugePagesName(HugePages mode);
-
-// What the mapping actually got.
-enum class HugePageBacking {
-  kNone,         // 4 KiB pages.
-  kHugetlb,      // Reserved hugetlb pages (MAP_HUGETLB).
-  kTransparent,  // madvise(MADV_HUGEPAGE) accepted and the kernel's THP mode allows it.
-};
-// "none", "hugetlb", "transparent".
-absl::string_view HugePageBackingName(HugePageBacking backing);
-
 struct HostPoolOptions {
   // Rounded down to a whole number of regions; at least one region.
   uint64_t capacity_bytes = 0;
@@ -100,14 +79,10 @@ struct HostPoolOptions {
   // means DefaultSlotSizes(region_bytes). Listing the object sizes of the namespaces actually
   // served wastes nothing; the defaults waste up to ~20% of a slot.
   std::vector<uint64_t> slot_sizes;
-  HugePages huge_pages = HugePages::kAuto;
-  // Empty: an anonymous private mapping. Otherwise a POSIX shared memory object (/dev/shm) of
-  // that name ("/" prepended if missing) that a restarted daemon with the same capacity
-  // re-attaches. One live pool per object: a second Create while the first lives fails.
-  std::string shm_name;
-  // Remove the shm object when the pool is destroyed. Off by default: surviving the process is
-  // the point of a named pool. Use HostPool::UnlinkShm to remove it later.
-  bool unlink_on_destroy = false;
+  // Nonzero when the memory will be hugetlb pages of this size (the daemon's huge_pages=on): every
+  // region must then be whole huge pages, so that each region, and each chunk ForEachChunk cuts
+  // on region boundaries, starts on a huge page. 0: no constraint.
+  uint64_t huge_page_bytes = 0;
 };
 
 // Whose object a slot holds, recorded at Allocate. `ns` 0 means no owner was given.
@@ -144,11 +119,22 @@ struct SizeClassStats {
 
 class HostPool {
  public:
-  // Called with one chunk of the mapping; see ForEachChunk.
+  // Called with one chunk of the pool's memory; see ForEachChunk.
   using RegionHook = std::function<absl::Status(void* base, uint64_t bytes)>;
 
-  // Validates the options (errors name the bad option), maps the memory and builds an empty
-  // allocator. A re-attached shm pool starts empty too: its bytes survive, its allocations do not.
+  // Validates the options (errors name the bad option) and returns the bytes of memory a pool of
+  // them carves: capacity_bytes rounded down to whole regions. The caller maps that much.
+  static absl::StatusOr<uint64_t> MemoryBytes(const HostPoolOptions& options);
+
+  // An empty allocator over `memory`, which the caller mapped and keeps mapped for the pool's
+  // life: at least MemoryBytes(options) bytes (any tail past them is left unused), starting on a
+  // kSlotAlignment boundary. Memory that still holds a previous pool's bytes (a re-attached shm
+  // object) gives an empty pool too: its bytes survive, its allocations do not.
+  static absl::StatusOr<std::unique_ptr<HostPool>> Create(const HostPoolOptions& options,
+                                                          std::span<uint8_t> memory);
+
+  // An empty allocator over zeroed heap memory the pool owns: for tests, benchmarks and tools,
+  // which need neither huge pages nor warm restart.
   static absl::StatusOr<std::unique_ptr<HostPool>> Create(const HostPoolOptions& options);
 
   // The default size classes, 64 KiB to min(64 MiB, region_bytes): the powers of two (KV objects
@@ -156,9 +142,6 @@ class HostPool {
   // multiple that fits a whole number of slots in a region (at 64 MiB regions: 38 classes, less
   // than 0.5% of any region unused, at most 20% of a slot unused below 16 MiB).
   static std::vector<uint64_t> DefaultSlotSizes(uint64_t region_bytes);
-
-  // Removes a named pool's shm object ("/" prepended if missing). NotFound if absent.
-  static absl::Status UnlinkShm(absl::string_view shm_name);
 
   ~HostPool();
   HostPool(const HostPool&) = delete;
@@ -192,9 +175,9 @@ class HostPool {
   // Capacity of the slot (its class's slot size), not the size of the object stored in it.
   uint64_t SlotBytes(SlotRef ref) const { return slot_sizes_[ref.size_class]; }
 
-  // Calls `hook` over the whole mapping in order, in chunks of chunk_bytes rounded down to whole
-  // regions (at least one region; 0 means the whole mapping in one call), so every chunk starts
-  // and ends on a region boundary and no slot straddles two chunks. Meant for cudaHostRegister.
+  // Calls `hook` over the pool's whole memory in order, in chunks of chunk_bytes rounded down to
+  // whole regions (at least one region; 0 means all of it in one call), so every chunk starts and
+  // ends on a region boundary and no slot straddles two chunks. Meant for cudaHostRegister.
   // Stops at the first error and returns it, prefixed with the chunk's offset.
   absl::Status ForEachChunk(uint64_t chunk_bytes, const RegionHook& hook) const;
 
@@ -223,11 +206,6 @@ class HostPool {
   uint64_t region_bytes() const { return region_bytes_; }
   uint32_t region_count() const { return region_count_; }
   const std::vector<uint64_t>& slot_sizes() const { return slot_sizes_; }
-  HugePageBacking backing() const { return backing_; }
-  // True when Create attached an existing shm object rather than creating it.
-  bool reattached() const { return reattached_; }
-  // Normalized shm object name ("/..."), empty for anonymous pools.
-  const std::string& shm_name() const { return shm_name_; }
 
  private:
   // std::mutex with thread-safety annotations. Not absl::Mutex: Debian's Abseil is built without
@@ -310,11 +288,11 @@ class HostPool {
   uint64_t region_bytes_ = 0;
   uint32_t region_count_ = 0;
   std::vector<uint64_t> slot_sizes_;
-  HugePageBacking backing_ = HugePageBacking::kNone;
-  bool reattached_ = false;
-  std::string shm_name_;
-  int shm_fd_ = -1;  // Held open (with flock) for the pool's life: one live pool per object.
-  bool unlink_on_destroy_ = false;
+  struct HeapFree {
+    void operator()(void* p) const { std::free(p); }
+  };
+  // The heap block behind base_ when the pool owns its memory (Create without memory).
+  std::unique_ptr<void, HeapFree> heap_;
 
   std::unique_ptr<SizeClass[]> classes_;
   std::unique_ptr<Region[]> regions_;

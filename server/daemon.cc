@@ -6,6 +6,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "core/host_pool.h"
+#include "platform/host_memory.h"
+#include "platform/huge_pages.h"
 #include "platform/log.h"
 #include "gpu/device_factory.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -254,8 +256,8 @@ DaemonInfo Daemon::Info() const {
   if (pool_ != nullptr) {
     info.pool_capacity_bytes = pool_->capacity_bytes();
     for (const core::SizeClassStats& c : pool_->Stats()) info.pool_used_bytes += c.bytes_used;
-    info.pool_huge_pages = pool_->backing() != core::HugePageBacking::kNone;
-    info.pool_reattached = pool_->reattached();
+    info.pool_huge_pages = pool_memory_->backing() != platform::HugePageBacking::kNone;
+    info.pool_reattached = pool_memory_->reattached();
   }
   if (cache_ != nullptr) cache_->FillInfo(&info);
   if (device_ != nullptr) info.device_kind = std::string(device_->name());
@@ -274,27 +276,40 @@ DaemonInfo Daemon::Info() const {
 }
 
 absl::Status Daemon::CreateHostPool() {
+  platform::HostMemoryOptions memory;
+  memory.shm_name = config_.pool.shm_name;
+  switch (config_.pool.huge_pages) {
+    case HugePages::kAuto: memory.huge_pages = platform::HugePages::kAuto; break;
+    case HugePages::kOn: memory.huge_pages = platform::HugePages::kOn; break;
+    case HugePages::kOff: memory.huge_pages = platform::HugePages::kOff; break;
+  }
   core::HostPoolOptions options;
   options.capacity_bytes = config_.pool.capacity;
   options.region_bytes = config_.pool.region_size;
-  options.shm_name = config_.pool.shm_name;
-  switch (config_.pool.huge_pages) {
-    case HugePages::kAuto: options.huge_pages = core::HugePages::kAuto; break;
-    case HugePages::kOn: options.huge_pages = core::HugePages::kOn; break;
-    case HugePages::kOff: options.huge_pages = core::HugePages::kOff; break;
+  // huge_pages=on maps hugetlb pages or fails, and the pool's regions must be whole ones.
+  if (memory.huge_pages == platform::HugePages::kOn) {
+    options.huge_page_bytes = platform::HugePageBytes();
   }
-  absl::StatusOr<std::unique_ptr<core::HostPool>> pool = core::HostPool::Create(options);
-  if (!pool.ok()) {
-    return absl::Status(pool.status().code(),
-                        absl::StrCat("host pool (pool.*): ", pool.status().message()));
-  }
+  auto pool_error = [](const absl::Status& s) {
+    return absl::Status(s.code(), absl::StrCat("host pool (pool.*): ", s.message()));
+  };
+  // The pool's options are checked before anything is mapped; then the memory, then the pool.
+  absl::StatusOr<uint64_t> bytes = core::HostPool::MemoryBytes(options);
+  if (!bytes.ok()) return pool_error(bytes.status());
+  memory.bytes = *bytes;
+  absl::StatusOr<std::unique_ptr<platform::HostMemory>> mapped = platform::HostMemory::Map(memory);
+  if (!mapped.ok()) return pool_error(mapped.status());
+  pool_memory_ = *std::move(mapped);
+  absl::StatusOr<std::unique_ptr<core::HostPool>> pool =
+      core::HostPool::Create(options, pool_memory_->bytes());
+  if (!pool.ok()) return pool_error(pool.status());
   pool_ = std::move(*pool);
   KVLOG(Info, "host pool mapped",
         {{"capacity_bytes", pool_->capacity_bytes()},
          {"region_bytes", pool_->region_bytes()},
-         {"backing", core::HugePageBackingName(pool_->backing())},
+         {"backing", platform::HugePageBackingName(pool_memory_->backing())},
          {"shm_name", config_.pool.shm_name.empty() ? "none" : config_.pool.shm_name},
-         {"reattached", pool_->reattached() ? "true" : "false"}});
+         {"reattached", pool_memory_->reattached() ? "true" : "false"}});
 
   // Pool occupancy, read from the pool at scrape time. One series per size class in use: at
   // most the pool's class count (tens), a bounded label set.

@@ -24,6 +24,7 @@
 #include "grpcpp/server_builder.h"
 #include "core/host_pool.h"
 #include "gpu/device_backend.h"
+#include "platform/host_memory.h"
 #include "server/config/config.h"
 #include "server/l3/l3_tier_admin.h"
 #include "server/l3/l3_tiers.h"
@@ -82,7 +83,9 @@ class Daemon {
   absl::Status CreateDeviceBackend();
 
   const Config config_;
-  std::unique_ptr<core::HostPool> pool_;
+  // The pool's memory, mapped per pool.*; unmapped last, after everything that uses the pool.
+  std::unique_ptr<platform::HostMemory> pool_memory_;
+  std::unique_ptr<core::HostPool> pool_;  // Carves pool_memory_.
   std::unique_ptr<gpu::DeviceBackend> device_;  // Destroyed after the service, before the pool.
   std::vector<void*> registered_chunks_;        // Pool chunks registered with device_.
   // The sim backend serving DEVICE_KIND_SIM engines beside a CUDA device_, or nullptr. Destroyed

@@ -1,18 +1,18 @@
-// Tests for core/host_pool.h: option validation, class selection, exhaustion and region reuse,
-// exact accounting under randomized and multi-threaded use, misuse detection, chunked
-// registration, shared-memory re-attach and huge-page policy.
+// Tests for core/host_pool.h: option validation, the caller's memory, class selection,
+// exhaustion and region reuse, exact accounting under randomized and multi-threaded use, misuse
+// detection, chunked registration, and a pool over memory a previous pool wrote (warm restart).
+// All on heap memory: the mapping itself is platform/host_memory.h's, tested in
+// tests/platform/host_memory_test.cc.
 #include "core/host_pool.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <map>
+#include <memory>
 #include <random>
 #include <set>
+#include <span>
 #include <string>
 #include <thread>
 #include <utility>
@@ -37,7 +37,6 @@ HostPoolOptions SmallOptions(uint64_t regions, std::vector<uint64_t> slot_sizes)
   o.capacity_bytes = regions * kRegion;
   o.region_bytes = kRegion;
   o.slot_sizes = std::move(slot_sizes);
-  o.huge_pages = HugePages::kOff;
   return o;
 }
 
@@ -47,16 +46,19 @@ std::unique_ptr<HostPool> MustCreate(const HostPoolOptions& o) {
   return pool.ok() ? *std::move(pool) : nullptr;
 }
 
-// A name unique to this process and test, so parallel ctest runs never share an object.
-std::string ShmName(absl::string_view tag) {
-  return absl::StrCat("kvcellar-test-", getpid(), "-", tag);
+// Heap memory on a slot boundary, standing in for the mapping a caller hands the pool.
+struct FreeMemory {
+  void operator()(uint8_t* p) const { std::free(p); }
+};
+using Memory = std::unique_ptr<uint8_t, FreeMemory>;
+Memory AlignedMemory(uint64_t bytes) {
+  return Memory(static_cast<uint8_t*>(std::aligned_alloc(kSlotAlignment, bytes)));
 }
 
-bool ShmExists(const std::string& name) {
-  const int fd = shm_open(absl::StrCat("/", name).c_str(), O_RDONLY, 0);
-  if (fd < 0) return false;
-  close(fd);
-  return true;
+std::unique_ptr<HostPool> MustCreate(const HostPoolOptions& o, std::span<uint8_t> memory) {
+  absl::StatusOr<std::unique_ptr<HostPool>> pool = HostPool::Create(o, memory);
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  return pool.ok() ? *std::move(pool) : nullptr;
 }
 
 uint64_t SumUsed(const HostPool& pool) {
@@ -112,9 +114,6 @@ TEST(HostPoolTest, RejectsBadOptions) {
   o.capacity_bytes = (uint64_t{1} << 16) * 4 * kKiB + 4 * kKiB;  // 65537 regions.
   o.slot_sizes = {4 * kKiB};
   cases.push_back({o, "65537 regions"});
-  o = SmallOptions(4, {64 * kKiB});
-  o.shm_name = "a/b";
-  cases.push_back({o, "shm_name \"a/b\""});
   for (const Case& c : cases) {
     absl::StatusOr<std::unique_ptr<HostPool>> pool = HostPool::Create(c.options);
     ASSERT_FALSE(pool.ok()) << c.message;
@@ -131,8 +130,38 @@ TEST(HostPoolTest, CapacityRoundsDownToWholeRegions) {
   EXPECT_EQ(pool->capacity_bytes(), 3 * kRegion);
   EXPECT_EQ(pool->region_count(), 3u);
   EXPECT_EQ(pool->FreeRegions(), 3u);
-  EXPECT_EQ(pool->backing(), HugePageBacking::kNone);
-  EXPECT_FALSE(pool->reattached());
+  EXPECT_EQ(*HostPool::MemoryBytes(o), 3 * kRegion);
+}
+
+TEST(HostPoolTest, CarvesTheCallersMemory) {
+  const HostPoolOptions o = SmallOptions(4, {64 * kKiB});
+  ASSERT_EQ(*HostPool::MemoryBytes(o), 4 * kRegion);
+  Memory memory = AlignedMemory(5 * kRegion);
+  ASSERT_NE(memory, nullptr);
+  // More memory than the options ask for: the tail is left unused.
+  std::unique_ptr<HostPool> pool = MustCreate(o, {memory.get(), 5 * kRegion});
+  ASSERT_NE(pool, nullptr);
+  EXPECT_EQ(pool->base(), memory.get());
+  EXPECT_EQ(pool->capacity_bytes(), 4 * kRegion);
+  const SlotRef r = *pool->Allocate(1);
+  EXPECT_GE(pool->Address(r), memory.get());
+  EXPECT_LE(pool->Address(r) + pool->SlotBytes(r), memory.get() + 4 * kRegion);
+
+  // Too little, or not on a slot boundary, is refused before anything is carved.
+  absl::StatusOr<std::unique_ptr<HostPool>> small =
+      HostPool::Create(o, {memory.get(), 4 * kRegion - 1});
+  ASSERT_FALSE(small.ok());
+  EXPECT_EQ(small.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(small.status().message(), HasSubstr("must hold 4194304 bytes"));
+  absl::StatusOr<std::unique_ptr<HostPool>> skewed =
+      HostPool::Create(o, {memory.get() + 64, 4 * kRegion});
+  ASSERT_FALSE(skewed.ok());
+  EXPECT_THAT(skewed.status().message(), HasSubstr("4096-byte boundary"));
+  // Bad options are refused the same way with or without memory.
+  EXPECT_THAT(HostPool::Create(SmallOptions(0, {64 * kKiB}), {memory.get(), 5 * kRegion})
+                  .status()
+                  .message(),
+              HasSubstr("less than one region"));
 }
 
 TEST(HostPoolTest, ClassForPicksTheSmallestClassThatFits) {
@@ -562,129 +591,54 @@ TEST(HostPoolTest, ForEachChunkStopsAtTheFirstError) {
   EXPECT_THAT(s.message(), HasSubstr("cudaHostRegister: out of memory"));
 }
 
-// ---- Shared memory and huge pages ---------------------------------------------------------------
+// ---- Warm restart ------------------------------------------------------------------------------
 
-TEST(HostPoolTest, ShmPoolReattachesTheSameBytes) {
-  const std::string name = ShmName("reattach");
-  HostPoolOptions o = SmallOptions(4, {64 * kKiB, 256 * kKiB});
-  o.shm_name = name;
-  o.huge_pages = HugePages::kAuto;
+// A pool over memory a previous pool wrote (the daemon's re-attached shm object): the bytes are
+// still there under the same refs, and the new pool starts empty.
+TEST(HostPoolTest, PoolOverReattachedMemoryKeepsTheBytesAndStartsEmpty) {
+  const HostPoolOptions o = SmallOptions(4, {64 * kKiB, 256 * kKiB});
+  Memory memory = AlignedMemory(4 * kRegion);
+  ASSERT_NE(memory, nullptr);
+  const std::span<uint8_t> bytes(memory.get(), 4 * kRegion);
   std::vector<std::pair<SlotRef, uint8_t>> written;
   {
-    std::unique_ptr<HostPool> a = MustCreate(o);
+    std::unique_ptr<HostPool> a = MustCreate(o, bytes);
     ASSERT_NE(a, nullptr);
-    EXPECT_FALSE(a->reattached());
-    EXPECT_EQ(a->shm_name(), "/" + name);
     for (int i = 0; i < 10; ++i) {
       const SlotRef r = *a->Allocate(i % 2 == 0 ? 64 * kKiB : 256 * kKiB);
       const uint8_t v = static_cast<uint8_t>(0x40 + i);
       std::memset(a->Address(r), v, a->SlotBytes(r));
       written.emplace_back(r, v);
     }
-  }  // Destroyed without unlinking.
-  ASSERT_TRUE(ShmExists(name));
+  }  // Destroyed; the memory stays, as a shm object outlives the daemon.
 
-  o.unlink_on_destroy = true;
-  {
-    std::unique_ptr<HostPool> b = MustCreate(o);
-    ASSERT_NE(b, nullptr);
-    EXPECT_TRUE(b->reattached());
-    for (const auto& [r, v] : written) {
-      const uint8_t* p = b->Address(r);
-      const uint64_t n = b->SlotBytes(r);
-      EXPECT_TRUE(std::all_of(p, p + n, [v = v](uint8_t x) { return x == v; }))
-          << "slot " << r.Packed();
-    }
-    // The allocator state does not survive: the pool starts empty.
-    EXPECT_EQ(SumUsed(*b), 0u);
-    EXPECT_EQ(b->FreeRegions(), b->region_count());
+  std::unique_ptr<HostPool> b = MustCreate(o, bytes);
+  ASSERT_NE(b, nullptr);
+  for (const auto& [r, v] : written) {
+    const uint8_t* p = b->Address(r);
+    const uint64_t n = b->SlotBytes(r);
+    EXPECT_TRUE(std::all_of(p, p + n, [v = v](uint8_t x) { return x == v; }))
+        << "slot " << r.Packed();
   }
-  EXPECT_FALSE(ShmExists(name));
+  // The allocator state does not survive: the pool starts empty.
+  EXPECT_EQ(SumUsed(*b), 0u);
+  EXPECT_EQ(b->FreeRegions(), b->region_count());
 }
 
-TEST(HostPoolTest, ShmObjectHasOneLivePool) {
-  const std::string name = ShmName("inuse");
-  HostPoolOptions o = SmallOptions(2, {64 * kKiB});
-  o.shm_name = "/" + name;  // The leading slash is optional.
-  o.unlink_on_destroy = true;
-  std::unique_ptr<HostPool> a = MustCreate(o);
-  ASSERT_NE(a, nullptr);
-  absl::StatusOr<std::unique_ptr<HostPool>> b = HostPool::Create(o);
-  ASSERT_FALSE(b.ok());
-  EXPECT_EQ(b.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(b.status().message(), HasSubstr("in use by another live host pool"));
-  a.reset();
-  EXPECT_FALSE(ShmExists(name));
-}
-
-TEST(HostPoolTest, ShmGeometryChangeIsRefused) {
-  const std::string name = ShmName("geometry");
-  HostPoolOptions o = SmallOptions(2, {64 * kKiB});
-  o.shm_name = name;
-  ASSERT_NE(MustCreate(o), nullptr);
-  o.capacity_bytes = 4 * kRegion;
-  absl::StatusOr<std::unique_ptr<HostPool>> b = HostPool::Create(o);
-  ASSERT_FALSE(b.ok());
-  EXPECT_EQ(b.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(b.status().message(), HasSubstr("2097152 bytes but the pool wants 4194304"));
-  EXPECT_TRUE(ShmExists(name)) << "a refused attach must not remove the object";
-  EXPECT_TRUE(HostPool::UnlinkShm(name).ok());
-  EXPECT_EQ(HostPool::UnlinkShm(name).code(), absl::StatusCode::kNotFound);
-}
-
-uint64_t ConfiguredHugePages() {
-  std::ifstream in("/proc/sys/vm/nr_hugepages");
-  uint64_t n = 0;
-  in >> n;
-  return n;
-}
-
-TEST(HostPoolTest, HugePagesOnFailsClearlyWithoutHugetlbPages) {
-  if (ConfiguredHugePages() != 0) GTEST_SKIP() << "hugetlb pages are configured on this host";
+// The huge-page rule for regions; the mapping's own huge-page policy is platform/huge_pages.h's.
+TEST(HostPoolTest, HugePageSizeMustDivideRegions) {
   HostPoolOptions o = SmallOptions(4, {64 * kKiB});
   o.region_bytes = 2 * kMiB;
   o.capacity_bytes = 8 * kMiB;
-  o.huge_pages = HugePages::kOn;
-  absl::StatusOr<std::unique_ptr<HostPool>> pool = HostPool::Create(o);
-  ASSERT_FALSE(pool.ok());
-  EXPECT_EQ(pool.status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_THAT(pool.status().message(), HasSubstr("huge_pages=on"));
-  EXPECT_THAT(pool.status().message(), HasSubstr("MAP_HUGETLB"));
-  EXPECT_THAT(pool.status().message(), HasSubstr("vm.nr_hugepages"));
+  o.huge_page_bytes = 2 * kMiB;
+  EXPECT_TRUE(HostPool::MemoryBytes(o).ok());
 
-  // auto falls back and still works.
-  o.huge_pages = HugePages::kAuto;
-  std::unique_ptr<HostPool> fallback = MustCreate(o);
-  ASSERT_NE(fallback, nullptr);
-  EXPECT_NE(fallback->backing(), HugePageBacking::kHugetlb);
-}
-
-TEST(HostPoolTest, HugePagesOnRejectsShmAndUnalignedRegions) {
-  HostPoolOptions o = SmallOptions(4, {64 * kKiB});
-  o.huge_pages = HugePages::kOn;
-  o.region_bytes = 2 * kMiB;
-  o.capacity_bytes = 8 * kMiB;
-  o.shm_name = ShmName("huge");
+  o.region_bytes = kRegion;  // Half a 2 MiB huge page.
   absl::StatusOr<std::unique_ptr<HostPool>> pool = HostPool::Create(o);
   ASSERT_FALSE(pool.ok());
   EXPECT_EQ(pool.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(pool.status().message(), HasSubstr("tmpfs"));
-  EXPECT_FALSE(ShmExists(o.shm_name));
-
-  o.shm_name.clear();
-  o.region_bytes = kRegion;  // Half a 2 MiB huge page.
-  pool = HostPool::Create(o);
-  ASSERT_FALSE(pool.ok());
   EXPECT_THAT(pool.status().message(), HasSubstr("multiple of the huge page size"));
-}
-
-TEST(HostPoolTest, HugePageNames) {
-  EXPECT_EQ(*ParseHugePages("auto"), HugePages::kAuto);
-  EXPECT_EQ(*ParseHugePages("on"), HugePages::kOn);
-  EXPECT_EQ(*ParseHugePages("off"), HugePages::kOff);
-  EXPECT_FALSE(ParseHugePages("yes").ok());
-  EXPECT_EQ(HugePagesName(HugePages::kAuto), "auto");
-  EXPECT_EQ(HugePageBackingName(HugePageBacking::kTransparent), "transparent");
+  EXPECT_THAT(pool.status().message(), HasSubstr("with huge_pages=on"));
 }
 
 }  // namespace

@@ -304,7 +304,6 @@ class ModelRun {
     po.capacity_bytes = kRegionBytes * kPoolRegions;
     po.region_bytes = kRegionBytes;
     po.slot_sizes = {kObjectBytes};
-    po.huge_pages = HugePages::kOff;
     auto pool = HostPool::Create(po);
     if (!pool.ok()) return pool.status().ToString();
     pool_ = std::move(*pool);

@@ -240,7 +240,6 @@ class CacheHarness {
     pool.capacity_bytes = o.pool_bytes;
     pool.region_bytes = kRegionBytes;
     pool.slot_sizes = {kObjectBytes, 4 * kObjectBytes};
-    pool.huge_pages = core::HugePages::kOff;
     absl::StatusOr<std::unique_ptr<core::HostPool>> p = core::HostPool::Create(pool);
     EXPECT_TRUE(p.ok()) << p.status();
     pool_ = *std::move(p);

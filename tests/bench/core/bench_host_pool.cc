@@ -26,7 +26,6 @@ constexpr int kBatch = 256;
 std::unique_ptr<HostPool> MakePool() {
   HostPoolOptions o;
   o.capacity_bytes = 1 * kGiB;
-  o.huge_pages = HugePages::kOff;
   absl::StatusOr<std::unique_ptr<HostPool>> pool = HostPool::Create(o);
   if (!pool.ok()) std::abort();
   return *std::move(pool);
