@@ -245,7 +245,7 @@ int kvc_register(kvc_client* client, const kvc_registration* r, kvc_session** ou
   const bool cuda = r->device_kind == KVC_DEVICE_CUDA;
   for (size_t i = 0; i < r->num_regions; ++i) {
     const kvc_region& cr = r->regions[i];
-    kvcellar::gpu::MemoryRegion mr;
+    kvcellar::core::MemoryRegion mr;
     if (cuda) {
       if (cr.cuda_ipc_handle == nullptr) {
         return Fail(KVC_ERR_INVALID_ARGUMENT, absl::StrCat("regions[", i, "]: no IPC handle"));
@@ -259,10 +259,10 @@ int kvc_register(kvc_client* client, const kvc_registration* r, kvc_session** ou
     reg.layout.regions.push_back(std::move(mr));
   }
   auto buffer = [](const kvc_buffer& b) {
-    return kvcellar::gpu::BufferLayout{b.region, b.offset, b.block_stride, b.bytes_per_block};
+    return kvcellar::core::BufferLayout{b.region, b.offset, b.block_stride, b.bytes_per_block};
   };
   for (size_t i = 0; i < r->num_layers; ++i) {
-    kvcellar::gpu::LayerLayout l;
+    kvcellar::core::LayerLayout l;
     l.k = buffer(r->layers[i].k);
     if (r->layers[i].has_v) l.v = buffer(r->layers[i].v);
     reg.layout.layers.push_back(l);

@@ -48,7 +48,7 @@ class SimEngine {
   static absl::StatusOr<std::unique_ptr<SimEngine>> Create(const SimEngineOptions& options);
 
   const SimEngineOptions& options() const { return options_; }
-  const gpu::KvLayout& layout() const { return kv_.layout(); }
+  const core::KvLayout& layout() const { return kv_.layout(); }
   uint32_t num_layers() const { return options_.num_layers; }
   uint32_t num_blocks() const { return options_.num_blocks; }
   uint32_t buffers() const { return options_.mla ? 1 : 2; }

@@ -28,8 +28,8 @@ absl::StatusOr<SimSignalRegion> SimSignalRegion::Create(absl::string_view name, 
     return absl::InvalidArgumentError(
         absl::StrCat("num_layers (", num_layers, ") not in [1, ", kMaxLayers, "]"));
   }
-  absl::StatusOr<gpu::ShmMapping> shm =
-      gpu::ShmMapping::Create(name, Bytes(load_slots, num_layers, ready_slots));
+  absl::StatusOr<platform::ShmMapping> shm =
+      platform::ShmMapping::Create(name, Bytes(load_slots, num_layers, ready_slots));
   if (!shm.ok()) return shm.status();
   WriteHeader(shm->data(), load_slots, num_layers, ready_slots);
   std::atomic_thread_fence(std::memory_order_release);
@@ -37,7 +37,7 @@ absl::StatusOr<SimSignalRegion> SimSignalRegion::Create(absl::string_view name, 
 }
 
 absl::StatusOr<SimSignalRegion> SimSignalRegion::Open(absl::string_view name) {
-  absl::StatusOr<gpu::ShmMapping> head = gpu::ShmMapping::Open(name, kHeaderBytes);
+  absl::StatusOr<platform::ShmMapping> head = platform::ShmMapping::Open(name, kHeaderBytes);
   if (!head.ok()) return head.status();
   if (!HasMagic(head->data())) {
     return absl::InvalidArgumentError(absl::StrCat(name, " is not a KVCSIG01 signal region"));
@@ -52,8 +52,8 @@ absl::StatusOr<SimSignalRegion> SimSignalRegion::Open(absl::string_view name) {
   if (load_slots > kMaxSlots || ready_slots > kMaxSlots || layers == 0 || layers > kMaxLayers) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": bad header counts"));
   }
-  absl::StatusOr<gpu::ShmMapping> shm =
-      gpu::ShmMapping::Open(name, Bytes(load_slots, layers, ready_slots));
+  absl::StatusOr<platform::ShmMapping> shm =
+      platform::ShmMapping::Open(name, Bytes(load_slots, layers, ready_slots));
   if (!shm.ok()) return shm.status();
   return SimSignalRegion(*std::move(shm), load_slots, layers, ready_slots);
 }

@@ -18,8 +18,8 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "client/client_types.h"
-#include "gpu/shm_mapping.h"
 #include "gpu/sim_signal_layout.h"
+#include "platform/shm_mapping.h"
 
 namespace kvcellar::client {
 
@@ -53,13 +53,13 @@ class SimSignalRegion : public gpu::SimSignalLayout {
   static void ResetCounters(uint8_t* base, uint64_t size);
 
  private:
-  SimSignalRegion(gpu::ShmMapping shm, uint32_t load_slots, uint32_t num_layers,
+  SimSignalRegion(platform::ShmMapping shm, uint32_t load_slots, uint32_t num_layers,
                   uint32_t ready_slots)
       : SimSignalLayout(shm.data(), load_slots, num_layers, ready_slots), shm_(std::move(shm)) {}
   // Waits until Load(offset) >= value; OK or DEADLINE_EXCEEDED.
   absl::Status WaitWord(uint64_t offset, uint64_t value, absl::Time deadline) const;
 
-  gpu::ShmMapping shm_;
+  platform::ShmMapping shm_;
 };
 
 }  // namespace kvcellar::client

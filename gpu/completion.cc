@@ -2,7 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "gpu/kv_layout.h"
+#include "core/kv_layout.h"
 
 namespace kvcellar::gpu {
 namespace {
@@ -23,11 +23,12 @@ absl::StatusOr<CompletionRegion> CompletionRegion::Create(absl::string_view name
     return absl::InvalidArgumentError(
         absl::StrCat("num_slots (", num_slots, ") not in [1, ", kMaxSlots, "]"));
   }
-  if (num_layers == 0 || num_layers > kMaxLayers) {
+  if (num_layers == 0 || num_layers > core::kMaxLayers) {
     return absl::InvalidArgumentError(
-        absl::StrCat("num_layers (", num_layers, ") not in [1, ", kMaxLayers, "]"));
+        absl::StrCat("num_layers (", num_layers, ") not in [1, ", core::kMaxLayers, "]"));
   }
-  absl::StatusOr<ShmMapping> shm = ShmMapping::Create(name, Bytes(num_slots, num_layers));
+  absl::StatusOr<platform::ShmMapping> shm =
+      platform::ShmMapping::Create(name, Bytes(num_slots, num_layers));
   if (!shm.ok()) return shm.status();
   CompletionRegion r(*std::move(shm), num_slots, num_layers);
   r.Store(kVersionOffset, kVersion);
@@ -41,7 +42,7 @@ absl::StatusOr<CompletionRegion> CompletionRegion::Attach(absl::string_view name
                                                           uint32_t num_layers) {
   uint64_t slots;
   {
-    absl::StatusOr<ShmMapping> head = ShmMapping::Open(name, kSlotsOffset);
+    absl::StatusOr<platform::ShmMapping> head = platform::ShmMapping::Open(name, kSlotsOffset);
     if (!head.ok()) return head.status();
     CompletionRegion h(*std::move(head), 0, 0);
     if (uint64_t m = h.Load(kMagicOffset); m != kMagic) {
@@ -63,8 +64,8 @@ absl::StatusOr<CompletionRegion> CompletionRegion::Attach(absl::string_view name
                                                      " differs from the layout's ", num_layers));
     }
   }
-  absl::StatusOr<ShmMapping> shm =
-      ShmMapping::Open(name, Bytes(static_cast<uint32_t>(slots), num_layers));
+  absl::StatusOr<platform::ShmMapping> shm =
+      platform::ShmMapping::Open(name, Bytes(static_cast<uint32_t>(slots), num_layers));
   if (!shm.ok()) return shm.status();
   return CompletionRegion(*std::move(shm), static_cast<uint32_t>(slots), num_layers);
 }

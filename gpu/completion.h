@@ -50,8 +50,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "gpu/bus_fault_guard.h"
-#include "gpu/shm_mapping.h"
+#include "platform/bus_fault_guard.h"
+#include "platform/shm_mapping.h"
 
 namespace kvcellar::gpu {
 
@@ -131,23 +131,23 @@ class CompletionRegion {
   absl::Status WaitDone(uint32_t slot, uint64_t ticket, absl::Time deadline) const;
 
  private:
-  CompletionRegion(ShmMapping shm, uint32_t num_slots, uint32_t num_layers)
+  CompletionRegion(platform::ShmMapping shm, uint32_t num_slots, uint32_t num_layers)
       : shm_(std::move(shm)), num_slots_(num_slots), num_layers_(num_layers) {}
 
   uint64_t* Word(uint64_t offset) const {
     return reinterpret_cast<uint64_t*>(shm_.data() + offset);
   }
   // The engine may truncate the region under the daemon: in the daemon a faulting access reads
-  // 0 (nothing signalled, so waits time out) or is dropped (gpu/bus_fault_guard.h).
-  void Store(uint64_t offset, uint64_t v) const { StoreSharedWord(Word(offset), v); }
+  // 0 (nothing signalled, so waits time out) or is dropped (platform/bus_fault_guard.h).
+  void Store(uint64_t offset, uint64_t v) const { platform::StoreSharedWord(Word(offset), v); }
   uint64_t Load(uint64_t offset) const {
     uint64_t v = 0;
-    LoadSharedWord(Word(offset), &v);
+    platform::LoadSharedWord(Word(offset), &v);
     return v;
   }
   absl::Status WaitWord(uint64_t offset, uint32_t slot, uint64_t ticket, absl::Time deadline) const;
 
-  ShmMapping shm_;
+  platform::ShmMapping shm_;
   uint32_t num_slots_ = 0;
   uint32_t num_layers_ = 0;
 };

@@ -43,7 +43,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "gpu/kv_layout.h"
+#include "core/kv_layout.h"
 
 namespace kvcellar::gpu {
 
@@ -93,7 +93,7 @@ struct EngineSpec {
   // dashes and prefix optional), which does not depend on CUDA_VISIBLE_DEVICES. sim: any string;
   // checked only when the SimDevice was given a uuid.
   std::string device_uuid;
-  KvLayout layout;
+  core::KvLayout layout;
   // Name of the engine's CompletionRegion (a POSIX shm object), or empty. Without one, Scatter
   // reports layer progress through DeviceOp::layers_done() only, and sim counter fences are
   // unavailable.
@@ -164,7 +164,7 @@ using OpHandle = std::shared_ptr<DeviceOp>;
 class EngineMapping {
  public:
   virtual ~EngineMapping() = default;
-  virtual const KvLayout& layout() const = 0;
+  virtual const core::KvLayout& layout() const = 0;
   virtual uint64_t page_object_bytes() const = 0;
 };
 

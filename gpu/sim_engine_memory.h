@@ -16,10 +16,10 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "core/kv_layout.h"
 #include "gpu/completion.h"
 #include "gpu/device_backend.h"
-#include "gpu/kv_layout.h"
-#include "gpu/shm_mapping.h"
+#include "platform/shm_mapping.h"
 
 namespace kvcellar::gpu {
 
@@ -33,11 +33,11 @@ class SimEngineMemory {
   uint64_t size() const { return shm_.size(); }
   const std::string& name() const { return shm_.name(); }
   // The KvLayout region for bytes [offset, offset + size) of this allocation.
-  MemoryRegion Region(uint64_t offset, uint64_t size) const { return {name(), offset, size}; }
+  core::MemoryRegion Region(uint64_t offset, uint64_t size) const { return {name(), offset, size}; }
 
  private:
-  explicit SimEngineMemory(ShmMapping shm) : shm_(std::move(shm)) {}
-  ShmMapping shm_;
+  explicit SimEngineMemory(platform::ShmMapping shm) : shm_(std::move(shm)) {}
+  platform::ShmMapping shm_;
 };
 
 // A shm name no other live process or test uses: "/kvc-<tag>-<pid>-<counter>-<random>".
@@ -69,11 +69,12 @@ class SimEngineKvCache {
                                                  uint32_t completion_slots);
   // The layout Create(name_prefix, shape, ...) registers, and the bytes of its "<prefix>-kv"
   // object; lets another process describe the cache without opening it.
-  static absl::StatusOr<KvLayout> Layout(absl::string_view name_prefix, const SimKvShape& shape,
-                                         uint64_t* total_bytes = nullptr);
+  static absl::StatusOr<core::KvLayout> Layout(absl::string_view name_prefix,
+                                               const SimKvShape& shape,
+                                               uint64_t* total_bytes = nullptr);
   static std::string CompletionName(absl::string_view name_prefix);
 
-  const KvLayout& layout() const { return layout_; }
+  const core::KvLayout& layout() const { return layout_; }
   EngineSpec Spec(std::string device_uuid = "") const;
   // Engine memory of block `block` of `layer`'s buffer (0: K or latent, 1: V).
   uint8_t* Block(uint32_t layer, uint32_t buffer, uint32_t block) const;
@@ -81,13 +82,13 @@ class SimEngineKvCache {
   CompletionRegion& completion() { return completion_; }
 
  private:
-  SimEngineKvCache(SimEngineMemory memory, KvLayout layout, CompletionRegion completion)
+  SimEngineKvCache(SimEngineMemory memory, core::KvLayout layout, CompletionRegion completion)
       : memory_(std::move(memory)),
         layout_(std::move(layout)),
         completion_(std::move(completion)) {}
 
   SimEngineMemory memory_;
-  KvLayout layout_;
+  core::KvLayout layout_;
   CompletionRegion completion_;
 };
 

@@ -23,7 +23,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "gpu/bus_fault_guard.h"
+#include "platform/bus_fault_guard.h"
 
 namespace kvcellar::gpu {
 
@@ -101,11 +101,11 @@ class SimSignalLayout {
       : base_(base), load_slots_(load_slots), num_layers_(num_layers), ready_slots_(ready_slots) {}
 
   // The engine may truncate the region under the daemon: in the daemon a faulting access reads
-  // 0 (nothing published) or is dropped (gpu/bus_fault_guard.h).
-  void Store(uint64_t offset, uint64_t v) const { StoreSharedWord(Word(offset), v); }
+  // 0 (nothing published) or is dropped (platform/bus_fault_guard.h).
+  void Store(uint64_t offset, uint64_t v) const { platform::StoreSharedWord(Word(offset), v); }
   uint64_t Load(uint64_t offset) const {
     uint64_t v = 0;
-    LoadSharedWord(Word(offset), &v);
+    platform::LoadSharedWord(Word(offset), &v);
     return v;
   }
 

@@ -240,13 +240,13 @@ class CudaEngine final : public EngineMapping {
       : dev(dev), options(options) {}
   ~CudaEngine() override { Close(); }
 
-  const KvLayout& layout() const override { return layout_; }
+  const core::KvLayout& layout() const override { return layout_; }
   uint64_t page_object_bytes() const override { return object_bytes; }
 
   const DeviceInfo& dev;  // Owned by the device, which outlives its mappings.
   const CudaDeviceOptions options;
-  KvLayout layout_;
-  std::vector<PageSegment> segs;
+  core::KvLayout layout_;
+  std::vector<core::PageSegment> segs;
   std::vector<uint8_t*> seg_base;     // Device address of block 0 of each segment.
   std::vector<uint32_t> layer_first;  // First segment of each layer, plus segs.size().
   uint64_t object_bytes = 0;
@@ -399,7 +399,7 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> CudaDevice::OpenEngine(const Engi
     return absl::NotFoundError(
         absl::StrCat("device_uuid \"", spec.device_uuid, "\": no such CUDA device here"));
   }
-  const KvLayout& layout = spec.layout;
+  const core::KvLayout& layout = spec.layout;
   if (absl::Status s = layout.Validate(); !s.ok()) return s;
   for (size_t i = 0; i < layout.regions.size(); ++i) {
     if (layout.regions[i].handle.size() != kCudaIpcHandleBytes) {
@@ -413,12 +413,12 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> CudaDevice::OpenEngine(const Engi
 
   auto e = std::make_unique<CudaEngine>(*dev, options_);  // Cleans up after itself on failure.
   e->layout_ = layout;
-  e->segs = PageSegments(layout);
+  e->segs = core::PageSegments(layout);
   e->object_bytes = layout.PageObjectBytes();
 
   absl::flat_hash_map<std::string, uint8_t*> base;  // Handle -> opened allocation base.
   for (size_t i = 0; i < layout.regions.size(); ++i) {
-    const MemoryRegion& r = layout.regions[i];
+    const core::MemoryRegion& r = layout.regions[i];
     auto it = base.find(r.handle);
     if (it == base.end()) {
       cudaIpcMemHandle_t h;
@@ -453,8 +453,8 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> CudaDevice::OpenEngine(const Engi
       }
     }
   }
-  for (const PageSegment& s : e->segs) {
-    const MemoryRegion& r = layout.regions[s.region];
+  for (const core::PageSegment& s : e->segs) {
+    const core::MemoryRegion& r = layout.regions[s.region];
     e->seg_base.push_back(base[r.handle] + r.offset + s.device_offset);
   }
   for (uint32_t i = 0; i < e->segs.size(); ++i) {

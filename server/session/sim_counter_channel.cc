@@ -29,7 +29,7 @@ absl::StatusOr<std::shared_ptr<SimCounterChannel>> SimCounterChannel::Open(
                                      " bytes that ", num_load_slots, " load slots of ", num_layers,
                                      " layers and ", num_ready_slots, " ready slots need"));
   }
-  absl::StatusOr<gpu::ShmMapping> shm = gpu::ShmMapping::Open(name, need);
+  absl::StatusOr<platform::ShmMapping> shm = platform::ShmMapping::Open(name, need);
   if (!shm.ok()) {
     return HandleError(kNameField,
                        absl::StrCat(kNameField, " ", core::Quote(name), ": ", shm.status().message()));

@@ -17,8 +17,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "gpu/shm_mapping.h"
 #include "gpu/sim_signal_layout.h"
+#include "platform/shm_mapping.h"
 
 namespace kvcellar::server {
 
@@ -35,11 +35,11 @@ class SimCounterChannel : public gpu::SimSignalLayout {
                                                                  uint32_t num_ready_slots);
 
  private:
-  SimCounterChannel(gpu::ShmMapping shm, uint32_t load_slots, uint32_t num_layers,
+  SimCounterChannel(platform::ShmMapping shm, uint32_t load_slots, uint32_t num_layers,
                     uint32_t ready_slots)
       : SimSignalLayout(shm.data(), load_slots, num_layers, ready_slots), shm_(std::move(shm)) {}
 
-  gpu::ShmMapping shm_;
+  platform::ShmMapping shm_;
 };
 
 }  // namespace kvcellar::server

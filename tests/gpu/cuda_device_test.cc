@@ -68,14 +68,15 @@ constexpr uint32_t kSeed = 31;
 constexpr uint64_t kTicket = 5;
 constexpr uint32_t kSlot = 1;
 
-KvLayout EngineLayout(const std::string& mem_handle) {
-  KvLayout l;
+core::KvLayout EngineLayout(const std::string& mem_handle) {
+  core::KvLayout l;
   l.num_blocks = kBlocks;
   const uint64_t layer_bytes = 2 * kBlocks * kBytesPerBlock;
   for (uint32_t i = 0; i < kLayers; ++i) {
     l.regions.push_back({mem_handle, i * layer_bytes, layer_bytes});
-    l.layers.push_back({{i, 0, kBytesPerBlock, kBytesPerBlock},
-                        BufferLayout{i, kBlocks * kBytesPerBlock, kBytesPerBlock, kBytesPerBlock}});
+    l.layers.push_back(
+        {{i, 0, kBytesPerBlock, kBytesPerBlock},
+         core::BufferLayout{i, kBlocks * kBytesPerBlock, kBytesPerBlock, kBytesPerBlock}});
   }
   return l;
 }

@@ -290,7 +290,7 @@ TEST(SimDeviceTest, EngineMemorySmallerThanDeclaredIsRejected) {
   EngineSpec spec;
   spec.layout.num_blocks = 32;
   spec.layout.regions.push_back(mem->Region(0, 128 << 10));  // Declares twice what exists.
-  spec.layout.layers.push_back({{0, 0, 2048, 2048}, BufferLayout{0, 64 << 10, 2048, 2048}});
+  spec.layout.layers.push_back({{0, 0, 2048, 2048}, core::BufferLayout{0, 64 << 10, 2048, 2048}});
   absl::StatusOr<std::unique_ptr<EngineMapping>> m = dev->OpenEngine(spec);
   EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(m.status().message()), HasSubstr("regions[0]"));
@@ -642,7 +642,7 @@ TEST(SimDeviceTest, DaemonMapsMemoryAnotherProcessCreated) {
   char c;
   ASSERT_EQ(read(ready[0], &c, 1), 1);
 
-  absl::StatusOr<KvLayout> layout = SimEngineKvCache::Layout(prefix, shape);
+  absl::StatusOr<core::KvLayout> layout = SimEngineKvCache::Layout(prefix, shape);
   ASSERT_TRUE(layout.ok());
   EngineSpec spec;
   spec.layout = *layout;

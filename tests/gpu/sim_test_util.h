@@ -6,7 +6,7 @@
 #include <cstring>
 #include <string>
 
-#include "gpu/kv_layout.h"
+#include "core/kv_layout.h"
 #include "gpu/sim_engine_memory.h"
 
 namespace kvcellar::gpu::testing {
@@ -42,7 +42,7 @@ inline bool HoldsPattern(const uint8_t* p, uint64_t bytes, uint32_t seed, uint32
 
 // Writes `seed`'s pattern into every block of the engine's KV cache.
 inline void FillEngine(const SimEngineKvCache& kv, uint32_t seed) {
-  const KvLayout& l = kv.layout();
+  const core::KvLayout& l = kv.layout();
   for (uint32_t layer = 0; layer < l.layers.size(); ++layer) {
     for (uint32_t buf = 0; buf < (l.is_mla() ? 1u : 2u); ++buf) {
       const uint64_t bytes =
@@ -56,9 +56,9 @@ inline void FillEngine(const SimEngineKvCache& kv, uint32_t seed) {
 
 // Empty string when the page object holds (seed, block)'s bytes for every layer; otherwise
 // where it first differs.
-inline std::string CheckPage(const KvLayout& l, const uint8_t* page, uint32_t seed,
+inline std::string CheckPage(const core::KvLayout& l, const uint8_t* page, uint32_t seed,
                              uint32_t block) {
-  for (const PageSegment& s : PageSegments(l)) {
+  for (const core::PageSegment& s : core::PageSegments(l)) {
     if (!HoldsPattern(page + s.object_offset, s.bytes, seed, s.layer, s.buffer, block)) {
       return "layer " + std::to_string(s.layer) + " buffer " + std::to_string(s.buffer) +
              " differs from block " + std::to_string(block);
@@ -70,7 +70,7 @@ inline std::string CheckPage(const KvLayout& l, const uint8_t* page, uint32_t se
 // Empty when device block `block` holds (seed, source_block)'s bytes for every layer.
 inline std::string CheckBlock(const SimEngineKvCache& kv, uint32_t block, uint32_t seed,
                               uint32_t source_block, uint32_t only_layer = ~0u) {
-  for (const PageSegment& s : PageSegments(kv.layout())) {
+  for (const core::PageSegment& s : core::PageSegments(kv.layout())) {
     if (only_layer != ~0u && s.layer != only_layer) continue;
     if (!HoldsPattern(kv.Block(s.layer, s.buffer, block), s.bytes, seed, s.layer, s.buffer,
                       source_block)) {
