@@ -7,14 +7,14 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "gpu/completion.h"
 #include "platform/bus_fault_guard.h"
 #include "platform/log.h"
 #include "platform/shm_mapping.h"
+#include "platform/signal_region.h"
 
 namespace kvcellar::gpu {
 
-// The daemon's view of one engine: its mapped regions and the completion region. Shared by the
+// The daemon's view of one engine: its mapped regions and its signal region. Shared by the
 // mapping handle and every op of the engine; Close() unmaps once no op is active.
 class SimDevice::Engine {
  public:
@@ -24,7 +24,7 @@ class SimDevice::Engine {
   std::vector<uint8_t*> seg_base;
   uint64_t object_bytes = 0;
   std::vector<platform::ShmMapping> shms;
-  CompletionRegion completion;  // !valid() when the engine registered none.
+  platform::SignalRegion completion;  // !valid() when the engine registered none.
   // Set first thing in Close(): queued tasks of this engine skip their copies.
   std::atomic<bool> closing{false};
   // A copy took a SIGBUS on this engine's memory (it truncated or shrank a registered object):
@@ -51,7 +51,7 @@ class SimDevice::Engine {
       auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return active_ops_ == 0; };
       mu_.Await(absl::Condition(&idle));
     }
-    completion = CompletionRegion();
+    completion = platform::SignalRegion();
     shms.clear();
     seg_base.clear();
   }
@@ -100,6 +100,7 @@ class SimDevice::Op final : public DeviceOp {
   const std::vector<CopyItem> items;
   const OpSignal signal;
   bool wait_fence = false;
+  uint32_t fence_slot = 0;
   uint64_t fence_counter = 0;
   std::vector<Task> tasks;
   size_t next_task = 0;  // Guarded by SimDevice::mu_.
@@ -182,11 +183,10 @@ void FinishOp(SimDevice::Op& op) {
   const bool ok = !op.skipped.load(std::memory_order_acquire);
   SimDevice::Engine& engine = *op.engine;
   if (op.signal.enabled()) {
-    if (ok) {
-      engine.completion.SignalDone(op.signal.slot, op.signal.ticket);
-    } else {
-      engine.completion.SignalFailed(op.signal.slot, op.signal.ticket);
-    }
+    // A failed op releases every layer waiter; a successful Scatter signalled its layers as they
+    // landed, and a Gather has none to signal.
+    engine.completion.EndOp(op.signal.slot, op.signal.ticket, /*failed=*/!ok,
+                            ok ? op.num_layers() : 0);
   }
   if (ok) {
     op.Finish(absl::OkStatus());
@@ -359,12 +359,9 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> SimDevice::OpenEngine(const Engin
     engine->seg_base.push_back(base[r.handle] + r.offset + s.device_offset);
   }
   if (!spec.completion_region.empty()) {
-    absl::StatusOr<CompletionRegion> c = CompletionRegion::Attach(
-        spec.completion_region, static_cast<uint32_t>(layout.layers.size()));
-    if (!c.ok()) {
-      return absl::Status(c.status().code(),
-                          absl::StrCat("completion_region: ", c.status().message()));
-    }
+    absl::StatusOr<platform::SignalRegion> c =
+        OpenCompletionRegion(spec.completion_region, static_cast<uint32_t>(layout.layers.size()));
+    if (!c.ok()) return c.status();
     engine->completion = *std::move(c);
   }
   KVLOG(Info, "engine mapped",
@@ -412,6 +409,11 @@ absl::StatusOr<OpHandle> SimDevice::Submit(EngineMapping& mapping, absl::Span<co
             "fence.kind: a counter fence needs the engine's completion_region, and it registered "
             "none");
       }
+      if (fence.slot >= engine->completion.num_ready_slots()) {
+        return absl::InvalidArgumentError(absl::StrCat("fence.slot (", fence.slot,
+                                                       ") out of range [0, ",
+                                                       engine->completion.num_ready_slots(), ")"));
+      }
       break;
   }
   if (signal.enabled()) {
@@ -419,10 +421,10 @@ absl::StatusOr<OpHandle> SimDevice::Submit(EngineMapping& mapping, absl::Span<co
       return absl::InvalidArgumentError(
           "signal: the engine registered no completion_region to signal");
     }
-    if (signal.slot >= engine->completion.num_slots()) {
+    if (signal.slot >= engine->completion.num_load_slots()) {
       return absl::InvalidArgumentError(absl::StrCat("signal.slot (", signal.slot,
                                                      ") out of range [0, ",
-                                                     engine->completion.num_slots(), ")"));
+                                                     engine->completion.num_load_slots(), ")"));
     }
   }
 
@@ -438,6 +440,7 @@ absl::StatusOr<OpHandle> SimDevice::Submit(EngineMapping& mapping, absl::Span<co
   op->tasks_left.store(op->tasks.size(), std::memory_order_relaxed);
   if (fence.kind == ReadyFence::Kind::kCounter) {
     op->wait_fence = true;
+    op->fence_slot = fence.slot;
     op->fence_counter = fence.counter;
   }
   if (engine->faulted.load(std::memory_order_acquire)) {
@@ -462,7 +465,7 @@ absl::StatusOr<OpHandle> SimDevice::Submit(EngineMapping& mapping, absl::Span<co
       engine->EndOp();
       return absl::UnavailableError("sim device is shutting down");
     }
-    if (op->wait_fence && engine->completion.fence() < op->fence_counter) {
+    if (op->wait_fence && engine->completion.ready_word(op->fence_slot) < op->fence_counter) {
       fence_waiters_.push_back(op);
     } else {
       run_queue_.push_back(op);
@@ -540,7 +543,7 @@ void SimDevice::PollerLoop() {
       Op& op = **it;
       if (stop_ || op.cancel_requested() || op.engine->closing.load(std::memory_order_acquire)) {
         dead.push_back(std::move(*it));
-      } else if (op.engine->completion.fence() >= op.fence_counter) {
+      } else if (op.engine->completion.ready_word(op.fence_slot) >= op.fence_counter) {
         // The acquire load above orders the engine's writes before our (later) copies.
         run_queue_.push_back(std::move(*it));
       } else {

@@ -15,9 +15,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "platform/log.h"
-#include "gpu/completion.h"
+#include "core/signal_layout.h"
 #include "gpu/cuda/copy_kernels.h"
+#include "platform/log.h"
+#include "platform/signal_region.h"
 
 namespace kvcellar::gpu {
 namespace {
@@ -254,7 +255,7 @@ class CudaEngine final : public EngineMapping {
   std::vector<void*> ipc_ptrs;  // Opened allocations, closed at Close().
   std::shared_ptr<Stream> gather_stream;
   std::shared_ptr<Stream> scatter_stream;
-  CompletionRegion completion;
+  platform::SignalRegion completion;
   uint8_t* completion_dev = nullptr;  // Device-side address of completion.base().
   bool completion_registered = false;
 
@@ -302,7 +303,7 @@ class CudaEngine final : public EngineMapping {
     ipc_ptrs.clear();
     if (completion_registered) cudaHostUnregister(completion.base());
     completion_registered = false;
-    completion = CompletionRegion();
+    completion = platform::SignalRegion();
     if (gather_stream) gather_stream->Destroy();
     if (scatter_stream) scatter_stream->Destroy();
   }
@@ -477,12 +478,9 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> CudaDevice::OpenEngine(const Engi
   e->scatter_stream = *std::move(ss);
 
   if (!spec.completion_region.empty()) {
-    absl::StatusOr<CompletionRegion> c = CompletionRegion::Attach(
-        spec.completion_region, static_cast<uint32_t>(layout.layers.size()));
-    if (!c.ok()) {
-      return absl::Status(c.status().code(),
-                          absl::StrCat("completion_region: ", c.status().message()));
-    }
+    absl::StatusOr<platform::SignalRegion> c =
+        OpenCompletionRegion(spec.completion_region, static_cast<uint32_t>(layout.layers.size()));
+    if (!c.ok()) return c.status();
     e->completion = *std::move(c);
     // Whole pages: the mapping has them, and older drivers wanted page-aligned sizes.
     const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
@@ -649,7 +647,7 @@ absl::StatusOr<OpHandle> CudaDevice::Submit(EngineMapping& mapping,
   }
   const uint32_t num_layers = static_cast<uint32_t>(e.layout_.layers.size());
   // How a Scatter signals its layers: the engine's IPC events when it registered them, else
-  // tickets stored into its CompletionRegion.
+  // tickets stored into its signal region.
   const bool layer_events = signal.enabled() && scatter && !e.load_events.empty();
   if (layer_events) {
     const size_t slots = e.load_events.size() / num_layers;
@@ -662,9 +660,9 @@ absl::StatusOr<OpHandle> CudaDevice::Submit(EngineMapping& mapping,
       return absl::InvalidArgumentError(
           "signal: the engine registered no completion_region to signal");
     }
-    if (signal.slot >= e.completion.num_slots()) {
+    if (signal.slot >= e.completion.num_load_slots()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "signal.slot (", signal.slot, ") out of range [0, ", e.completion.num_slots(), ")"));
+          "signal.slot (", signal.slot, ") out of range [0, ", e.completion.num_load_slots(), ")"));
     }
   }
   const int d = e.dev.index;
@@ -724,10 +722,10 @@ absl::StatusOr<OpHandle> CudaDevice::Submit(EngineMapping& mapping,
     for (size_t i = 0; i < items.size(); ++i) add_runs(i, 0, static_cast<uint32_t>(e.segs.size()));
     st = IssueRuns(e, stream, kernel);
     if (st.ok() && signal.enabled()) {
-      st = CudaStatus(
-          cuda::LaunchStoreTicket(e.CompletionWord(CompletionRegion::DoneOffset(num_layers, slot)),
-                                  signal.ticket, stream),
-          "ticket kernel");
+      st = CudaStatus(cuda::LaunchStoreTicket(
+                          e.CompletionWord(e.completion.OpWordOffset(slot)),
+                          core::SignalLayout::OpWord(signal.ticket, /*failed=*/false), stream),
+                      "ticket kernel");
     }
   } else {
     for (uint32_t l = 0; l < num_layers && st.ok(); ++l) {
@@ -740,17 +738,17 @@ absl::StatusOr<OpHandle> CudaDevice::Submit(EngineMapping& mapping,
         st = CudaStatus(cudaEventRecord(e.load_events[slot * num_layers + l], stream),
                         "cudaEventRecord(load event)");
       } else if (st.ok() && signal.enabled()) {
-        st = CudaStatus(cuda::LaunchStoreTicket(
-                            e.CompletionWord(CompletionRegion::LayerOffset(num_layers, slot, l)),
-                            signal.ticket, stream),
-                        "ticket kernel");
+        st = CudaStatus(
+            cuda::LaunchStoreTicket(e.CompletionWord(e.completion.LayerWordOffset(slot, l)),
+                                    signal.ticket, stream),
+            "ticket kernel");
       }
     }
     if (st.ok() && signal.enabled() && !layer_events) {
-      st = CudaStatus(
-          cuda::LaunchStoreTicket(e.CompletionWord(CompletionRegion::DoneOffset(num_layers, slot)),
-                                  signal.ticket, stream),
-          "ticket kernel");
+      st = CudaStatus(cuda::LaunchStoreTicket(
+                          e.CompletionWord(e.completion.OpWordOffset(slot)),
+                          core::SignalLayout::OpWord(signal.ticket, /*failed=*/false), stream),
+                      "ticket kernel");
     }
   }
   if (!st.ok()) {
@@ -762,10 +760,9 @@ absl::StatusOr<OpHandle> CudaDevice::Submit(EngineMapping& mapping,
         cudaEventRecord(e.load_events[slot * num_layers + l], stream);
       }
     } else if (signal.enabled()) {
-      cuda::LaunchStoreFailure(
-          e.CompletionWord(CompletionRegion::FailedOffset(num_layers, slot)),
-          e.CompletionWord(CompletionRegion::LayerOffset(num_layers, slot, 0)), num_layers,
-          e.CompletionWord(CompletionRegion::DoneOffset(num_layers, slot)), signal.ticket, stream);
+      cuda::LaunchStoreFailure(e.CompletionWord(e.completion.LayerWordOffset(slot, 0)), num_layers,
+                               signal.ticket, e.CompletionWord(e.completion.OpWordOffset(slot)),
+                               core::SignalLayout::OpWord(signal.ticket, /*failed=*/true), stream);
     }
   }
   auto* arg = new std::shared_ptr<CudaOp>(op);

@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "core/kv_layout.h"
-#include "gpu/completion.h"
+#include "core/signal_layout.h"
 
 namespace kvcellar::server {
 
@@ -13,7 +13,7 @@ CacheLimits CacheLimits::FromConfig(const Config& config) {
   l.max_message_bytes = config.server.max_message_bytes;
   l.default_pin_lease_ms =
       static_cast<uint32_t>(std::min<int64_t>(config.sessions.pin_lease_ms, kMaxPinLeaseMs));
-  l.max_completion_slots = gpu::CompletionRegion::kMaxSlots;
+  l.max_completion_slots = core::SignalLayout::kMaxSlots;
   l.max_layers = core::kMaxLayers;
   l.max_regions = core::kMaxRegions;
   l.lease_ms = static_cast<uint32_t>(config.sessions.lease_ms);

@@ -17,9 +17,9 @@
 #include "core/host_pool.h"
 #include "core/namespace_spec.h"
 #include "core/page_key.h"
+#include "core/signal_layout.h"
 #include "gmock/gmock.h"
 #include "gpu/sim_device.h"
-#include "gpu/sim_engine_memory.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
@@ -28,6 +28,7 @@
 #include "gtest/gtest.h"
 #include "kvcellar/v1/cache_service.grpc.pb.h"
 #include "platform/shm_mapping.h"
+#include "platform/sim_engine_memory.h"
 #include "server/config/config.h"
 #include "server/l3/l3_tiers.h"
 #include "server/metrics/metrics.h"
@@ -86,7 +87,7 @@ inline platform::ShmMapping CreateSignals(const std::string& name, uint32_t load
   absl::StatusOr<platform::ShmMapping> shm =
       platform::ShmMapping::Create(name, SimCounterChannel::Bytes(load_slots, layers, ready_slots));
   EXPECT_TRUE(shm.ok()) << shm.status();
-  gpu::SimSignalLayout::WriteHeader(shm->data(), load_slots, layers, ready_slots);
+  core::SignalLayout::WriteHeader(shm->data(), load_slots, layers, ready_slots);
   return *std::move(shm);
 }
 
@@ -100,21 +101,21 @@ class TestEngine {
   TestEngine(uint32_t num_blocks, bool mla, uint32_t seed,
              uint64_t bytes_per_block = kBytesPerBlock)
       : seed_(seed) {
-    gpu::SimKvShape shape;
+    platform::SimKvShape shape;
     shape.num_layers = kLayers;
     shape.num_blocks = num_blocks;
     shape.bytes_per_block = mla ? 2 * bytes_per_block : bytes_per_block;  // Same object size.
     shape.mla = mla;
-    absl::StatusOr<gpu::SimEngineKvCache> kv =
-        gpu::SimEngineKvCache::Create(gpu::UniqueShmName("eng"), shape, 0);
+    absl::StatusOr<platform::SimEngineKvCache> kv =
+        platform::SimEngineKvCache::Create(platform::UniqueShmName("eng"), shape, 0);
     EXPECT_TRUE(kv.ok()) << kv.status();
-    kv_ = std::make_unique<gpu::SimEngineKvCache>(*std::move(kv));
-    signals_name_ = gpu::UniqueShmName("sig");
+    kv_ = std::make_unique<platform::SimEngineKvCache>(*std::move(kv));
+    signals_name_ = platform::UniqueShmName("sig");
     signals_ = CreateSignals(signals_name_, kLoadSlots, kLayers, kReadySlots);
     gpu::testing::FillEngine(*kv_, seed_);
   }
 
-  gpu::SimEngineKvCache& kv() { return *kv_; }
+  platform::SimEngineKvCache& kv() { return *kv_; }
   uint32_t seed() const { return seed_; }
   // Empty when device block `block` holds the bytes block `source` of an engine seeded `seed`
   // had.
@@ -184,7 +185,7 @@ class TestEngine {
 
  private:
   uint32_t seed_;
-  std::unique_ptr<gpu::SimEngineKvCache> kv_;
+  std::unique_ptr<platform::SimEngineKvCache> kv_;
   std::string signals_name_;
   platform::ShmMapping signals_;
 };

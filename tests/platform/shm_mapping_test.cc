@@ -16,10 +16,10 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
-#include "gpu/sim_engine_memory.h"
 #include "gtest/gtest.h"
+#include "platform/sim_engine_memory.h"
 
-namespace kvcellar::gpu {
+namespace kvcellar::platform {
 namespace {
 
 using ::testing::HasSubstr;
@@ -57,9 +57,9 @@ TEST(ShmMappingTest, MemfdByProcPathSeesTheSameBytesBothWays) {
   constexpr uint64_t kBytes = 64 << 10;
   Memfd engine(kBytes);
   const std::string path = engine.ProcPath();
-  ASSERT_TRUE(platform::ShmMapping::IsProcFdPath(path)) << path;
-  ASSERT_TRUE(platform::ShmMapping::CheckName(path).ok());
-  absl::StatusOr<platform::ShmMapping> daemon = platform::ShmMapping::Open(path, kBytes);
+  ASSERT_TRUE(ShmMapping::IsProcFdPath(path)) << path;
+  ASSERT_TRUE(ShmMapping::CheckName(path).ok());
+  absl::StatusOr<ShmMapping> daemon = ShmMapping::Open(path, kBytes);
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   EXPECT_EQ(daemon->size(), kBytes);
   EXPECT_EQ(daemon->name(), path);
@@ -79,7 +79,7 @@ TEST(ShmMappingTest, MemfdByProcPathSeesTheSameBytesBothWays) {
   EXPECT_EQ(engine.data()[kBytes - 2], 0x5A);
 
   // A prefix is enough; unmapping leaves the engine's memfd alone.
-  absl::StatusOr<platform::ShmMapping> prefix = platform::ShmMapping::Open(path, 4096);
+  absl::StatusOr<ShmMapping> prefix = ShmMapping::Open(path, 4096);
   ASSERT_TRUE(prefix.ok()) << prefix.status();
   EXPECT_EQ(prefix->data()[100], 0x3C);
   daemon->Reset();
@@ -114,23 +114,23 @@ TEST(ShmMappingTest, MalformedProcPathsAreInvalidArgument) {
            std::string("/proc/1/fd/3\0", 13),
            std::string("/proc/"),
        }) {
-    EXPECT_FALSE(platform::ShmMapping::IsProcFdPath(name)) << name;
-    absl::Status check = platform::ShmMapping::CheckName(name);
+    EXPECT_FALSE(ShmMapping::IsProcFdPath(name)) << name;
+    absl::Status check = ShmMapping::CheckName(name);
     EXPECT_EQ(check.code(), absl::StatusCode::kInvalidArgument) << name;
     EXPECT_THAT(std::string(check.message()), HasSubstr("/proc/<pid>/fd/<fd>")) << name;
-    absl::StatusOr<platform::ShmMapping> m = platform::ShmMapping::Open(name, 4096);
+    absl::StatusOr<ShmMapping> m = ShmMapping::Open(name, 4096);
     EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << name;
   }
   // The accepted form, whether or not the process exists.
   for (const char* name : {"/proc/1/fd/0", "/proc/4194304/fd/17", "/proc/2147483647/fd/3"}) {
-    EXPECT_TRUE(platform::ShmMapping::IsProcFdPath(name)) << name;
-    EXPECT_TRUE(platform::ShmMapping::CheckName(name).ok()) << name;
+    EXPECT_TRUE(ShmMapping::IsProcFdPath(name)) << name;
+    EXPECT_TRUE(ShmMapping::CheckName(name).ok()) << name;
   }
   // POSIX names are unchanged; "/proc" alone is one.
-  EXPECT_TRUE(platform::ShmMapping::CheckName("/kvc-sim-4242-rank0").ok());
-  EXPECT_TRUE(platform::ShmMapping::CheckName("/proc").ok());
-  EXPECT_FALSE(platform::ShmMapping::IsProcFdPath("/kvc-sim-4242-rank0"));
-  EXPECT_EQ(platform::ShmMapping::CheckName("/a/b").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(ShmMapping::CheckName("/kvc-sim-4242-rank0").ok());
+  EXPECT_TRUE(ShmMapping::CheckName("/proc").ok());
+  EXPECT_FALSE(ShmMapping::IsProcFdPath("/kvc-sim-4242-rank0"));
+  EXPECT_EQ(ShmMapping::CheckName("/a/b").code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(ShmMappingTest, MissingProcessOrFdIsNotFound) {
@@ -138,7 +138,7 @@ TEST(ShmMappingTest, MissingProcessOrFdIsNotFound) {
   // An fd this process does not have, and a pid above any pid_max (4194304 at most).
   for (const std::string& name : {absl::StrCat("/proc/", getpid(), "/fd/999999"),
                                   absl::StrCat("/proc/2147483647/fd/", engine.fd())}) {
-    absl::StatusOr<platform::ShmMapping> m = platform::ShmMapping::Open(name, 4096);
+    absl::StatusOr<ShmMapping> m = ShmMapping::Open(name, 4096);
     EXPECT_EQ(m.status().code(), absl::StatusCode::kNotFound) << name << ": " << m.status();
     EXPECT_THAT(std::string(m.status().message()), HasSubstr("no such process or fd")) << name;
   }
@@ -146,7 +146,7 @@ TEST(ShmMappingTest, MissingProcessOrFdIsNotFound) {
 
 TEST(ShmMappingTest, MemfdSmallerThanDeclaredIsInvalidArgument) {
   Memfd engine(4096);
-  absl::StatusOr<platform::ShmMapping> m = platform::ShmMapping::Open(engine.ProcPath(), 8192);
+  absl::StatusOr<ShmMapping> m = ShmMapping::Open(engine.ProcPath(), 8192);
   EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << m.status();
   EXPECT_THAT(std::string(m.status().message()), HasSubstr("fewer than the 8192 declared"));
 }
@@ -154,8 +154,8 @@ TEST(ShmMappingTest, MemfdSmallerThanDeclaredIsInvalidArgument) {
 TEST(ShmMappingTest, ProcPathToSomethingOtherThanSharedMemoryIsRefused) {
   int pipe_fds[2];
   ASSERT_EQ(pipe2(pipe_fds, O_CLOEXEC), 0);
-  absl::StatusOr<platform::ShmMapping> m =
-      platform::ShmMapping::Open(absl::StrCat("/proc/", getpid(), "/fd/", pipe_fds[0]), 4096);
+  absl::StatusOr<ShmMapping> m =
+      ShmMapping::Open(absl::StrCat("/proc/", getpid(), "/fd/", pipe_fds[0]), 4096);
   EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << m.status();
   EXPECT_THAT(std::string(m.status().message()), HasSubstr("not shared memory"));
   close(pipe_fds[0]);
@@ -169,7 +169,7 @@ TEST(ShmMappingTest, ProcPathToSomethingOtherThanSharedMemoryIsRefused) {
   ASSERT_EQ(ftruncate(fd, 4096), 0);
   struct statfs fs;
   ASSERT_EQ(fstatfs(fd, &fs), 0);
-  m = platform::ShmMapping::Open(absl::StrCat("/proc/", getpid(), "/fd/", fd), 4096);
+  m = ShmMapping::Open(absl::StrCat("/proc/", getpid(), "/fd/", fd), 4096);
   if (fs.f_type == 0x01021994 /* TMPFS_MAGIC */) {
     EXPECT_TRUE(m.ok()) << m.status();  // The build directory is on tmpfs: shared memory.
   } else {
@@ -188,7 +188,7 @@ TEST(ShmMappingTest, ProcPathOfAnotherUidIsPermissionDenied) {
   ASSERT_GE(child, 0);
   if (child == 0) {
     if (setgid(65534) != 0 || setuid(65534) != 0) _exit(100);
-    absl::StatusOr<platform::ShmMapping> m = platform::ShmMapping::Open(path, 4096);
+    absl::StatusOr<ShmMapping> m = ShmMapping::Open(path, 4096);
     if (m.ok()) _exit(101);
     if (!absl::StrContains(m.status().message(), "CAP_SYS_PTRACE")) _exit(102);
     _exit(static_cast<int>(m.status().code()));
@@ -200,25 +200,23 @@ TEST(ShmMappingTest, ProcPathOfAnotherUidIsPermissionDenied) {
 }
 
 TEST(ShmMappingTest, CreateTakesOnlyPosixNames) {
-  absl::StatusOr<platform::ShmMapping> proc =
-      platform::ShmMapping::Create(absl::StrCat("/proc/", getpid(), "/fd/0"), 4096);
+  absl::StatusOr<ShmMapping> proc =
+      ShmMapping::Create(absl::StrCat("/proc/", getpid(), "/fd/0"), 4096);
   EXPECT_EQ(proc.status().code(), absl::StatusCode::kInvalidArgument);
 
   const std::string name = UniqueShmName("shm-test");
-  absl::StatusOr<platform::ShmMapping> created = platform::ShmMapping::Create(name, 4096);
+  absl::StatusOr<ShmMapping> created = ShmMapping::Create(name, 4096);
   ASSERT_TRUE(created.ok()) << created.status();
   EXPECT_TRUE(created->owner());
   created->data()[7] = 42;
-  absl::StatusOr<platform::ShmMapping> opened = platform::ShmMapping::Open(name, 4096);
+  absl::StatusOr<ShmMapping> opened = ShmMapping::Open(name, 4096);
   ASSERT_TRUE(opened.ok()) << opened.status();
   EXPECT_EQ(opened->data()[7], 42);
-  EXPECT_EQ(platform::ShmMapping::Open(name, 8192).status().code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(platform::ShmMapping::Create(name, 4096).status().code(),
-            absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(ShmMapping::Open(name, 8192).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ShmMapping::Create(name, 4096).status().code(), absl::StatusCode::kAlreadyExists);
   created->Reset();  // Unlinks.
-  EXPECT_EQ(platform::ShmMapping::Open(name, 4096).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(ShmMapping::Open(name, 4096).status().code(), absl::StatusCode::kNotFound);
 }
 
 }  // namespace
-}  // namespace kvcellar::gpu
+}  // namespace kvcellar::platform

@@ -1,4 +1,4 @@
-#include "gpu/sim_engine_memory.h"
+#include "platform/sim_engine_memory.h"
 
 #include <unistd.h>
 
@@ -7,10 +7,10 @@
 
 #include "absl/strings/str_cat.h"
 
-namespace kvcellar::gpu {
+namespace kvcellar::platform {
 
 absl::StatusOr<SimEngineMemory> SimEngineMemory::Create(absl::string_view name, uint64_t bytes) {
-  absl::StatusOr<platform::ShmMapping> shm = platform::ShmMapping::Create(name, bytes);
+  absl::StatusOr<ShmMapping> shm = ShmMapping::Create(name, bytes);
   if (!shm.ok()) return shm.status();
   return SimEngineMemory(*std::move(shm));
 }
@@ -75,22 +75,14 @@ absl::StatusOr<SimEngineKvCache> SimEngineKvCache::Create(absl::string_view name
   absl::StatusOr<SimEngineMemory> memory =
       SimEngineMemory::Create(layout->regions.front().handle, total);
   if (!memory.ok()) return memory.status();
-  CompletionRegion completion;
+  SignalRegion completion;
   if (completion_slots > 0) {
-    absl::StatusOr<CompletionRegion> c =
-        CompletionRegion::Create(CompletionName(name_prefix), completion_slots, shape.num_layers);
+    absl::StatusOr<SignalRegion> c = SignalRegion::Create(
+        CompletionName(name_prefix), completion_slots, shape.num_layers, completion_slots);
     if (!c.ok()) return c.status();
     completion = *std::move(c);
   }
   return SimEngineKvCache(*std::move(memory), *std::move(layout), std::move(completion));
-}
-
-EngineSpec SimEngineKvCache::Spec(std::string device_uuid) const {
-  EngineSpec spec;
-  spec.device_uuid = std::move(device_uuid);
-  spec.layout = layout_;
-  if (completion_.valid()) spec.completion_region = completion_.name();
-  return spec;
 }
 
 uint8_t* SimEngineKvCache::Block(uint32_t layer, uint32_t buffer, uint32_t block) const {
@@ -100,4 +92,4 @@ uint8_t* SimEngineKvCache::Block(uint32_t layer, uint32_t buffer, uint32_t block
   return memory_.data() + r.offset + b.offset + uint64_t{block} * b.block_stride;
 }
 
-}  // namespace kvcellar::gpu
+}  // namespace kvcellar::platform
