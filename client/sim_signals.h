@@ -10,6 +10,7 @@
 #define KVCELLAR_CLIENT_SIM_SIGNALS_H_
 
 #include <cstdint>
+#include <utility>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
