@@ -16,9 +16,9 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "client/channel.h"
+#include "core/kv_layout.h"
 #include "core/namespace_spec.h"
 #include "core/page_key.h"
-#include "gpu/kv_layout.h"
 
 namespace kvcellar::client {
 
@@ -76,7 +76,7 @@ struct EngineRegistration {
   std::string device_uuid;  // 16 raw bytes (SIM: any); empty: 16 zero bytes.
   std::string device_name;
   // Regions' handles: SIM shm names, or CUDA 64-byte IPC handles (by device_kind).
-  gpu::KvLayout layout;
+  core::KvLayout layout;
   CompletionChannelSpec completion;
   // For the first registration only: end a live session holding (instance_id, rank) first.
   // Re-registrations after a lost session always replace.

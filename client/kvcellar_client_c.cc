@@ -13,7 +13,7 @@
 #include "client/sim_signals.h"
 #include "core/namespace_spec.h"
 #include "core/page_key.h"
-#include "gpu/sim_engine_memory.h"
+#include "platform/sim_engine_memory.h"
 
 using kvcellar::client::Client;
 using kvcellar::client::Session;
@@ -27,7 +27,7 @@ struct kvc_session {
 };
 
 struct kvc_sim_memory {
-  kvcellar::gpu::SimEngineMemory memory;
+  kvcellar::platform::SimEngineMemory memory;
 };
 
 struct kvc_sim_signals {
@@ -245,7 +245,7 @@ int kvc_register(kvc_client* client, const kvc_registration* r, kvc_session** ou
   const bool cuda = r->device_kind == KVC_DEVICE_CUDA;
   for (size_t i = 0; i < r->num_regions; ++i) {
     const kvc_region& cr = r->regions[i];
-    kvcellar::gpu::MemoryRegion mr;
+    kvcellar::core::MemoryRegion mr;
     if (cuda) {
       if (cr.cuda_ipc_handle == nullptr) {
         return Fail(KVC_ERR_INVALID_ARGUMENT, absl::StrCat("regions[", i, "]: no IPC handle"));
@@ -259,10 +259,10 @@ int kvc_register(kvc_client* client, const kvc_registration* r, kvc_session** ou
     reg.layout.regions.push_back(std::move(mr));
   }
   auto buffer = [](const kvc_buffer& b) {
-    return kvcellar::gpu::BufferLayout{b.region, b.offset, b.block_stride, b.bytes_per_block};
+    return kvcellar::core::BufferLayout{b.region, b.offset, b.block_stride, b.bytes_per_block};
   };
   for (size_t i = 0; i < r->num_layers; ++i) {
-    kvcellar::gpu::LayerLayout l;
+    kvcellar::core::LayerLayout l;
     l.k = buffer(r->layers[i].k);
     if (r->layers[i].has_v) l.v = buffer(r->layers[i].v);
     reg.layout.layers.push_back(l);
@@ -502,7 +502,7 @@ int kvc_page_keys(const kvc_namespace* ns, const uint8_t* parent_key, const uint
 
 int kvc_sim_unique_name(const char* tag, char* buf, size_t cap) {
   if (buf == nullptr) return Fail(KVC_ERR_INVALID_ARGUMENT, "NULL buf");
-  const std::string name = kvcellar::gpu::UniqueShmName(tag == nullptr ? "py" : tag);
+  const std::string name = kvcellar::platform::UniqueShmName(tag == nullptr ? "py" : tag);
   if (name.size() + 1 > cap) {
     return Fail(KVC_ERR_INVALID_ARGUMENT, absl::StrCat("cap ", cap, " < ", name.size() + 1));
   }
@@ -514,8 +514,8 @@ int kvc_sim_memory_create(const char* name, uint64_t bytes, kvc_sim_memory** out
   if (out == nullptr || name == nullptr) return Fail(KVC_ERR_INVALID_ARGUMENT, "NULL argument");
   *out = nullptr;
   if (bytes == 0) return Fail(KVC_ERR_INVALID_ARGUMENT, "bytes must be > 0");
-  absl::StatusOr<kvcellar::gpu::SimEngineMemory> m =
-      kvcellar::gpu::SimEngineMemory::Create(name, bytes);
+  absl::StatusOr<kvcellar::platform::SimEngineMemory> m =
+      kvcellar::platform::SimEngineMemory::Create(name, bytes);
   if (!m.ok()) return Code(m.status());
   *out = new kvc_sim_memory{*std::move(m)};
   return KVC_OK;

@@ -10,7 +10,7 @@ namespace {
 // DeviceSpec.uuid is exactly 16 bytes (the size of cudaUUID_t).
 constexpr size_t kDeviceUuidBytes = 16;
 
-void ToProto(const gpu::BufferLayout& b, v1::BlockBuffer* out) {
+void ToProto(const core::BufferLayout& b, v1::BlockBuffer* out) {
   out->set_region(b.region);
   out->set_offset_bytes(b.offset);
   out->set_block_stride_bytes(b.block_stride);
@@ -54,7 +54,7 @@ v1::RegisterEngineRequest ToRegisterRequest(const EngineRegistration& reg) {
   dev->set_name(reg.device_name);
 
   v1::KvLayout* layout = req.mutable_layout();
-  for (const gpu::MemoryRegion& r : reg.layout.regions) {
+  for (const core::MemoryRegion& r : reg.layout.regions) {
     v1::MemoryRegion* pr = layout->add_regions();
     if (cuda) {
       pr->set_cuda_ipc_handle(r.handle);
@@ -64,7 +64,7 @@ v1::RegisterEngineRequest ToRegisterRequest(const EngineRegistration& reg) {
     pr->set_offset_bytes(r.offset);
     pr->set_size_bytes(r.size);
   }
-  for (const gpu::LayerLayout& l : reg.layout.layers) {
+  for (const core::LayerLayout& l : reg.layout.layers) {
     v1::LayerLayout* pl = layout->add_layers();
     ToProto(l.k, pl->mutable_k());
     if (l.v.has_value()) ToProto(*l.v, pl->mutable_v());

@@ -54,15 +54,15 @@ void FillPattern(uint8_t* dst, uint64_t n, uint64_t seed, const core::PageKey& k
 
 absl::StatusOr<std::unique_ptr<SimEngine>> SimEngine::Create(const SimEngineOptions& options) {
   SimEngineOptions o = options;
-  if (o.name_prefix.empty()) o.name_prefix = gpu::UniqueShmName("eng");
-  gpu::SimKvShape shape;
+  if (o.name_prefix.empty()) o.name_prefix = platform::UniqueShmName("eng");
+  platform::SimKvShape shape;
   shape.num_layers = o.num_layers;
   shape.num_blocks = o.num_blocks;
   shape.bytes_per_block = o.bytes_per_block;
   shape.mla = o.mla;
   shape.arrangement = o.arrangement;
-  absl::StatusOr<gpu::SimEngineKvCache> kv =
-      gpu::SimEngineKvCache::Create(o.name_prefix, shape, /*completion_slots=*/0);
+  absl::StatusOr<platform::SimEngineKvCache> kv =
+      platform::SimEngineKvCache::Create(o.name_prefix, shape, /*completion_slots=*/0);
   if (!kv.ok()) return kv.status();
   SimSignalRegion signals;
   if (o.load_slots > 0 || o.ready_slots > 0) {

@@ -1,5 +1,5 @@
 // SimEngine: one engine rank's KV cache on the sim device, for tests, benchmarks and the
-// kvcellar-engine-sim tool: the shm "device memory" (gpu::SimEngineKvCache), the KVCSIG01
+// kvcellar-engine-sim tool: the shm "device memory" (platform::SimEngineKvCache), the KVCSIG01
 // completion channel (sim_signals.h), and a deterministic byte pattern to fill and verify blocks.
 //
 // The pattern: byte i of the part of a page object that belongs to one layer (K bytes, then V
@@ -20,7 +20,7 @@
 #include "client/client_types.h"
 #include "client/sim_signals.h"
 #include "core/page_key.h"
-#include "gpu/sim_engine_memory.h"
+#include "platform/sim_engine_memory.h"
 
 namespace kvcellar::client {
 
@@ -31,7 +31,7 @@ struct SimEngineOptions {
   bool mla = false;
   uint64_t bytes_per_block = 4096;  // Per buffer (K, V or the latent) per layer.
   uint32_t num_blocks = 64;
-  gpu::SimKvShape::Arrangement arrangement = gpu::SimKvShape::Arrangement::kLayerFirst;
+  platform::SimKvShape::Arrangement arrangement = platform::SimKvShape::Arrangement::kLayerFirst;
   uint32_t load_slots = 4;  // 0 and 0: no completion channel.
   uint32_t ready_slots = 4;
 };
@@ -48,7 +48,7 @@ class SimEngine {
   static absl::StatusOr<std::unique_ptr<SimEngine>> Create(const SimEngineOptions& options);
 
   const SimEngineOptions& options() const { return options_; }
-  const gpu::KvLayout& layout() const { return kv_.layout(); }
+  const core::KvLayout& layout() const { return kv_.layout(); }
   uint32_t num_layers() const { return options_.num_layers; }
   uint32_t num_blocks() const { return options_.num_blocks; }
   uint32_t buffers() const { return options_.mla ? 1 : 2; }
@@ -81,11 +81,11 @@ class SimEngine {
   void PublishReady(uint32_t slot, uint64_t token) { signals_.PublishReady(slot, token); }
 
  private:
-  SimEngine(SimEngineOptions options, gpu::SimEngineKvCache kv, SimSignalRegion signals)
+  SimEngine(SimEngineOptions options, platform::SimEngineKvCache kv, SimSignalRegion signals)
       : options_(std::move(options)), kv_(std::move(kv)), signals_(std::move(signals)) {}
 
   const SimEngineOptions options_;
-  gpu::SimEngineKvCache kv_;
+  platform::SimEngineKvCache kv_;
   SimSignalRegion signals_;
   std::atomic<uint64_t> ready_tokens_{0};
 };

@@ -85,6 +85,21 @@ absl::Status ValidateCopyItems(absl::Span<const CopyItem> items, uint32_t num_bl
   return absl::OkStatus();
 }
 
+absl::StatusOr<platform::SignalRegion> OpenCompletionRegion(absl::string_view name,
+                                                            uint32_t num_layers) {
+  absl::StatusOr<platform::SignalRegion> r = platform::SignalRegion::Open(name);
+  if (!r.ok()) {
+    return absl::Status(r.status().code(),
+                        absl::StrCat("completion_region: ", r.status().message()));
+  }
+  if (r->num_layers() != num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("completion_region: ", name, ": num_layers ",
+                                                   r->num_layers(), " differs from the layout's ",
+                                                   num_layers));
+  }
+  return r;
+}
+
 absl::StatusOr<std::string> NormalizeDeviceUuid(absl::string_view uuid) {
   absl::string_view rest = uuid;
   if (rest.size() >= 4 && (absl::EqualsIgnoreCase(rest.substr(0, 4), "GPU-") ||

@@ -2,18 +2,19 @@
 //
 // One instance per device kind serves every engine of that kind on the node (a daemon with a CUDA
 // device may also run a SimDevice for engines whose KV lives in host memory:
-// server/datapath/device_set.h). The server opens an EngineMapping per registered engine (RegisterEngine)
-// and submits one batched op per RPC: a Gather for Backup (device blocks -> host page objects)
-// and a Scatter for Load (host page objects -> device blocks). Ops are asynchronous; the server
-// polls or waits on the returned DeviceOp.
+// server/datapath/device_set.h). The server opens an EngineMapping per registered engine
+// (RegisterEngine) and submits one batched op per RPC: a Gather for Backup (device blocks -> host
+// page objects) and a Scatter for Load (host page objects -> device blocks). Ops are asynchronous;
+// the server polls or waits on the returned DeviceOp.
 //
 // Implementations: SimDevice (sim_device.h: host shared memory and memcpy, for engines whose KV
 // lives in host memory and for machines without a GPU) and the CUDA device (cuda/cuda_device.h:
 // IPC handles, copy streams, batched copies, events).
 // Both keep the same semantics:
 //   - A Gather reads no engine byte before its ReadyFence fires.
-//   - A Scatter lands layer by layer: layer i is signalled (CompletionRegion) only after every
-//     item's layer-i bytes are in engine memory, and signals advance in layer order.
+//   - A Scatter lands layer by layer: layer i is signalled (the engine's signal region,
+//     core/signal_layout.h) only after every item's layer-i bytes are in engine memory, and signals
+//     advance in layer order.
 //   - Host pages named in an op belong to the op until DeviceOp::Poll() or Wait() reports it done,
 //     also after Cancel() and after a failure: the device may still be writing them until then.
 //   - Submit either enqueues the op or fails having copied nothing.
@@ -43,7 +44,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "gpu/kv_layout.h"
+#include "core/kv_layout.h"
+#include "platform/signal_region.h"
 
 namespace kvcellar::gpu {
 
@@ -66,21 +68,26 @@ struct ReadyFence {
   enum class Kind : uint8_t {
     kReady,         // Already complete (the engine synchronized before asking).
     kCudaIpcEvent,  // CUDA: an interprocess event the engine recorded after the forward pass.
-    kCounter,       // sim: the completion region's fence word reaching `counter`.
+    kCounter,       // sim: ready word `slot` of the engine's signal region reaching `counter`.
   };
   Kind kind = Kind::kReady;
   std::string cuda_ipc_event;  // kCudaIpcEvent: the 64-byte cudaIpcEventHandle_t.
+  uint32_t slot = 0;           // kCounter: the ready slot.
   uint64_t counter = 0;        // kCounter.
 
   static ReadyFence Ready() { return {}; }
   static ReadyFence CudaIpcEvent(std::string handle) {
-    return {Kind::kCudaIpcEvent, std::move(handle), 0};
+    return {Kind::kCudaIpcEvent, std::move(handle), 0, 0};
   }
-  static ReadyFence Counter(uint64_t value) { return {Kind::kCounter, {}, value}; }
+  static ReadyFence Counter(uint32_t slot, uint64_t value) {
+    return {Kind::kCounter, {}, slot, value};
+  }
 };
 
-// Where an op reports progress to the engine: a slot of the engine's CompletionRegion and the
-// ticket to store there (completion.h). ticket 0 means "no signal".
+// Where an op reports progress to the engine: a load slot of the engine's signal region
+// (core/signal_layout.h) and the op id ("ticket") to store there: a Scatter stores it into each
+// layer word as the layer lands, every op ends with the op word (a failed or cancelled one first
+// stores the ticket into every layer word, so no waiter blocks). ticket 0 means "no signal".
 struct OpSignal {
   uint32_t slot = 0;
   uint64_t ticket = 0;
@@ -93,10 +100,10 @@ struct EngineSpec {
   // dashes and prefix optional), which does not depend on CUDA_VISIBLE_DEVICES. sim: any string;
   // checked only when the SimDevice was given a uuid.
   std::string device_uuid;
-  KvLayout layout;
-  // Name of the engine's CompletionRegion (a POSIX shm object), or empty. Without one, Scatter
-  // reports layer progress through DeviceOp::layers_done() only, and sim counter fences are
-  // unavailable.
+  core::KvLayout layout;
+  // Name of the engine's signal region (a POSIX shm object in the KVCSIG01 format the engine
+  // creates: platform::SignalRegion::Create), or empty. Without one, Scatter reports layer
+  // progress through DeviceOp::layers_done() only, and sim counter fences are unavailable.
   std::string completion_region;
   // CUDA: the engine's per-layer Load events (docs/api.md "CUDA: IPC events"), one 64-byte
   // cudaIpcEventHandle_t per (load slot, layer), slot-major: (s * layers + l). A Scatter with an
@@ -164,7 +171,7 @@ using OpHandle = std::shared_ptr<DeviceOp>;
 class EngineMapping {
  public:
   virtual ~EngineMapping() = default;
-  virtual const KvLayout& layout() const = 0;
+  virtual const core::KvLayout& layout() const = 0;
   virtual uint64_t page_object_bytes() const = 0;
 };
 
@@ -182,13 +189,13 @@ class DeviceBackend {
   virtual absl::StatusOr<std::unique_ptr<EngineMapping>> OpenEngine(const EngineSpec& spec) = 0;
 
   // Device -> host: for each item, every layer's K then V block bytes into the page object, once
-  // `fence` fires. `signal`, if enabled, gets done_ticket (or the failure sequence) at the end.
+  // `fence` fires. `signal`, if enabled, gets the op word (or the failure sequence) at the end.
   virtual absl::StatusOr<OpHandle> SubmitGather(EngineMapping& engine,
                                                 absl::Span<const CopyItem> items,
                                                 const ReadyFence& fence, OpSignal signal) = 0;
 
   // Host -> device, layer by layer: every item's layer 0, then layer 1, ...; `signal`, if
-  // enabled, gets each layer's ticket as it lands, then done_ticket. Device blocks must be
+  // enabled, gets each layer's ticket as it lands, then the op word. Device blocks must be
   // distinct within the batch.
   virtual absl::StatusOr<OpHandle> SubmitScatter(EngineMapping& engine,
                                                  absl::Span<const CopyItem> items,
@@ -206,6 +213,13 @@ class DeviceBackend {
 // `distinct_blocks`) a device block named twice. Shared by the backends.
 absl::Status ValidateCopyItems(absl::Span<const CopyItem> items, uint32_t num_blocks,
                                bool distinct_blocks);
+
+// Maps the engine's signal region (EngineSpec::completion_region) and checks it against the
+// layout's layer count. Errors start with "completion_region: " (the server names the
+// registration's field from it): NOT_FOUND for a missing object, INVALID_ARGUMENT for a wrong
+// header or layer count. Shared by the backends.
+absl::StatusOr<platform::SignalRegion> OpenCompletionRegion(absl::string_view name,
+                                                            uint32_t num_layers);
 
 // Canonical form of a device UUID: 32 lowercase hex digits, with any "GPU-"/"MIG-" prefix and
 // dashes removed. INVALID_ARGUMENT when what remains is not 32 hex digits.

@@ -7,24 +7,24 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "platform/bus_fault_guard.h"
 #include "platform/log.h"
-#include "gpu/bus_fault_guard.h"
-#include "gpu/completion.h"
-#include "gpu/shm_mapping.h"
+#include "platform/shm_mapping.h"
+#include "platform/signal_region.h"
 
 namespace kvcellar::gpu {
 
-// The daemon's view of one engine: its mapped regions and the completion region. Shared by the
+// The daemon's view of one engine: its mapped regions and its signal region. Shared by the
 // mapping handle and every op of the engine; Close() unmaps once no op is active.
 class SimDevice::Engine {
  public:
-  KvLayout layout;
-  std::vector<PageSegment> segs;
+  core::KvLayout layout;
+  std::vector<core::PageSegment> segs;
   // Per segment: the address of block 0 (region base + device_offset).
   std::vector<uint8_t*> seg_base;
   uint64_t object_bytes = 0;
-  std::vector<ShmMapping> shms;
-  CompletionRegion completion;  // !valid() when the engine registered none.
+  std::vector<platform::ShmMapping> shms;
+  platform::SignalRegion completion;  // !valid() when the engine registered none.
   // Set first thing in Close(): queued tasks of this engine skip their copies.
   std::atomic<bool> closing{false};
   // A copy took a SIGBUS on this engine's memory (it truncated or shrank a registered object):
@@ -51,7 +51,7 @@ class SimDevice::Engine {
       auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return active_ops_ == 0; };
       mu_.Await(absl::Condition(&idle));
     }
-    completion = CompletionRegion();
+    completion = platform::SignalRegion();
     shms.clear();
     seg_base.clear();
   }
@@ -78,7 +78,7 @@ class SimEngineMapping final : public EngineMapping {
       : engine_(std::move(engine)) {}
   ~SimEngineMapping() override { engine_->Close(); }
 
-  const KvLayout& layout() const override { return engine_->layout; }
+  const core::KvLayout& layout() const override { return engine_->layout; }
   uint64_t page_object_bytes() const override { return engine_->object_bytes; }
   const std::shared_ptr<SimDevice::Engine>& engine() const { return engine_; }
 
@@ -100,6 +100,7 @@ class SimDevice::Op final : public DeviceOp {
   const std::vector<CopyItem> items;
   const OpSignal signal;
   bool wait_fence = false;
+  uint32_t fence_slot = 0;
   uint64_t fence_counter = 0;
   std::vector<Task> tasks;
   size_t next_task = 0;  // Guarded by SimDevice::mu_.
@@ -145,7 +146,7 @@ class SimDevice::Op final : public DeviceOp {
   void PlanScatter(uint64_t task_bytes) {
     const uint32_t n = static_cast<uint32_t>(items.size());
     const uint32_t nsegs = static_cast<uint32_t>(engine->segs.size());
-    const std::vector<PageSegment>& segs = engine->segs;
+    const std::vector<core::PageSegment>& segs = engine->segs;
     layer_pending = std::make_unique<std::atomic<uint32_t>[]>(num_layers());
     {
       absl::MutexLock lock(&publish_mu);
@@ -182,11 +183,10 @@ void FinishOp(SimDevice::Op& op) {
   const bool ok = !op.skipped.load(std::memory_order_acquire);
   SimDevice::Engine& engine = *op.engine;
   if (op.signal.enabled()) {
-    if (ok) {
-      engine.completion.SignalDone(op.signal.slot, op.signal.ticket);
-    } else {
-      engine.completion.SignalFailed(op.signal.slot, op.signal.ticket);
-    }
+    // A failed op releases every layer waiter; a successful Scatter signalled its layers as they
+    // landed, and a Gather has none to signal.
+    engine.completion.EndOp(op.signal.slot, op.signal.ticket, /*failed=*/!ok,
+                            ok ? op.num_layers() : 0);
   }
   if (ok) {
     op.Finish(absl::OkStatus());
@@ -226,7 +226,7 @@ inline void Prefetch(const uint8_t* p, uint64_t bytes) {
 }
 
 void CopyGather(const SimDevice::Engine& e, const SimDevice::Op& op, const Task& t) {
-  const PageSegment* segs = e.segs.data();
+  const core::PageSegment* segs = e.segs.data();
   for (uint32_t i = t.item_begin; i < t.item_end; ++i) {
     const uint64_t block = op.items[i].device_block;
     const uint64_t next_block = op.items[i + 1 < t.item_end ? i + 1 : i].device_block;
@@ -249,7 +249,7 @@ void CopyGather(const SimDevice::Engine& e, const SimDevice::Op& op, const Task&
 }
 
 void CopyScatter(const SimDevice::Engine& e, const SimDevice::Op& op, const Task& t) {
-  const PageSegment* segs = e.segs.data();
+  const core::PageSegment* segs = e.segs.data();
   for (uint32_t i = t.item_begin; i < t.item_end; ++i) {
     const uint64_t block = op.items[i].device_block;
     const uint8_t* host = op.items[i].host_page;
@@ -296,7 +296,7 @@ absl::StatusOr<std::unique_ptr<SimDevice>> SimDevice::Create(Options options) {
         static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 4));
   }
   if (options.task_bytes == 0) return absl::InvalidArgumentError("task_bytes is 0");
-  InstallBusFaultHandler();
+  platform::InstallBusFaultHandler();
   return std::unique_ptr<SimDevice>(new SimDevice(std::move(options)));
 }
 
@@ -327,14 +327,14 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> SimDevice::OpenEngine(const Engin
     return absl::NotFoundError(absl::StrCat("device_uuid \"", spec.device_uuid,
                                             "\": this sim device is \"", options_.uuid, "\""));
   }
-  const KvLayout& layout = spec.layout;
+  const core::KvLayout& layout = spec.layout;
   if (absl::Status s = layout.Validate(); !s.ok()) return s;
 
   // Map each shm object once, as far as the furthest region in it reaches.
   absl::flat_hash_map<std::string, std::pair<uint64_t, size_t>> extent;  // name -> (bytes, first)
   for (size_t i = 0; i < layout.regions.size(); ++i) {
-    const MemoryRegion& r = layout.regions[i];
-    if (absl::Status s = ShmMapping::CheckName(r.handle); !s.ok()) {
+    const core::MemoryRegion& r = layout.regions[i];
+    if (absl::Status s = platform::ShmMapping::CheckName(r.handle); !s.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("regions[", i, "].handle: ", s.message()));
     }
     auto [it, inserted] = extent.try_emplace(r.handle, r.offset + r.size, i);
@@ -342,11 +342,11 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> SimDevice::OpenEngine(const Engin
   }
   auto engine = std::make_shared<Engine>();
   engine->layout = layout;
-  engine->segs = PageSegments(layout);
+  engine->segs = core::PageSegments(layout);
   engine->object_bytes = layout.PageObjectBytes();
   absl::flat_hash_map<std::string, uint8_t*> base;
   for (const auto& [name, e] : extent) {
-    absl::StatusOr<ShmMapping> m = ShmMapping::Open(name, e.first);
+    absl::StatusOr<platform::ShmMapping> m = platform::ShmMapping::Open(name, e.first);
     if (!m.ok()) {
       return absl::Status(m.status().code(),
                           absl::StrCat("regions[", e.second, "]: ", m.status().message()));
@@ -354,17 +354,14 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> SimDevice::OpenEngine(const Engin
     base[name] = m->data();
     engine->shms.push_back(*std::move(m));
   }
-  for (const PageSegment& s : engine->segs) {
-    const MemoryRegion& r = layout.regions[s.region];
+  for (const core::PageSegment& s : engine->segs) {
+    const core::MemoryRegion& r = layout.regions[s.region];
     engine->seg_base.push_back(base[r.handle] + r.offset + s.device_offset);
   }
   if (!spec.completion_region.empty()) {
-    absl::StatusOr<CompletionRegion> c = CompletionRegion::Attach(
-        spec.completion_region, static_cast<uint32_t>(layout.layers.size()));
-    if (!c.ok()) {
-      return absl::Status(c.status().code(),
-                          absl::StrCat("completion_region: ", c.status().message()));
-    }
+    absl::StatusOr<platform::SignalRegion> c =
+        OpenCompletionRegion(spec.completion_region, static_cast<uint32_t>(layout.layers.size()));
+    if (!c.ok()) return c.status();
     engine->completion = *std::move(c);
   }
   KVLOG(Info, "engine mapped",
@@ -412,6 +409,11 @@ absl::StatusOr<OpHandle> SimDevice::Submit(EngineMapping& mapping, absl::Span<co
             "fence.kind: a counter fence needs the engine's completion_region, and it registered "
             "none");
       }
+      if (fence.slot >= engine->completion.num_ready_slots()) {
+        return absl::InvalidArgumentError(absl::StrCat("fence.slot (", fence.slot,
+                                                       ") out of range [0, ",
+                                                       engine->completion.num_ready_slots(), ")"));
+      }
       break;
   }
   if (signal.enabled()) {
@@ -419,10 +421,10 @@ absl::StatusOr<OpHandle> SimDevice::Submit(EngineMapping& mapping, absl::Span<co
       return absl::InvalidArgumentError(
           "signal: the engine registered no completion_region to signal");
     }
-    if (signal.slot >= engine->completion.num_slots()) {
+    if (signal.slot >= engine->completion.num_load_slots()) {
       return absl::InvalidArgumentError(absl::StrCat("signal.slot (", signal.slot,
                                                      ") out of range [0, ",
-                                                     engine->completion.num_slots(), ")"));
+                                                     engine->completion.num_load_slots(), ")"));
     }
   }
 
@@ -438,6 +440,7 @@ absl::StatusOr<OpHandle> SimDevice::Submit(EngineMapping& mapping, absl::Span<co
   op->tasks_left.store(op->tasks.size(), std::memory_order_relaxed);
   if (fence.kind == ReadyFence::Kind::kCounter) {
     op->wait_fence = true;
+    op->fence_slot = fence.slot;
     op->fence_counter = fence.counter;
   }
   if (engine->faulted.load(std::memory_order_acquire)) {
@@ -462,7 +465,7 @@ absl::StatusOr<OpHandle> SimDevice::Submit(EngineMapping& mapping, absl::Span<co
       engine->EndOp();
       return absl::UnavailableError("sim device is shutting down");
     }
-    if (op->wait_fence && engine->completion.fence() < op->fence_counter) {
+    if (op->wait_fence && engine->completion.ready_word(op->fence_slot) < op->fence_counter) {
       fence_waiters_.push_back(op);
     } else {
       run_queue_.push_back(op);
@@ -498,7 +501,7 @@ void SimDevice::RunTask(Op& op, size_t task) {
                     !engine.faulted.load(std::memory_order_acquire);
   const bool scatter = op.kind() == DeviceOp::Kind::kScatter;
   CopyArgs args{&engine, &op, &t, scatter};
-  if (copy && !RunCatchingBusFaults(&RunCopy, &args)) {
+  if (copy && !platform::RunCatchingBusFaults(&RunCopy, &args)) {
     // Only this engine's op fails; the daemon and every other engine carry on.
     if (!engine.faulted.exchange(true, std::memory_order_acq_rel)) {
       KVLOG(Error, "engine memory fault",
@@ -540,7 +543,7 @@ void SimDevice::PollerLoop() {
       Op& op = **it;
       if (stop_ || op.cancel_requested() || op.engine->closing.load(std::memory_order_acquire)) {
         dead.push_back(std::move(*it));
-      } else if (op.engine->completion.fence() >= op.fence_counter) {
+      } else if (op.engine->completion.ready_word(op.fence_slot) >= op.fence_counter) {
         // The acquire load above orders the engine's writes before our (later) copies.
         run_queue_.push_back(std::move(*it));
       } else {

@@ -1,19 +1,20 @@
 // SimDevice: the host-shared-memory DeviceBackend, with the CUDA backend's semantics.
 //
 // Two uses: production, for engines whose KV lives in host memory (SGLang's HiCache host pool),
-// served beside the CUDA device on GPU nodes (server/datapath/device_set.h); and the GPU stand-in on
-// machines without one, for integrations and tests.
+// served beside the CUDA device on GPU nodes (server/datapath/device_set.h); and the GPU stand-in
+// on machines without one, for integrations and tests.
 //
 // Engine "device memory" is shared memory that the engine process creates: a POSIX shm object
-// (SimEngineMemory) or a memfd named "/proc/<pid>/fd/<fd>" (shm_mapping.h); the daemon maps each
-// region once per engine, checking that the object is at least as large as the layout declares. Copies are memcpy on a small pool of worker
-// threads, so ops complete asynchronously just as on a copy stream.
+// (platform/sim_engine_memory.h) or a memfd named "/proc/<pid>/fd/<fd>" (platform/shm_mapping.h);
+// the daemon maps each region once per engine, checking that the object is at least as large as
+// the layout declares. Copies are memcpy on a small pool of worker threads, so ops complete
+// asynchronously just as on a copy stream.
 //
 // Gather fences are counters (ReadyFence::Counter): a poller thread watches each waiting op's
-// engine fence word in the CompletionRegion and releases the op to the workers only once it is
-// reached, so no engine byte is read early. Scatter progress goes to the same region's slots
-// (completion.h), layer by layer and in layer order, each store a release after the bytes it
-// covers.
+// ready word in the engine's signal region (core/signal_layout.h) and releases the op to the
+// workers only once it is reached, so no engine byte is read early. Scatter progress goes to the
+// same region's load slots, layer by layer and in layer order, each store a release after the
+// bytes it covers.
 //
 // Work split: an op becomes tasks of about Options::task_bytes. A Gather's tasks are runs of
 // whole page objects (or, for large objects, runs of layers of one object); a Scatter's tasks are

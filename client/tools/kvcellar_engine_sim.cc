@@ -705,8 +705,9 @@ int main(int argc, char** argv) {
   so.bytes_per_block = f.U64("--block-bytes", 4096);
   so.num_blocks = static_cast<uint32_t>(f.U64("--blocks", 64));
   so.mla = layout == "mla";
-  so.arrangement = arrangement == "block" ? kvcellar::gpu::SimKvShape::Arrangement::kBlockFirst
-                                          : kvcellar::gpu::SimKvShape::Arrangement::kLayerFirst;
+  so.arrangement = arrangement == "block"
+                       ? kvcellar::platform::SimKvShape::Arrangement::kBlockFirst
+                       : kvcellar::platform::SimKvShape::Arrangement::kLayerFirst;
   if (f.Bool("--no-signals")) so.load_slots = so.ready_slots = 0;
   // A killed engine cannot unlink its shm objects; a known prefix lets the test remove them.
   if (std::string prefix = f.Str("--shm-prefix"); !prefix.empty()) {

@@ -55,16 +55,14 @@ __global__ void StoreTicketKernel(unsigned long long* word, unsigned long long v
   __threadfence_system();
 }
 
-__global__ void StoreFailureKernel(unsigned long long* failed, unsigned long long* layers,
-                                   uint32_t num_layers, unsigned long long* done,
-                                   unsigned long long ticket) {
-  __threadfence_system();
-  *reinterpret_cast<volatile unsigned long long*>(failed) = ticket;
+__global__ void StoreFailureKernel(unsigned long long* layers, uint32_t num_layers,
+                                   unsigned long long layer_value, unsigned long long* op,
+                                   unsigned long long op_value) {
   __threadfence_system();
   volatile unsigned long long* l = layers;
-  for (uint32_t i = 0; i < num_layers; ++i) l[i] = ticket;
+  for (uint32_t i = 0; i < num_layers; ++i) l[i] = layer_value;
   __threadfence_system();
-  *reinterpret_cast<volatile unsigned long long*>(done) = ticket;
+  *reinterpret_cast<volatile unsigned long long*>(op) = op_value;
   __threadfence_system();
 }
 
@@ -95,13 +93,12 @@ cudaError_t LaunchStoreTicket(uint64_t* word, uint64_t value, cudaStream_t strea
   return cudaGetLastError();
 }
 
-cudaError_t LaunchStoreFailure(uint64_t* failed_word, uint64_t* first_layer_word,
-                               uint32_t num_layers, uint64_t* done_word, uint64_t ticket,
+cudaError_t LaunchStoreFailure(uint64_t* first_layer_word, uint32_t num_layers,
+                               uint64_t layer_value, uint64_t* op_word, uint64_t op_value,
                                cudaStream_t stream) {
   using U = unsigned long long;
-  StoreFailureKernel<<<1, 1, 0, stream>>>(reinterpret_cast<U*>(failed_word),
-                                          reinterpret_cast<U*>(first_layer_word), num_layers,
-                                          reinterpret_cast<U*>(done_word), ticket);
+  StoreFailureKernel<<<1, 1, 0, stream>>>(reinterpret_cast<U*>(first_layer_word), num_layers,
+                                          layer_value, reinterpret_cast<U*>(op_word), op_value);
   return cudaGetLastError();
 }
 

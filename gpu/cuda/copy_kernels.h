@@ -1,5 +1,5 @@
 // Device code of the CUDA backend: the copy kernel for many small runs and the one-thread kernels
-// that store completion tickets into the engine's (host-mapped) CompletionRegion.
+// that store op ids into the engine's (host-mapped) signal region (core/signal_layout.h).
 //
 // Callable from host code compiled by the C++ compiler; the kernels live in copy_kernels.cu.
 #ifndef KVCELLAR_GPU_CUDA_COPY_KERNELS_H_
@@ -33,10 +33,11 @@ cudaError_t LaunchCopyRuns(const CopyRun* runs, uint32_t n, uint32_t max_blocks,
 // after everything before it on `stream`, visible system-wide.
 cudaError_t LaunchStoreTicket(uint64_t* word, uint64_t value, cudaStream_t stream);
 
-// The CompletionRegion failure sequence for one slot (device-side addresses of its words):
-// failed_ticket, then every layer word, then done_ticket, each fenced system-wide.
-cudaError_t LaunchStoreFailure(uint64_t* failed_word, uint64_t* first_layer_word,
-                               uint32_t num_layers, uint64_t* done_word, uint64_t ticket,
+// How a failed op ends on one load slot (device-side addresses of its words): `layer_value` into
+// each of the `num_layers` words from `first_layer_word` on, then `op_value` into the op word,
+// each fenced system-wide, so no waiter of a layer blocks and the op word says it failed.
+cudaError_t LaunchStoreFailure(uint64_t* first_layer_word, uint32_t num_layers,
+                               uint64_t layer_value, uint64_t* op_word, uint64_t op_value,
                                cudaStream_t stream);
 
 }  // namespace kvcellar::gpu::cuda

@@ -15,9 +15,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "platform/log.h"
-#include "gpu/completion.h"
+#include "core/signal_layout.h"
 #include "gpu/cuda/copy_kernels.h"
+#include "platform/log.h"
+#include "platform/signal_region.h"
 
 namespace kvcellar::gpu {
 namespace {
@@ -240,13 +241,13 @@ class CudaEngine final : public EngineMapping {
       : dev(dev), options(options) {}
   ~CudaEngine() override { Close(); }
 
-  const KvLayout& layout() const override { return layout_; }
+  const core::KvLayout& layout() const override { return layout_; }
   uint64_t page_object_bytes() const override { return object_bytes; }
 
   const DeviceInfo& dev;  // Owned by the device, which outlives its mappings.
   const CudaDeviceOptions options;
-  KvLayout layout_;
-  std::vector<PageSegment> segs;
+  core::KvLayout layout_;
+  std::vector<core::PageSegment> segs;
   std::vector<uint8_t*> seg_base;     // Device address of block 0 of each segment.
   std::vector<uint32_t> layer_first;  // First segment of each layer, plus segs.size().
   uint64_t object_bytes = 0;
@@ -254,7 +255,7 @@ class CudaEngine final : public EngineMapping {
   std::vector<void*> ipc_ptrs;  // Opened allocations, closed at Close().
   std::shared_ptr<Stream> gather_stream;
   std::shared_ptr<Stream> scatter_stream;
-  CompletionRegion completion;
+  platform::SignalRegion completion;
   uint8_t* completion_dev = nullptr;  // Device-side address of completion.base().
   bool completion_registered = false;
 
@@ -302,7 +303,7 @@ class CudaEngine final : public EngineMapping {
     ipc_ptrs.clear();
     if (completion_registered) cudaHostUnregister(completion.base());
     completion_registered = false;
-    completion = CompletionRegion();
+    completion = platform::SignalRegion();
     if (gather_stream) gather_stream->Destroy();
     if (scatter_stream) scatter_stream->Destroy();
   }
@@ -393,7 +394,7 @@ class CudaDevice final : public DeviceBackend {
 // ---- OpenEngine, in phases ---------------------------------------------------------------------
 
 // Every region names its allocation with a whole cudaIpcMemHandle_t.
-absl::Status CheckRegionHandles(const KvLayout& layout) {
+absl::Status CheckRegionHandles(const core::KvLayout& layout) {
   for (size_t i = 0; i < layout.regions.size(); ++i) {
     if (layout.regions[i].handle.size() != kCudaIpcHandleBytes) {
       return absl::InvalidArgumentError(
@@ -407,10 +408,10 @@ absl::Status CheckRegionHandles(const KvLayout& layout) {
 // Opens each region's allocation once (regions may share one), checks that it lives on the
 // engine's device and that the region fits in it, and places every segment at its device address.
 absl::Status MapRegions(CudaEngine& e, MemGetAddressRangeFn mem_get_address_range) {
-  const KvLayout& layout = e.layout_;
+  const core::KvLayout& layout = e.layout_;
   absl::flat_hash_map<std::string, uint8_t*> base;  // Handle -> opened allocation base.
   for (size_t i = 0; i < layout.regions.size(); ++i) {
-    const MemoryRegion& r = layout.regions[i];
+    const core::MemoryRegion& r = layout.regions[i];
     auto it = base.find(r.handle);
     if (it == base.end()) {
       cudaIpcMemHandle_t h;
@@ -445,8 +446,8 @@ absl::Status MapRegions(CudaEngine& e, MemGetAddressRangeFn mem_get_address_rang
       }
     }
   }
-  for (const PageSegment& s : e.segs) {
-    const MemoryRegion& r = layout.regions[s.region];
+  for (const core::PageSegment& s : e.segs) {
+    const core::MemoryRegion& r = layout.regions[s.region];
     e.seg_base.push_back(base[r.handle] + r.offset + s.device_offset);
   }
   return absl::OkStatus();
@@ -478,12 +479,9 @@ absl::Status CreateStreams(CudaEngine& e) {
 
 // Maps the engine's completion region, registered with CUDA so that kernels store into it.
 absl::Status AttachCompletion(CudaEngine& e, const std::string& completion_region) {
-  absl::StatusOr<CompletionRegion> c = CompletionRegion::Attach(
+  absl::StatusOr<platform::SignalRegion> c = OpenCompletionRegion(
       completion_region, static_cast<uint32_t>(e.layout_.layers.size()));
-  if (!c.ok()) {
-    return absl::Status(c.status().code(),
-                        absl::StrCat("completion_region: ", c.status().message()));
-  }
+  if (!c.ok()) return c.status();
   e.completion = *std::move(c);
   // Whole pages: the mapping has them, and older drivers wanted page-aligned sizes.
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
@@ -554,7 +552,7 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> CudaDevice::OpenEngine(const Engi
   absl::StatusOr<const DeviceInfo*> found = FindDevice(spec.device_uuid);
   if (!found.ok()) return found.status();
   const DeviceInfo* dev = *found;
-  const KvLayout& layout = spec.layout;
+  const core::KvLayout& layout = spec.layout;
   if (absl::Status s = layout.Validate(); !s.ok()) return s;
   if (absl::Status s = CheckRegionHandles(layout); !s.ok()) return s;
   ScopedDevice sd(dev->index);
@@ -562,7 +560,7 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> CudaDevice::OpenEngine(const Engi
 
   auto e = std::make_unique<CudaEngine>(*dev, options_);  // Cleans up after itself on failure.
   e->layout_ = layout;
-  e->segs = PageSegments(layout);
+  e->segs = core::PageSegments(layout);
   e->object_bytes = layout.PageObjectBytes();
   if (absl::Status s = MapRegions(*e, mem_get_address_range_); !s.ok()) return s;
   PlanLayersAndRuns(*e);
@@ -691,7 +689,7 @@ absl::StatusOr<OpHandle> CudaDevice::Submit(EngineMapping& mapping,
   }
   const uint32_t num_layers = static_cast<uint32_t>(e.layout_.layers.size());
   // How a Scatter signals its layers: the engine's IPC events when it registered them, else
-  // tickets stored into its CompletionRegion.
+  // tickets stored into its signal region.
   const bool layer_events = signal.enabled() && scatter && !e.load_events.empty();
   if (layer_events) {
     const size_t slots = e.load_events.size() / num_layers;
@@ -704,9 +702,9 @@ absl::StatusOr<OpHandle> CudaDevice::Submit(EngineMapping& mapping,
       return absl::InvalidArgumentError(
           "signal: the engine registered no completion_region to signal");
     }
-    if (signal.slot >= e.completion.num_slots()) {
+    if (signal.slot >= e.completion.num_load_slots()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "signal.slot (", signal.slot, ") out of range [0, ", e.completion.num_slots(), ")"));
+          "signal.slot (", signal.slot, ") out of range [0, ", e.completion.num_load_slots(), ")"));
     }
   }
   const int d = e.dev.index;
@@ -766,10 +764,10 @@ absl::StatusOr<OpHandle> CudaDevice::Submit(EngineMapping& mapping,
     for (size_t i = 0; i < items.size(); ++i) add_runs(i, 0, static_cast<uint32_t>(e.segs.size()));
     st = IssueRuns(e, stream, kernel);
     if (st.ok() && signal.enabled()) {
-      st = CudaStatus(
-          cuda::LaunchStoreTicket(e.CompletionWord(CompletionRegion::DoneOffset(num_layers, slot)),
-                                  signal.ticket, stream),
-          "ticket kernel");
+      st = CudaStatus(cuda::LaunchStoreTicket(
+                          e.CompletionWord(e.completion.OpWordOffset(slot)),
+                          core::SignalLayout::OpWord(signal.ticket, /*failed=*/false), stream),
+                      "ticket kernel");
     }
   } else {
     for (uint32_t l = 0; l < num_layers && st.ok(); ++l) {
@@ -782,17 +780,17 @@ absl::StatusOr<OpHandle> CudaDevice::Submit(EngineMapping& mapping,
         st = CudaStatus(cudaEventRecord(e.load_events[slot * num_layers + l], stream),
                         "cudaEventRecord(load event)");
       } else if (st.ok() && signal.enabled()) {
-        st = CudaStatus(cuda::LaunchStoreTicket(
-                            e.CompletionWord(CompletionRegion::LayerOffset(num_layers, slot, l)),
-                            signal.ticket, stream),
-                        "ticket kernel");
+        st = CudaStatus(
+            cuda::LaunchStoreTicket(e.CompletionWord(e.completion.LayerWordOffset(slot, l)),
+                                    signal.ticket, stream),
+            "ticket kernel");
       }
     }
     if (st.ok() && signal.enabled() && !layer_events) {
-      st = CudaStatus(
-          cuda::LaunchStoreTicket(e.CompletionWord(CompletionRegion::DoneOffset(num_layers, slot)),
-                                  signal.ticket, stream),
-          "ticket kernel");
+      st = CudaStatus(cuda::LaunchStoreTicket(
+                          e.CompletionWord(e.completion.OpWordOffset(slot)),
+                          core::SignalLayout::OpWord(signal.ticket, /*failed=*/false), stream),
+                      "ticket kernel");
     }
   }
   if (!st.ok()) {
@@ -804,10 +802,9 @@ absl::StatusOr<OpHandle> CudaDevice::Submit(EngineMapping& mapping,
         cudaEventRecord(e.load_events[slot * num_layers + l], stream);
       }
     } else if (signal.enabled()) {
-      cuda::LaunchStoreFailure(
-          e.CompletionWord(CompletionRegion::FailedOffset(num_layers, slot)),
-          e.CompletionWord(CompletionRegion::LayerOffset(num_layers, slot, 0)), num_layers,
-          e.CompletionWord(CompletionRegion::DoneOffset(num_layers, slot)), signal.ticket, stream);
+      cuda::LaunchStoreFailure(e.CompletionWord(e.completion.LayerWordOffset(slot, 0)), num_layers,
+                               signal.ticket, e.CompletionWord(e.completion.OpWordOffset(slot)),
+                               core::SignalLayout::OpWord(signal.ticket, /*failed=*/true), stream);
     }
   }
   auto* arg = new std::shared_ptr<CudaOp>(op);

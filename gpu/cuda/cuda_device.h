@@ -11,7 +11,8 @@
 //     host -> device), so one engine's fence never delays another's copies.
 //   - Gather: cudaStreamWaitEvent on the engine's IPC event (opened once per handle and cached),
 //     then the copies. Scatter: per layer, the layer's copies then a one-thread kernel storing the
-//     layer's ticket into the engine's CompletionRegion (registered, mapped).
+//     layer's ticket into the engine's signal region (core/signal_layout.h; registered, mapped),
+//     or records the engine's per-layer IPC event.
 //   - Copies: runs contiguous on both sides are merged. Many small copies between device memory
 //     and registered host memory go through a copy kernel (one thread block per run, 16-byte
 //     vector accesses when aligned); otherwise cudaMemcpyBatchAsync (CUDA 12.8+; the CUDA 13
@@ -19,7 +20,7 @@
 //   - Op completion: cudaLaunchHostFunc after the op finishes the DeviceOp; Poll/Wait also query
 //     the stream, so a device error finishes the op even if the callback never runs.
 //     DeviceOp::layers_done() jumps to the layer count at completion: per-layer progress reaches
-//     the engine through the CompletionRegion, not the daemon.
+//     the engine through the signal region or the load events, not the daemon.
 //   - The device must outlive its mappings (each refers to the device's table of GPUs).
 #ifndef KVCELLAR_GPU_CUDA_CUDA_DEVICE_H_
 #define KVCELLAR_GPU_CUDA_CUDA_DEVICE_H_

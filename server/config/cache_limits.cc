@@ -2,8 +2,8 @@
 
 #include <algorithm>
 
-#include "gpu/completion.h"
-#include "gpu/kv_layout.h"
+#include "core/kv_layout.h"
+#include "core/signal_layout.h"
 
 namespace kvcellar::server {
 
@@ -13,9 +13,9 @@ CacheLimits CacheLimits::FromConfig(const Config& config) {
   l.max_message_bytes = config.server.max_message_bytes;
   l.default_pin_lease_ms =
       static_cast<uint32_t>(std::min<int64_t>(config.sessions.pin_lease_ms, kMaxPinLeaseMs));
-  l.max_completion_slots = gpu::CompletionRegion::kMaxSlots;
-  l.max_layers = gpu::kMaxLayers;
-  l.max_regions = gpu::kMaxRegions;
+  l.max_completion_slots = core::SignalLayout::kMaxSlots;
+  l.max_layers = core::kMaxLayers;
+  l.max_regions = core::kMaxRegions;
   l.lease_ms = static_cast<uint32_t>(config.sessions.lease_ms);
   l.heartbeat_interval_ms = std::max<uint32_t>(1, l.lease_ms / kHeartbeatsPerLease);
   return l;

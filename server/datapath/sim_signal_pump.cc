@@ -110,10 +110,7 @@ void SimSignalPump::FinishLoad(uint64_t op_id, bool failed) {
   auto it = loads_.find(op_id);
   if (it == loads_.end()) return;
   LoadWatch& w = it->second;
-  for (uint32_t l = w.next_layer; l < w.channel->num_layers(); ++l) {
-    w.channel->SignalLayer(w.slot, l, op_id);
-  }
-  w.channel->SignalOp(w.slot, op_id, failed);
+  w.channel->EndOp(w.slot, op_id, failed, w.next_layer);
   loads_.erase(it);
 }
 

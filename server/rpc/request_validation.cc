@@ -6,11 +6,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "core/kv_layout.h"
 #include "core/page_key.h"
 #include "core/quote.h"
 #include "core/radix_index.h"
-#include "gpu/kv_layout.h"
-#include "gpu/shm_mapping.h"
+#include "platform/shm_mapping.h"
 #include "server/datapath/device_set.h"
 #include "server/errors/cache_error.h"
 
@@ -36,7 +36,7 @@ absl::Status CheckLength(absl::string_view field, absl::string_view value, size_
 // INVALID_ARGUMENT naming the field, not a failed open (HANDLE_OPEN_FAILED) later.
 absl::Status CheckShmName(absl::string_view field, absl::string_view name) {
   if (name.empty() || name.size() > kMaxShmNameBytes ||
-      !gpu::ShmMapping::CheckName(name).ok()) {
+      !platform::ShmMapping::CheckName(name).ok()) {
     return InvalidField(
         field, absl::StrCat(field, " ", core::Quote(name),
                             " is not a shm name: \"/\" then 1..254 bytes, none of them \"/\" or "
@@ -151,8 +151,8 @@ std::string LayoutField(absl::string_view message) {
   return absl::StrCat("layout.", field);
 }
 
-absl::StatusOr<gpu::KvLayout> ParseLayout(const v1::KvLayout& in, const core::NamespaceSpec& spec,
-                                          v1::DeviceKind kind, const CacheLimits& limits) {
+absl::StatusOr<core::KvLayout> ParseLayout(const v1::KvLayout& in, const core::NamespaceSpec& spec,
+                                           v1::DeviceKind kind, const CacheLimits& limits) {
   if (in.regions_size() == 0) {
     return InvalidField("layout.regions", "layout.regions: at least one region is required");
   }
@@ -178,12 +178,12 @@ absl::StatusOr<gpu::KvLayout> ParseLayout(const v1::KvLayout& in, const core::Na
                                      ") must be 0 or equal namespace_spec.page_size_tokens (",
                                      spec.page_size, "): one page is one block in this revision"));
   }
-  gpu::KvLayout out;
+  core::KvLayout out;
   out.num_blocks = in.num_blocks();
   for (int i = 0; i < in.regions_size(); ++i) {
     const v1::MemoryRegion& r = in.regions(i);
     const std::string prefix = absl::StrCat("layout.regions[", i, "]");
-    gpu::MemoryRegion region;
+    core::MemoryRegion region;
     if (kind == v1::DEVICE_KIND_SIM) {
       const std::string field = absl::StrCat(prefix, ".sim_shm_name");
       if (r.handle_case() != v1::MemoryRegion::kSimShmName) {
@@ -227,10 +227,10 @@ absl::StatusOr<gpu::KvLayout> ParseLayout(const v1::KvLayout& in, const core::Na
                                                     "a K and a V buffer"));
     }
     auto buffer = [](const v1::BlockBuffer& b) {
-      return gpu::BufferLayout{b.region(), b.offset_bytes(), b.block_stride_bytes(),
-                               b.bytes_per_block()};
+      return core::BufferLayout{b.region(), b.offset_bytes(), b.block_stride_bytes(),
+                                b.bytes_per_block()};
     };
-    gpu::LayerLayout layer;
+    core::LayerLayout layer;
     layer.k = buffer(l.k());
     if (l.has_v()) layer.v = buffer(l.v());
     out.layers.push_back(layer);
@@ -409,7 +409,7 @@ absl::StatusOr<Registration> ParseRegistration(const v1::RegisterEngineRequest& 
   if (absl::Status s = CheckLength("device.name", device.name(), kMaxIdBytes); !s.ok()) return s;
   reg.device_kind = device.kind();
   if (!request.has_layout()) return InvalidField("layout", "layout is required for a WORKER");
-  absl::StatusOr<gpu::KvLayout> layout =
+  absl::StatusOr<core::KvLayout> layout =
       ParseLayout(request.layout(), reg.spec, device.kind(), limits);
   if (!layout.ok()) return layout.status();
   reg.engine.layout = *std::move(layout);

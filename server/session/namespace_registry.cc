@@ -44,7 +44,7 @@ void Namespace::AppendIndexKeys(absl::string_view blob, std::vector<core::PageKe
 constexpr char kHeldBy[] =
     " (fixed by the engines registered in it, and held while they or its pages remain)";
 
-absl::Status Namespace::CheckGeometry(const gpu::KvLayout& layout) const {
+absl::Status Namespace::CheckGeometry(const core::KvLayout& layout) const {
   if (layout.layers.size() != geometry_.layers) {
     return GroupMismatch("layout.layers",
                          absl::StrCat("layout.layers: ", layout.layers.size(),
@@ -53,7 +53,7 @@ absl::Status Namespace::CheckGeometry(const gpu::KvLayout& layout) const {
   }
   for (size_t i = 0; i < layout.layers.size(); ++i) {
     const auto& [k, v] = geometry_.buffer_bytes[i];
-    const gpu::LayerLayout& l = layout.layers[i];
+    const core::LayerLayout& l = layout.layers[i];
     if (l.k.bytes_per_block != k) {
       std::string field = absl::StrCat("layout.layers[", i, "].k.bytes_per_block");
       return GroupMismatch(field, absl::StrCat(field, " (", l.k.bytes_per_block,
@@ -69,7 +69,7 @@ absl::Status Namespace::CheckGeometry(const gpu::KvLayout& layout) const {
   return absl::OkStatus();
 }
 
-absl::Status Namespace::AdoptLayout(const gpu::KvLayout& layout) {
+absl::Status Namespace::AdoptLayout(const core::KvLayout& layout) {
   absl::MutexLock lock(&mu_);
   core::RadixIndex* const index = index_.load(std::memory_order_acquire);
   absl::Status mismatch;
@@ -111,7 +111,7 @@ absl::Status Namespace::AdoptLayout(const gpu::KvLayout& layout) {
   const bool refixed = has_geometry_;
   Geometry g;
   g.layers = static_cast<uint32_t>(layout.layers.size());
-  for (const gpu::LayerLayout& l : layout.layers) {
+  for (const core::LayerLayout& l : layout.layers) {
     g.buffer_bytes.emplace_back(l.k.bytes_per_block, l.v.has_value() ? l.v->bytes_per_block : 0);
   }
   geometry_ = std::move(g);

@@ -7,7 +7,7 @@
 // wrote them (that is the point of a node-wide cache), and the number of distinct namespaces is
 // the number of models served, which is small.
 //
-// Geometry. The host object format is fixed by the KvLayout (gpu/kv_layout.h): per layer the K
+// Geometry. The host object format is fixed by the KvLayout (core/kv_layout.h): per layer the K
 // bytes then the V bytes. Two engines may share objects only when they agree on the layer count
 // and every buffer's bytes per block; otherwise the same bytes would mean different things. The
 // first WORKER registration fixes the geometry and creates the index; later ones are checked
@@ -37,10 +37,10 @@
 #include "absl/synchronization/mutex.h"
 #include "core/eviction_policy.h"
 #include "core/host_pool.h"
+#include "core/kv_layout.h"
 #include "core/namespace_spec.h"
 #include "core/page_key.h"
 #include "core/radix_index.h"
-#include "gpu/kv_layout.h"
 #include "server/session/namespace_counters.h"
 
 namespace kvcellar::server {
@@ -83,7 +83,7 @@ class Namespace {
   // until ReleaseLayout. Errors: FAILED_PRECONDITION / GROUP_MISMATCH naming the differing field
   // ("layout.layers[3].v.bytes_per_block"); INVALID_ARGUMENT when the page object is larger than
   // the pool's largest slot. Nothing changes on error.
-  absl::Status AdoptLayout(const gpu::KvLayout& layout);
+  absl::Status AdoptLayout(const core::KvLayout& layout);
   // A session that adopted the layout ended (or its registration failed after adopting).
   void ReleaseLayout();
 
@@ -97,7 +97,7 @@ class Namespace {
     std::vector<std::pair<uint64_t, uint64_t>> buffer_bytes;
   };
   // OK when `layout` has the current geometry; else GROUP_MISMATCH naming the field.
-  absl::Status CheckGeometry(const gpu::KvLayout& layout) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::Status CheckGeometry(const core::KvLayout& layout) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   const core::NamespaceSpec spec_;
   const core::PageKey digest_;

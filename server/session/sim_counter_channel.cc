@@ -22,17 +22,18 @@ absl::StatusOr<std::shared_ptr<SimCounterChannel>> SimCounterChannel::Open(
     uint32_t num_ready_slots) {
   constexpr absl::string_view kNameField = "completion.sim_counters.shm_name";
   constexpr absl::string_view kSizeField = "completion.sim_counters.size_bytes";
-  const uint64_t need = Bytes(num_load_slots, num_layers, num_ready_slots);
+  const core::SignalLayout layout(num_load_slots, num_layers, num_ready_slots);
+  const uint64_t need = layout.Bytes();
   if (size_bytes < need) {
     return InvalidField(kSizeField,
                         absl::StrCat(kSizeField, " (", size_bytes, ") is below the ", need,
                                      " bytes that ", num_load_slots, " load slots of ", num_layers,
                                      " layers and ", num_ready_slots, " ready slots need"));
   }
-  absl::StatusOr<gpu::ShmMapping> shm = gpu::ShmMapping::Open(name, need);
+  absl::StatusOr<platform::ShmMapping> shm = platform::ShmMapping::Open(name, need);
   if (!shm.ok()) {
-    return HandleError(kNameField,
-                       absl::StrCat(kNameField, " ", core::Quote(name), ": ", shm.status().message()));
+    return HandleError(
+        kNameField, absl::StrCat(kNameField, " ", core::Quote(name), ": ", shm.status().message()));
   }
   if (!HasMagic(shm->data())) {
     return HandleError(kNameField, absl::StrCat(kNameField, " ", core::Quote(name),
@@ -40,8 +41,9 @@ absl::StatusOr<std::shared_ptr<SimCounterChannel>> SimCounterChannel::Open(
   }
   const Header header = ReadHeader(shm->data());
   if (header.version != kVersion) {
-    return HandleError(kNameField, absl::StrCat(kNameField, " ", core::Quote(name), ": header version ",
-                                                header.version, ", expected ", kVersion));
+    return HandleError(kNameField,
+                       absl::StrCat(kNameField, " ", core::Quote(name), ": header version ",
+                                    header.version, ", expected ", kVersion));
   }
   struct Check {
     absl::string_view field;
@@ -53,13 +55,12 @@ absl::StatusOr<std::shared_ptr<SimCounterChannel>> SimCounterChannel::Open(
         Check{"layout.layers", header.num_layers, num_layers},
         Check{"completion.num_ready_slots", header.num_ready_slots, num_ready_slots}}) {
     if (c.have != c.want) {
-      return HandleError(c.field, absl::StrCat(kNameField, " ", core::Quote(name), ": the header says ",
-                                               c.have, " for ", c.field, ", the registration ",
-                                               c.want));
+      return HandleError(
+          c.field, absl::StrCat(kNameField, " ", core::Quote(name), ": the header says ", c.have,
+                                " for ", c.field, ", the registration ", c.want));
     }
   }
-  return std::shared_ptr<SimCounterChannel>(
-      new SimCounterChannel(*std::move(shm), num_load_slots, num_layers, num_ready_slots));
+  return std::shared_ptr<SimCounterChannel>(new SimCounterChannel(*std::move(shm), layout));
 }
 
 }  // namespace kvcellar::server

@@ -1,12 +1,14 @@
-// SimCounterChannel: the daemon's side of a SIM engine's CompletionChannel, the "KVCSIG01"
-// shared-memory counters (layout: gpu/sim_signal_layout.h, shared with libkvcellar-client). The
+// SimCounterChannel: the daemon's side of a SIM engine's CompletionChannel, the engine's
+// "KVCSIG01" signal region (platform/signal_region.h, format core/signal_layout.h, the same class
+// libkvcellar-client creates it with), opened and checked against the engine's registration. The
 // daemon stores a Load's op id into layer word (s, l) once layer l has landed (or the op failed),
 // then (op_id << 1) | failed into the op word once the op is terminal; the engine stores a
 // Backup's sim_token into ready word r once its writes are done.
 //
-// This is not gpu/completion.h's CompletionRegion ("KVCCMPL1", one fence word, done/failed
-// tickets), which the gpu backends use among themselves; the daemon does not hand the engine's
-// region to the device backend but drives these words itself (sim_signal_pump.h).
+// The daemon drives these words itself (sim_signal_pump.h) rather than handing the region to the
+// device backend: the op word carries the Load's state in the op table (CANCELLED when its session
+// ended, DONE for a Load with nothing to copy and so no device op), which the device op alone
+// does not know.
 //
 // Threads: any; each word has one writer.
 #ifndef KVCELLAR_SERVER_SESSION_SIM_COUNTER_CHANNEL_H_
@@ -17,12 +19,13 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "gpu/shm_mapping.h"
-#include "gpu/sim_signal_layout.h"
+#include "core/signal_layout.h"
+#include "platform/shm_mapping.h"
+#include "platform/signal_region.h"
 
 namespace kvcellar::server {
 
-class SimCounterChannel : public gpu::SimSignalLayout {
+class SimCounterChannel : public platform::SignalRegion {
  public:
   // Maps the engine's region and checks it against the registration. Errors are
   // FAILED_PRECONDITION / ERROR_REASON_HANDLE_OPEN_FAILED naming the field: the object is missing
@@ -35,11 +38,8 @@ class SimCounterChannel : public gpu::SimSignalLayout {
                                                                  uint32_t num_ready_slots);
 
  private:
-  SimCounterChannel(gpu::ShmMapping shm, uint32_t load_slots, uint32_t num_layers,
-                    uint32_t ready_slots)
-      : SimSignalLayout(shm.data(), load_slots, num_layers, ready_slots), shm_(std::move(shm)) {}
-
-  gpu::ShmMapping shm_;
+  SimCounterChannel(platform::ShmMapping shm, const core::SignalLayout& layout)
+      : SignalRegion(std::move(shm), layout) {}
 };
 
 }  // namespace kvcellar::server

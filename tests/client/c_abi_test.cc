@@ -113,14 +113,14 @@ TEST(CAbiTest, WorkerRoundTripAgainstFakeDaemon) {
   ASSERT_TRUE(fake.ok());
   auto sim = SimEngine::Create({.num_layers = 2, .bytes_per_block = 64, .num_blocks = 8});
   ASSERT_TRUE(sim.ok());
-  const gpu::KvLayout& layout = (*sim)->layout();
+  const core::KvLayout& layout = (*sim)->layout();
 
   std::vector<kvc_region> regions;
-  for (const gpu::MemoryRegion& r : layout.regions) {
+  for (const core::MemoryRegion& r : layout.regions) {
     regions.push_back({r.handle.c_str(), nullptr, r.offset, r.size});
   }
   std::vector<kvc_layer> layers;
-  for (const gpu::LayerLayout& l : layout.layers) {
+  for (const core::LayerLayout& l : layout.layers) {
     kvc_layer cl;
     std::memset(&cl, 0, sizeof(cl));
     cl.k = {l.k.region, l.k.offset, l.k.block_stride, l.k.bytes_per_block};

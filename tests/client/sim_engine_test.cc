@@ -42,8 +42,8 @@ TEST(PatternTest, IsAPureFunctionOfItsInputs) {
 }
 
 TEST(SimEngineTest, FillThenVerifyAndDetectCorruption) {
-  for (auto arrangement :
-       {gpu::SimKvShape::Arrangement::kLayerFirst, gpu::SimKvShape::Arrangement::kBlockFirst}) {
+  for (auto arrangement : {platform::SimKvShape::Arrangement::kLayerFirst,
+                           platform::SimKvShape::Arrangement::kBlockFirst}) {
     for (bool mla : {false, true}) {
       auto e = SimEngine::Create({.num_layers = 3,
                                   .mla = mla,
@@ -83,7 +83,7 @@ TEST(SimEngineTest, DescribesARegistrableEngine) {
 }
 
 TEST(SimSignalsTest, HeaderFollowsTheProto) {
-  auto r = SimSignalRegion::Create(gpu::UniqueShmName("sig"), 3, 5, 2);
+  auto r = SimSignalRegion::Create(platform::UniqueShmName("sig"), 3, 5, 2);
   ASSERT_TRUE(r.ok()) << r.status();
   // S = roundup((5 + 1) * 8, 64) = 64; 64 + 3 * 64 + 2 * 64.
   EXPECT_EQ(SimSignalRegion::LoadSlotStride(5), 64u);
@@ -103,7 +103,7 @@ TEST(SimSignalsTest, HeaderFollowsTheProto) {
 }
 
 TEST(SimSignalsTest, WaitsFollowTheOpWordRules) {
-  auto r = SimSignalRegion::Create(gpu::UniqueShmName("sig"), 2, 2, 1);
+  auto r = SimSignalRegion::Create(platform::UniqueShmName("sig"), 2, 2, 1);
   ASSERT_TRUE(r.ok());
   const absl::Time soon = absl::Now() + absl::Milliseconds(20);
   EXPECT_EQ(r->WaitLayer(0, 0, 5, soon).code(), absl::StatusCode::kDeadlineExceeded);

@@ -21,8 +21,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "gpu/completion.h"
-#include "gpu/sim_engine_memory.h"
+#include "platform/signal_region.h"
+#include "platform/sim_engine_memory.h"
 #include "tests/gpu/sim_test_util.h"
 
 extern char** environ;
@@ -68,14 +68,15 @@ constexpr uint32_t kSeed = 31;
 constexpr uint64_t kTicket = 5;
 constexpr uint32_t kSlot = 1;
 
-KvLayout EngineLayout(const std::string& mem_handle) {
-  KvLayout l;
+core::KvLayout EngineLayout(const std::string& mem_handle) {
+  core::KvLayout l;
   l.num_blocks = kBlocks;
   const uint64_t layer_bytes = 2 * kBlocks * kBytesPerBlock;
   for (uint32_t i = 0; i < kLayers; ++i) {
     l.regions.push_back({mem_handle, i * layer_bytes, layer_bytes});
-    l.layers.push_back({{i, 0, kBytesPerBlock, kBytesPerBlock},
-                        BufferLayout{i, kBlocks * kBytesPerBlock, kBytesPerBlock, kBytesPerBlock}});
+    l.layers.push_back(
+        {{i, 0, kBytesPerBlock, kBytesPerBlock},
+         core::BufferLayout{i, kBlocks * kBytesPerBlock, kBytesPerBlock, kBytesPerBlock}});
   }
   return l;
 }
@@ -119,7 +120,8 @@ TEST(CudaIpcEngineChild, Run) {
   ASSERT_EQ(cudaIpcGetEventHandle(&eh, ev), cudaSuccess);
   cudaDeviceProp prop;
   ASSERT_EQ(cudaGetDeviceProperties(&prop, 0), cudaSuccess);
-  absl::StatusOr<CompletionRegion> completion = CompletionRegion::Create(shm, 2, kLayers);
+  absl::StatusOr<platform::SignalRegion> completion =
+      platform::SignalRegion::Create(shm, 2, kLayers, 2);
   ASSERT_TRUE(completion.ok()) << completion.status();
 
   const std::string line = absl::StrCat(
@@ -131,8 +133,8 @@ TEST(CudaIpcEngineChild, Run) {
   ASSERT_EQ(write(out, line.data(), line.size()), static_cast<ssize_t>(line.size()));
 
   // The daemon scatters block 3's page into block 20 and block 7's into block 21.
-  ASSERT_TRUE(completion->WaitDone(kSlot, kTicket, absl::Now() + absl::Seconds(120)).ok());
-  for (uint32_t l = 0; l < kLayers; ++l) EXPECT_EQ(completion->layer_ticket(kSlot, l), kTicket);
+  ASSERT_TRUE(completion->WaitOp(kSlot, kTicket, absl::Now() + absl::Seconds(120)).ok());
+  for (uint32_t l = 0; l < kLayers; ++l) EXPECT_EQ(completion->layer_word(kSlot, l), kTicket);
   ASSERT_EQ(cudaMemcpy(host.data(), kv, total, cudaMemcpyDeviceToHost), cudaSuccess);
   for (uint32_t l = 0; l < kLayers; ++l) {
     for (uint32_t b = 0; b < 2; ++b) {
@@ -154,7 +156,7 @@ TEST(CudaDeviceTest, IpcGatherAndScatterRoundTrip) {
   int to_parent[2], to_child[2];
   ASSERT_EQ(pipe(to_parent), 0);
   ASSERT_EQ(pipe(to_child), 0);
-  const std::string shm = UniqueShmName("cudaipc");
+  const std::string shm = platform::UniqueShmName("cudaipc");
   std::vector<std::string> env_strings;
   for (char** e = environ; *e != nullptr; ++e) env_strings.push_back(*e);
   env_strings.push_back(absl::StrCat("KVCELLAR_CUDA_ENGINE_OUT=", to_parent[1]));

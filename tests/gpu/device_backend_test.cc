@@ -5,6 +5,8 @@
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "platform/signal_region.h"
+#include "platform/sim_engine_memory.h"
 
 namespace kvcellar::gpu {
 namespace {
@@ -51,6 +53,22 @@ TEST(ValidateCopyItemsTest, NamesTheItem) {
   s = ValidateCopyItems(items, 4, true);
   EXPECT_THAT(std::string(s.message()), HasSubstr("items[2].device_block (0) duplicates items[0]"));
   EXPECT_TRUE(ValidateCopyItems({}, 4, true).ok());
+}
+
+TEST(OpenCompletionRegionTest, ChecksTheLayoutAndNamesTheField) {
+  const std::string name = platform::UniqueShmName("sig");
+  absl::StatusOr<platform::SignalRegion> engine = platform::SignalRegion::Create(name, 4, 3, 2);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  absl::StatusOr<platform::SignalRegion> daemon = OpenCompletionRegion(name, 3);
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  EXPECT_EQ(daemon->num_load_slots(), 4u);
+  absl::Status wrong = OpenCompletionRegion(name, 4).status();
+  EXPECT_EQ(wrong.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(wrong.message()), HasSubstr("completion_region: "));
+  EXPECT_THAT(std::string(wrong.message()), HasSubstr("num_layers 3"));
+  absl::Status missing = OpenCompletionRegion(platform::UniqueShmName("missing"), 3).status();
+  EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(missing.message()), HasSubstr("completion_region: "));
 }
 
 TEST(DeviceUuidTest, NormalizesEveryCommonSpelling) {

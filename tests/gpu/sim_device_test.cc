@@ -15,9 +15,9 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
-#include "gpu/completion.h"
-#include "gpu/sim_engine_memory.h"
 #include "gtest/gtest.h"
+#include "platform/signal_region.h"
+#include "platform/sim_engine_memory.h"
 #include "tests/gpu/sim_test_util.h"
 
 namespace kvcellar::gpu {
@@ -25,7 +25,15 @@ namespace {
 
 using ::kvcellar::gpu::testing::CheckBlock;
 using ::kvcellar::gpu::testing::CheckPage;
+using ::kvcellar::gpu::testing::Done;
+using ::kvcellar::gpu::testing::Failed;
 using ::kvcellar::gpu::testing::FillEngine;
+using ::kvcellar::gpu::testing::SpecOf;
+using ::kvcellar::platform::SignalRegion;
+using ::kvcellar::platform::SimEngineKvCache;
+using ::kvcellar::platform::SimEngineMemory;
+using ::kvcellar::platform::SimKvShape;
+using ::kvcellar::platform::UniqueShmName;
 using ::testing::HasSubstr;
 
 constexpr absl::Duration kWait = absl::Seconds(30);
@@ -47,7 +55,7 @@ SimEngineKvCache MakeKv(const SimKvShape& shape, uint32_t slots = 4) {
 }
 
 std::unique_ptr<EngineMapping> Open(SimDevice& dev, const SimEngineKvCache& kv) {
-  absl::StatusOr<std::unique_ptr<EngineMapping>> m = dev.OpenEngine(kv.Spec());
+  absl::StatusOr<std::unique_ptr<EngineMapping>> m = dev.OpenEngine(SpecOf(kv));
   EXPECT_TRUE(m.ok()) << m.status();
   return *std::move(m);
 }
@@ -104,8 +112,7 @@ TEST_P(SimRoundTripTest, GatherThenScatterElsewhereReproducesBytes) {
     uint32_t expect = it == dst.end() ? b : src[it - dst.begin()];
     EXPECT_EQ(CheckBlock(kv, b, 7, expect), "");
   }
-  EXPECT_EQ(kv.completion().done_ticket(1), 42u);
-  EXPECT_EQ(kv.completion().failed_ticket(1), 0u);
+  EXPECT_EQ(kv.completion().op_word(1), Done(42));
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -146,36 +153,37 @@ TEST(SimDeviceTest, GatherReadsNothingBeforeTheFence) {
   auto dev = MakeDevice();
   SimEngineKvCache kv = MakeKv({4, 8, 4096, false, SimKvShape::Arrangement::kLayerFirst, 0});
   FillEngine(kv, 1);  // Forward pass 0's bytes.
-  kv.completion().PublishFence(10);
+  kv.completion().PublishReady(0, 10);
   auto engine = Open(*dev, kv);
 
   Pages pages(3, engine->page_object_bytes());
   std::vector<CopyItem> items = {{1, pages[0]}, {6, pages[1]}, {3, pages[2]}};
-  absl::StatusOr<OpHandle> op = dev->SubmitGather(*engine, items, ReadyFence::Counter(11), {2, 99});
+  absl::StatusOr<OpHandle> op =
+      dev->SubmitGather(*engine, items, ReadyFence::Counter(0, 11), {2, 99});
   ASSERT_TRUE(op.ok()) << op.status();
   // Forward pass 11 is still "running": the op must wait and read nothing.
   EXPECT_FALSE((*op)->Wait(absl::Milliseconds(50)));
-  EXPECT_EQ(kv.completion().done_ticket(2), 0u);
-  FillEngine(kv, 2);                 // The pass writes its blocks...
-  kv.completion().PublishFence(11);  // ...and then signals.
+  EXPECT_EQ(kv.completion().op_word(2), 0u);
+  FillEngine(kv, 2);                    // The pass writes its blocks...
+  kv.completion().PublishReady(0, 11);  // ...and then signals.
   ASSERT_TRUE((*op)->Wait(kWait));
   ASSERT_TRUE((*op)->status().ok()) << (*op)->status();
   for (size_t i = 0; i < items.size(); ++i) {
     EXPECT_EQ(CheckPage(kv.layout(), pages[i], 2, items[i].device_block), "") << i;
   }
-  EXPECT_EQ(kv.completion().done_ticket(2), 99u);
-  EXPECT_EQ(kv.completion().failed_ticket(2), 0u);
+  EXPECT_EQ(kv.completion().op_word(2), Done(99));
 }
 
 TEST(SimDeviceTest, PassedFenceRunsAtOnce) {
   auto dev = MakeDevice();
   SimEngineKvCache kv = MakeKv({2, 4, 512, false, SimKvShape::Arrangement::kLayerFirst, 0});
   FillEngine(kv, 3);
-  kv.completion().PublishFence(5);
+  kv.completion().PublishReady(0, 5);
   auto engine = Open(*dev, kv);
   Pages pages(1, engine->page_object_bytes());
   CopyItem item{2, pages[0]};
-  absl::StatusOr<OpHandle> op = dev->SubmitGather(*engine, {&item, 1}, ReadyFence::Counter(4), {});
+  absl::StatusOr<OpHandle> op =
+      dev->SubmitGather(*engine, {&item, 1}, ReadyFence::Counter(0, 4), {});
   ASSERT_TRUE(op.ok());
   ASSERT_TRUE((*op)->Wait(kWait));
   EXPECT_TRUE((*op)->status().ok());
@@ -189,13 +197,13 @@ TEST(SimDeviceTest, CancelledFenceWaiterFinishesCancelledAndSignalsFailure) {
   Pages pages(1, engine->page_object_bytes());
   CopyItem item{0, pages[0]};
   absl::StatusOr<OpHandle> op =
-      dev->SubmitGather(*engine, {&item, 1}, ReadyFence::Counter(1), {0, 7});
+      dev->SubmitGather(*engine, {&item, 1}, ReadyFence::Counter(0, 1), {0, 7});
   ASSERT_TRUE(op.ok());
   (*op)->Cancel();
   ASSERT_TRUE((*op)->Wait(kWait));
   EXPECT_EQ((*op)->status().code(), absl::StatusCode::kCancelled);
-  EXPECT_EQ(kv.completion().failed_ticket(0), 7u);
-  EXPECT_EQ(kv.completion().done_ticket(0), 7u);
+  EXPECT_EQ(kv.completion().op_word(0), Failed(7));
+  for (uint32_t l = 0; l < 2; ++l) EXPECT_EQ(kv.completion().layer_word(0, l), 7u);
   EXPECT_EQ(pages[0][0], 0xee);  // Nothing was read.
 }
 
@@ -229,7 +237,7 @@ TEST(SimDeviceTest, ScatterSignalsEachLayerInOrderOnlyOnceItLanded) {
   for (uint32_t l = 0; l < shape.num_layers; ++l) {
     ASSERT_TRUE(kv.completion().WaitLayer(3, l, ticket, absl::Now() + kWait).ok()) << l;
     for (uint32_t earlier = 0; earlier < l; ++earlier) {
-      ASSERT_EQ(kv.completion().layer_ticket(3, earlier), ticket);
+      ASSERT_EQ(kv.completion().layer_word(3, earlier), ticket);
     }
     for (uint32_t i = 0; i < n; ++i) {
       ASSERT_EQ(CheckBlock(kv, 64 + i, 5, i, l), "") << "layer " << l << " signalled early";
@@ -238,11 +246,11 @@ TEST(SimDeviceTest, ScatterSignalsEachLayerInOrderOnlyOnceItLanded) {
     EXPECT_GE(done, last_seen_done);
     last_seen_done = done;
   }
-  ASSERT_TRUE(kv.completion().WaitDone(3, ticket, absl::Now() + kWait).ok());
+  ASSERT_TRUE(kv.completion().WaitOp(3, ticket, absl::Now() + kWait).ok());
   ASSERT_TRUE((*s)->Wait(kWait));
   EXPECT_TRUE((*s)->status().ok());
   EXPECT_EQ((*s)->layers_done(), shape.num_layers);
-  EXPECT_NE(kv.completion().failed_ticket(3), ticket);
+  EXPECT_EQ(kv.completion().op_word(3), Done(ticket));
 }
 
 TEST(SimDeviceTest, LayerCountersNeverRunAhead) {
@@ -264,7 +272,7 @@ TEST(SimDeviceTest, LayerCountersNeverRunAhead) {
       while (!stop.load()) {
         bool seen = false;
         for (uint32_t l = shape.num_layers; l-- > 0;) {
-          bool landed = kv.completion().layer_ticket(0, l) >= ticket;
+          bool landed = kv.completion().layer_word(0, l) >= ticket;
           if (seen && !landed) violated = true;
           seen = seen || landed;
         }
@@ -276,7 +284,7 @@ TEST(SimDeviceTest, LayerCountersNeverRunAhead) {
     stop = true;
     watcher.join();
     EXPECT_FALSE(violated) << "ticket " << ticket;
-    EXPECT_EQ(kv.completion().done_ticket(0), ticket);
+    EXPECT_EQ(kv.completion().op_word(0), Done(ticket));
   }
 }
 
@@ -290,7 +298,7 @@ TEST(SimDeviceTest, EngineMemorySmallerThanDeclaredIsRejected) {
   EngineSpec spec;
   spec.layout.num_blocks = 32;
   spec.layout.regions.push_back(mem->Region(0, 128 << 10));  // Declares twice what exists.
-  spec.layout.layers.push_back({{0, 0, 2048, 2048}, BufferLayout{0, 64 << 10, 2048, 2048}});
+  spec.layout.layers.push_back({{0, 0, 2048, 2048}, core::BufferLayout{0, 64 << 10, 2048, 2048}});
   absl::StatusOr<std::unique_ptr<EngineMapping>> m = dev->OpenEngine(spec);
   EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(m.status().message()), HasSubstr("regions[0]"));
@@ -319,10 +327,10 @@ TEST(SimDeviceTest, EngineMemorySmallerThanDeclaredIsRejected) {
 TEST(SimDeviceTest, CompletionRegionMustMatchTheLayout) {
   auto dev = MakeDevice();
   SimEngineKvCache kv = MakeKv({3, 4, 256, false, SimKvShape::Arrangement::kLayerFirst, 0}, 0);
-  absl::StatusOr<CompletionRegion> wrong =
-      CompletionRegion::Create(UniqueShmName("wrong"), 4, /*num_layers=*/5);
+  absl::StatusOr<SignalRegion> wrong =
+      SignalRegion::Create(UniqueShmName("wrong"), 4, /*num_layers=*/5, 4);
   ASSERT_TRUE(wrong.ok());
-  EngineSpec spec = kv.Spec();
+  EngineSpec spec = SpecOf(kv);
   spec.completion_region = wrong->name();
   absl::StatusOr<std::unique_ptr<EngineMapping>> m = dev->OpenEngine(spec);
   EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
@@ -368,6 +376,8 @@ TEST(SimDeviceTest, BadBatchesAreRejectedWithoutCopying) {
   EXPECT_THAT(std::string(op.status().message()), HasSubstr("fence.kind"));
   op = dev->SubmitScatter(*engine, items, {4, 1});
   EXPECT_THAT(std::string(op.status().message()), HasSubstr("signal.slot (4) out of range"));
+  op = dev->SubmitGather(*engine, items, ReadyFence::Counter(4, 1), {});
+  EXPECT_THAT(std::string(op.status().message()), HasSubstr("fence.slot (4) out of range"));
 
   std::vector<CopyItem> huge(kMaxCopyItems + 1, CopyItem{0, pages[0]});
   op = dev->SubmitGather(*engine, huge, ReadyFence::Ready(), {});
@@ -376,7 +386,7 @@ TEST(SimDeviceTest, BadBatchesAreRejectedWithoutCopying) {
   // Without a completion region there are no counter fences and no signals.
   SimEngineKvCache bare = MakeKv({2, 8, 256, false, SimKvShape::Arrangement::kLayerFirst, 0}, 0);
   auto bare_engine = Open(*dev, bare);
-  op = dev->SubmitGather(*bare_engine, items, ReadyFence::Counter(1), {});
+  op = dev->SubmitGather(*bare_engine, items, ReadyFence::Counter(0, 1), {});
   EXPECT_THAT(std::string(op.status().message()), HasSubstr("completion_region"));
   op = dev->SubmitScatter(*bare_engine, items, {0, 1});
   EXPECT_THAT(std::string(op.status().message()), HasSubstr("completion_region"));
@@ -394,8 +404,8 @@ TEST(SimDeviceTest, EmptyBatchCompletesAtOnce) {
   ASSERT_TRUE(op.ok());
   EXPECT_TRUE((*op)->Poll());
   EXPECT_TRUE((*op)->status().ok());
-  EXPECT_EQ(kv.completion().layer_ticket(1, 2), 5u);
-  EXPECT_EQ(kv.completion().done_ticket(1), 5u);
+  EXPECT_EQ(kv.completion().layer_word(1, 2), 5u);
+  EXPECT_EQ(kv.completion().op_word(1), Done(5));
 }
 
 TEST(SimDeviceTest, DeviceUuidIsCheckedWhenConfigured) {
@@ -403,8 +413,8 @@ TEST(SimDeviceTest, DeviceUuidIsCheckedWhenConfigured) {
   o.uuid = "sim-0";
   auto dev = *SimDevice::Create(o);
   SimEngineKvCache kv = MakeKv({1, 2, 64, false, SimKvShape::Arrangement::kLayerFirst, 0}, 0);
-  EXPECT_EQ(dev->OpenEngine(kv.Spec("sim-1")).status().code(), absl::StatusCode::kNotFound);
-  EXPECT_TRUE(dev->OpenEngine(kv.Spec("sim-0")).ok());
+  EXPECT_EQ(dev->OpenEngine(SpecOf(kv, "sim-1")).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(dev->OpenEngine(SpecOf(kv, "sim-0")).ok());
   EXPECT_THAT(dev->DeviceUuids(), ::testing::ElementsAre("sim-0"));
 }
 
@@ -420,7 +430,7 @@ TEST(SimDeviceTest, ClosingAMappingWithPendingOpsIsSafe) {
     std::vector<CopyItem> items;
     for (uint32_t i = 0; i < 128; ++i) items.push_back({i, pages[i]});
     // One gather that waits for a fence that never comes, and a large scatter still running.
-    OpHandle waiting = *dev->SubmitGather(*engine, items, ReadyFence::Counter(1), {0, 11});
+    OpHandle waiting = *dev->SubmitGather(*engine, items, ReadyFence::Counter(0, 1), {0, 11});
     for (uint32_t i = 0; i < 128; ++i) items[i].device_block = 128 + i;
     OpHandle running = *dev->SubmitScatter(*engine, items, {1, 12});
     if (round % 2) absl::SleepFor(absl::Microseconds(200 * round));
@@ -428,14 +438,13 @@ TEST(SimDeviceTest, ClosingAMappingWithPendingOpsIsSafe) {
     ASSERT_TRUE(waiting->Poll());
     ASSERT_TRUE(running->Poll());
     EXPECT_EQ(waiting->status().code(), absl::StatusCode::kCancelled);
-    EXPECT_EQ(kv.completion().failed_ticket(0), 11u);
+    EXPECT_EQ(kv.completion().op_word(0), Failed(11));
     if (!running->status().ok()) {
       EXPECT_EQ(running->status().code(), absl::StatusCode::kCancelled);
-      EXPECT_EQ(kv.completion().failed_ticket(1), 12u);
+      EXPECT_EQ(kv.completion().op_word(1), Failed(12));
     } else {
-      EXPECT_EQ(kv.completion().failed_ticket(1), 0u);
+      EXPECT_EQ(kv.completion().op_word(1), Done(12));
     }
-    EXPECT_EQ(kv.completion().done_ticket(1), 12u);
   }
 }
 
@@ -446,7 +455,7 @@ TEST(SimDeviceTest, DestroyingTheDeviceCancelsQueuedOps) {
   Pages pages(64, engine->page_object_bytes());
   std::vector<CopyItem> items;
   for (uint32_t i = 0; i < 64; ++i) items.push_back({i, pages[i]});
-  OpHandle waiting = *dev->SubmitGather(*engine, items, ReadyFence::Counter(1), {});
+  OpHandle waiting = *dev->SubmitGather(*engine, items, ReadyFence::Counter(0, 1), {});
   OpHandle queued = *dev->SubmitGather(*engine, items, ReadyFence::Ready(), {});
   dev.reset();
   EXPECT_TRUE(waiting->Poll());
@@ -489,7 +498,7 @@ TEST(SimDeviceTest, ConcurrentSubmittersEachGetTheirBytes) {
         const uint64_t ticket = r + 1;
         OpHandle s = *dev->SubmitScatter(*engine, items, {static_cast<uint32_t>(t), ticket});
         if (!s->Wait(kWait) || !s->status().ok()) ++failures;
-        if (kv.completion().done_ticket(t) != ticket) ++failures;
+        if (kv.completion().op_word(t) != Done(ticket)) ++failures;
         for (uint32_t i = 0; i < 16; ++i) {
           if (!CheckBlock(kv, items[i].device_block, 9, src[i]).empty()) ++failures;
         }
@@ -512,7 +521,7 @@ void TruncateShm(const std::string& name) {
 }
 
 // The engine's KV object.
-void Truncate(const SimEngineKvCache& kv) { TruncateShm(kv.Spec().layout.regions[0].handle); }
+void Truncate(const SimEngineKvCache& kv) { TruncateShm(kv.layout().regions[0].handle); }
 
 TEST(SimDeviceTest, AnEngineThatTruncatesItsMemoryFailsOnlyItsOwnOps) {
   const SimKvShape shape{4, 64, 4096, false, SimKvShape::Arrangement::kLayerFirst, 0};
@@ -572,7 +581,7 @@ TEST(SimDeviceTest, AnEngineThatTruncatesItsCompletionRegionCannotCrashTheDevice
   Pages pages(4, m->page_object_bytes());
   std::vector<CopyItem> items;
   for (uint32_t i = 0; i < 4; ++i) items.push_back({i, pages[i]});
-  TruncateShm(kv.Spec().completion_region);
+  TruncateShm(kv.completion().name());
   // The daemon's layer and done signals fall on missing pages: dropped, the copies still land.
   OpHandle g = *dev->SubmitGather(*m, items, ReadyFence::Ready(), {});
   ASSERT_TRUE(g->Wait(kWait));
@@ -582,7 +591,7 @@ TEST(SimDeviceTest, AnEngineThatTruncatesItsCompletionRegionCannotCrashTheDevice
   ASSERT_TRUE(s->Wait(kWait));
   EXPECT_TRUE(s->status().ok()) << s->status();
   // A Gather gated on the engine's fence reads 0 there: it waits, and cancels cleanly.
-  OpHandle f = *dev->SubmitGather(*m, items, ReadyFence::Counter(1), {});
+  OpHandle f = *dev->SubmitGather(*m, items, ReadyFence::Counter(0, 1), {});
   EXPECT_FALSE(f->Wait(absl::Milliseconds(100)));
   f->Cancel();
   ASSERT_TRUE(f->Wait(kWait));
@@ -622,13 +631,13 @@ TEST(SimDeviceTest, DaemonMapsMemoryAnotherProcessCreated) {
       absl::StatusOr<SimEngineKvCache> kv = SimEngineKvCache::Create(prefix, shape, 2);
       if (!kv.ok()) return 10;
       FillEngine(*kv, 21);
-      kv->completion().PublishFence(1);
+      kv->completion().PublishReady(0, 1);
       char c = 'r';
       if (write(ready[1], &c, 1) != 1) return 11;
       // The daemon scatters block 4's page into block 20 and signals ticket 77 on slot 1.
-      if (!kv->completion().WaitDone(1, 77, absl::Now() + kWait).ok()) return 12;
+      if (!kv->completion().WaitOp(1, 77, absl::Now() + kWait).ok()) return 12;
       for (uint32_t l = 0; l < shape.num_layers; ++l) {
-        if (kv->completion().layer_ticket(1, l) != 77) return 13;
+        if (kv->completion().layer_word(1, l) != 77) return 13;
       }
       if (!CheckBlock(*kv, 20, 21, 4).empty()) return 14;
       if (!CheckBlock(*kv, 21, 21, 21).empty()) return 15;
@@ -642,7 +651,7 @@ TEST(SimDeviceTest, DaemonMapsMemoryAnotherProcessCreated) {
   char c;
   ASSERT_EQ(read(ready[0], &c, 1), 1);
 
-  absl::StatusOr<KvLayout> layout = SimEngineKvCache::Layout(prefix, shape);
+  absl::StatusOr<core::KvLayout> layout = SimEngineKvCache::Layout(prefix, shape);
   ASSERT_TRUE(layout.ok());
   EngineSpec spec;
   spec.layout = *layout;
@@ -652,7 +661,7 @@ TEST(SimDeviceTest, DaemonMapsMemoryAnotherProcessCreated) {
   ASSERT_TRUE(engine.ok()) << engine.status();
   Pages pages(2, (*engine)->page_object_bytes());
   std::vector<CopyItem> items = {{4, pages[0]}, {31, pages[1]}};
-  OpHandle g = *dev->SubmitGather(**engine, items, ReadyFence::Counter(1), {});
+  OpHandle g = *dev->SubmitGather(**engine, items, ReadyFence::Counter(0, 1), {});
   ASSERT_TRUE(g->Wait(kWait));
   ASSERT_TRUE(g->status().ok()) << g->status();
   EXPECT_EQ(CheckPage(*layout, pages[0], 21, 4), "");

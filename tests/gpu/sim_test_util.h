@@ -1,15 +1,32 @@
-// Helpers shared by the sim device tests: deterministic KV patterns and their checks.
+// Helpers shared by the sim device tests: deterministic KV patterns and their checks, the
+// EngineSpec a sim engine registers, and the op words its signal region ends with.
 #ifndef KVCELLAR_TESTS_GPU_SIM_TEST_UTIL_H_
 #define KVCELLAR_TESTS_GPU_SIM_TEST_UTIL_H_
 
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 
-#include "gpu/kv_layout.h"
-#include "gpu/sim_engine_memory.h"
+#include "core/kv_layout.h"
+#include "core/signal_layout.h"
+#include "gpu/device_backend.h"
+#include "platform/sim_engine_memory.h"
 
 namespace kvcellar::gpu::testing {
+
+// What a daemon passes OpenEngine for `kv`: its layout and, when it has one, its signal region.
+inline EngineSpec SpecOf(const platform::SimEngineKvCache& kv, std::string device_uuid = "") {
+  EngineSpec spec;
+  spec.device_uuid = std::move(device_uuid);
+  spec.layout = kv.layout();
+  if (kv.completion().valid()) spec.completion_region = kv.completion().name();
+  return spec;
+}
+
+// The op word of op `id` once it ended well (Done) or not (Failed): core/signal_layout.h.
+inline uint64_t Done(uint64_t id) { return core::SignalLayout::OpWord(id, /*failed=*/false); }
+inline uint64_t Failed(uint64_t id) { return core::SignalLayout::OpWord(id, /*failed=*/true); }
 
 // The 8 bytes at word `w` of (layer, buffer, block) under `seed`: every block of every buffer
 // differs, so a byte copied from or to the wrong place shows.
@@ -41,8 +58,8 @@ inline bool HoldsPattern(const uint8_t* p, uint64_t bytes, uint32_t seed, uint32
 }
 
 // Writes `seed`'s pattern into every block of the engine's KV cache.
-inline void FillEngine(const SimEngineKvCache& kv, uint32_t seed) {
-  const KvLayout& l = kv.layout();
+inline void FillEngine(const platform::SimEngineKvCache& kv, uint32_t seed) {
+  const core::KvLayout& l = kv.layout();
   for (uint32_t layer = 0; layer < l.layers.size(); ++layer) {
     for (uint32_t buf = 0; buf < (l.is_mla() ? 1u : 2u); ++buf) {
       const uint64_t bytes =
@@ -56,9 +73,9 @@ inline void FillEngine(const SimEngineKvCache& kv, uint32_t seed) {
 
 // Empty string when the page object holds (seed, block)'s bytes for every layer; otherwise
 // where it first differs.
-inline std::string CheckPage(const KvLayout& l, const uint8_t* page, uint32_t seed,
+inline std::string CheckPage(const core::KvLayout& l, const uint8_t* page, uint32_t seed,
                              uint32_t block) {
-  for (const PageSegment& s : PageSegments(l)) {
+  for (const core::PageSegment& s : core::PageSegments(l)) {
     if (!HoldsPattern(page + s.object_offset, s.bytes, seed, s.layer, s.buffer, block)) {
       return "layer " + std::to_string(s.layer) + " buffer " + std::to_string(s.buffer) +
              " differs from block " + std::to_string(block);
@@ -68,9 +85,9 @@ inline std::string CheckPage(const KvLayout& l, const uint8_t* page, uint32_t se
 }
 
 // Empty when device block `block` holds (seed, source_block)'s bytes for every layer.
-inline std::string CheckBlock(const SimEngineKvCache& kv, uint32_t block, uint32_t seed,
+inline std::string CheckBlock(const platform::SimEngineKvCache& kv, uint32_t block, uint32_t seed,
                               uint32_t source_block, uint32_t only_layer = ~0u) {
-  for (const PageSegment& s : PageSegments(kv.layout())) {
+  for (const core::PageSegment& s : core::PageSegments(kv.layout())) {
     if (only_layer != ~0u && s.layer != only_layer) continue;
     if (!HoldsPattern(kv.Block(s.layer, s.buffer, block), s.bytes, seed, s.layer, s.buffer,
                       source_block)) {

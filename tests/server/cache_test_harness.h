@@ -17,10 +17,9 @@
 #include "core/host_pool.h"
 #include "core/namespace_spec.h"
 #include "core/page_key.h"
+#include "core/signal_layout.h"
 #include "gmock/gmock.h"
-#include "gpu/shm_mapping.h"
 #include "gpu/sim_device.h"
-#include "gpu/sim_engine_memory.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
@@ -28,10 +27,12 @@
 #include "grpcpp/server_builder.h"
 #include "gtest/gtest.h"
 #include "kvcellar/v1/cache_service.grpc.pb.h"
-#include "server/rpc/cache_service.h"
+#include "platform/shm_mapping.h"
+#include "platform/sim_engine_memory.h"
 #include "server/config/config.h"
 #include "server/l3/l3_tiers.h"
 #include "server/metrics/metrics.h"
+#include "server/rpc/cache_service.h"
 #include "server/session/sim_counter_channel.h"
 #include "server/rpc/grpc_status.h"
 #include "tests/gpu/sim_test_util.h"
@@ -81,12 +82,12 @@ inline v1::NamespaceSpec Spec(uint32_t tp = 1, bool mla = false, bool opaque = f
 }
 
 // A KVCSIG01 region as an engine creates it (cache_service.proto, SimCounterSignals).
-inline gpu::ShmMapping CreateSignals(const std::string& name, uint32_t load_slots, uint32_t layers,
-                                     uint32_t ready_slots) {
-  absl::StatusOr<gpu::ShmMapping> shm =
-      gpu::ShmMapping::Create(name, SimCounterChannel::Bytes(load_slots, layers, ready_slots));
+inline platform::ShmMapping CreateSignals(const std::string& name, uint32_t load_slots,
+                                          uint32_t layers, uint32_t ready_slots) {
+  absl::StatusOr<platform::ShmMapping> shm =
+      platform::ShmMapping::Create(name, SimCounterChannel::Bytes(load_slots, layers, ready_slots));
   EXPECT_TRUE(shm.ok()) << shm.status();
-  gpu::SimSignalLayout::WriteHeader(shm->data(), load_slots, layers, ready_slots);
+  core::SignalLayout::WriteHeader(shm->data(), load_slots, layers, ready_slots);
   return *std::move(shm);
 }
 
@@ -100,21 +101,21 @@ class TestEngine {
   TestEngine(uint32_t num_blocks, bool mla, uint32_t seed,
              uint64_t bytes_per_block = kBytesPerBlock)
       : seed_(seed) {
-    gpu::SimKvShape shape;
+    platform::SimKvShape shape;
     shape.num_layers = kLayers;
     shape.num_blocks = num_blocks;
     shape.bytes_per_block = mla ? 2 * bytes_per_block : bytes_per_block;  // Same object size.
     shape.mla = mla;
-    absl::StatusOr<gpu::SimEngineKvCache> kv =
-        gpu::SimEngineKvCache::Create(gpu::UniqueShmName("eng"), shape, 0);
+    absl::StatusOr<platform::SimEngineKvCache> kv =
+        platform::SimEngineKvCache::Create(platform::UniqueShmName("eng"), shape, 0);
     EXPECT_TRUE(kv.ok()) << kv.status();
-    kv_ = std::make_unique<gpu::SimEngineKvCache>(*std::move(kv));
-    signals_name_ = gpu::UniqueShmName("sig");
+    kv_ = std::make_unique<platform::SimEngineKvCache>(*std::move(kv));
+    signals_name_ = platform::UniqueShmName("sig");
     signals_ = CreateSignals(signals_name_, kLoadSlots, kLayers, kReadySlots);
     gpu::testing::FillEngine(*kv_, seed_);
   }
 
-  gpu::SimEngineKvCache& kv() { return *kv_; }
+  platform::SimEngineKvCache& kv() { return *kv_; }
   uint32_t seed() const { return seed_; }
   // Empty when device block `block` holds the bytes block `source` of an engine seeded `seed`
   // had.
@@ -151,21 +152,21 @@ class TestEngine {
     r.mutable_device()->set_kind(v1::DEVICE_KIND_SIM);
     r.mutable_device()->set_uuid(std::string(16, static_cast<char>(seed_)));
     r.mutable_device()->set_name("sim");
-    const gpu::KvLayout& l = kv_->layout();
+    const core::KvLayout& l = kv_->layout();
     v1::KvLayout* out = r.mutable_layout();
-    for (const gpu::MemoryRegion& region : l.regions) {
+    for (const core::MemoryRegion& region : l.regions) {
       v1::MemoryRegion* m = out->add_regions();
       m->set_sim_shm_name(region.handle);
       m->set_offset_bytes(region.offset);
       m->set_size_bytes(region.size);
     }
-    auto buffer = [](const gpu::BufferLayout& b, v1::BlockBuffer* o) {
+    auto buffer = [](const core::BufferLayout& b, v1::BlockBuffer* o) {
       o->set_region(b.region);
       o->set_offset_bytes(b.offset);
       o->set_block_stride_bytes(b.block_stride);
       o->set_bytes_per_block(b.bytes_per_block);
     };
-    for (const gpu::LayerLayout& layer : l.layers) {
+    for (const core::LayerLayout& layer : l.layers) {
       v1::LayerLayout* ol = out->add_layers();
       buffer(layer.k, ol->mutable_k());
       if (layer.v.has_value()) buffer(*layer.v, ol->mutable_v());
@@ -184,9 +185,9 @@ class TestEngine {
 
  private:
   uint32_t seed_;
-  std::unique_ptr<gpu::SimEngineKvCache> kv_;
+  std::unique_ptr<platform::SimEngineKvCache> kv_;
   std::string signals_name_;
-  gpu::ShmMapping signals_;
+  platform::ShmMapping signals_;
 };
 
 // Tokens of a prompt: `pages` full pages, distinct per `prompt`.

@@ -1,6 +1,6 @@
 """KV layouts derived from an engine's KV-cache tensors.
 
-The daemon sees an engine's KV cache as bytes (gpu/kv_layout.h): memory regions, and per layer a
+The daemon sees an engine's KV cache as bytes (core/kv_layout.h): memory regions, and per layer a
 K and a V buffer (MLA: one latent buffer) where block ``b`` is ``bytes_per_block`` bytes at
 ``offset + b * block_stride`` inside a region. This module derives that description from PyTorch
 tensors, whatever their arrangement, as long as each block's bytes are contiguous:

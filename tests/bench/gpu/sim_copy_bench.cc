@@ -14,10 +14,15 @@
 #include "absl/time/clock.h"
 #include "benchmark/benchmark.h"
 #include "gpu/sim_device.h"
-#include "gpu/sim_engine_memory.h"
+#include "platform/sim_engine_memory.h"
+#include "tests/gpu/sim_test_util.h"
 
 namespace kvcellar::gpu {
 namespace {
+
+using ::kvcellar::platform::SimEngineKvCache;
+using ::kvcellar::platform::SimKvShape;
+using ::kvcellar::platform::UniqueShmName;
 
 constexpr uint64_t kBatchBytes = 64ull << 20;
 
@@ -54,7 +59,7 @@ std::unique_ptr<Setup> MakeSetup(benchmark::State& state) {
     options.copy_threads = std::atoi(t);
   absl::StatusOr<std::unique_ptr<SimDevice>> dev = SimDevice::Create(options);
   s->device = *std::move(dev);
-  s->engine = *s->device->OpenEngine(s->kv->Spec());
+  s->engine = *s->device->OpenEngine(testing::SpecOf(*s->kv));
   s->object = s->engine->page_object_bytes();
   s->pages.assign(items * s->object, 2);
   for (uint32_t i = 0; i < items; ++i) {

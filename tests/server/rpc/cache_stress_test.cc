@@ -20,15 +20,15 @@ constexpr uint32_t kBlocksPerEngine = 32;
 uint32_t PageSeed(uint32_t prompt, uint32_t page) { return 1000 + prompt * 16 + page; }
 
 // Writes page (prompt, page)'s bytes into `block` of `kv`, as the engine's forward pass would.
-void WritePage(gpu::SimEngineKvCache& kv, uint32_t block, uint32_t prompt, uint32_t page) {
-  for (const gpu::PageSegment& s : gpu::PageSegments(kv.layout())) {
+void WritePage(platform::SimEngineKvCache& kv, uint32_t block, uint32_t prompt, uint32_t page) {
+  for (const core::PageSegment& s : core::PageSegments(kv.layout())) {
     gpu::testing::FillPattern(kv.Block(s.layer, s.buffer, block), s.bytes, PageSeed(prompt, page),
                               s.layer, s.buffer, 0);
   }
 }
 
-bool HoldsPage(gpu::SimEngineKvCache& kv, uint32_t block, uint32_t prompt, uint32_t page) {
-  for (const gpu::PageSegment& s : gpu::PageSegments(kv.layout())) {
+bool HoldsPage(platform::SimEngineKvCache& kv, uint32_t block, uint32_t prompt, uint32_t page) {
+  for (const core::PageSegment& s : core::PageSegments(kv.layout())) {
     if (!gpu::testing::HoldsPattern(kv.Block(s.layer, s.buffer, block), s.bytes,
                                     PageSeed(prompt, page), s.layer, s.buffer, 0)) {
       return false;

@@ -1,11 +1,11 @@
-#include "gpu/bus_fault_guard.h"
+#include "platform/bus_fault_guard.h"
 
 #include <atomic>
 #include <csetjmp>
 #include <csignal>
 #include <mutex>
 
-namespace kvcellar::gpu {
+namespace kvcellar::platform {
 namespace {
 
 // The jump target of the guarded call running on this thread, or null. Set and cleared by that
@@ -94,4 +94,4 @@ bool RunCatchingBusFaults(void (*fn)(void*), void* arg) {
   return true;
 }
 
-}  // namespace kvcellar::gpu
+}  // namespace kvcellar::platform

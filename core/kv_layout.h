@@ -9,8 +9,12 @@
 // contiguous object per (page, shard) holding, for layer 0, 1, ..., that layer's K bytes then its V
 // bytes, packed with no padding. PageSegments() lists those pieces in object order; every copy in
 // the gpu/ backends is driven by that list, so device and host formats cannot drift apart.
-#ifndef KVCELLAR_GPU_KV_LAYOUT_H_
-#define KVCELLAR_GPU_KV_LAYOUT_H_
+//
+// In core (pure arithmetic on the description) because both sides use it: the engine's client
+// library describes its cache with it, and the daemon's gpu/ backends and server/ validate and
+// copy by it.
+#ifndef KVCELLAR_CORE_KV_LAYOUT_H_
+#define KVCELLAR_CORE_KV_LAYOUT_H_
 
 #include <cstdint>
 #include <optional>
@@ -19,7 +23,7 @@
 
 #include "absl/status/status.h"
 
-namespace kvcellar::gpu {
+namespace kvcellar::core {
 
 // A model has at most a few hundred layers; 1024 bounds per-engine memory and validation time.
 inline constexpr uint32_t kMaxLayers = 1024;
@@ -97,6 +101,6 @@ struct LayerObjectOffsets {
 };
 std::vector<LayerObjectOffsets> PageObjectOffsets(const KvLayout& layout);
 
-}  // namespace kvcellar::gpu
+}  // namespace kvcellar::core
 
-#endif  // KVCELLAR_GPU_KV_LAYOUT_H_
+#endif  // KVCELLAR_CORE_KV_LAYOUT_H_

@@ -2,13 +2,15 @@
 //
 // On a GPU an engine allocates its KV cache with cudaMalloc and registers IPC handles; on the sim
 // device it creates shm objects (SimEngineMemory) and registers their names. The client library,
-// fake engines in integration tests, the tests here and the benchmarks use this file; the daemon
-// never does (it maps by name, sim_device.h).
+// fake engines in integration tests, the tests and the benchmarks use this file; the daemon never
+// does (it maps by name, gpu/sim_device.h). In platform/ because the engine side (client/) and the
+// daemon's tests both need it, and it is OS calls (shm objects) around a core KvLayout.
 //
 // SimEngineKvCache builds a whole engine rank in one call: KV memory in one of the arrangements
-// real engines use, the matching KvLayout, and optionally a CompletionRegion.
-#ifndef KVCELLAR_GPU_SIM_ENGINE_MEMORY_H_
-#define KVCELLAR_GPU_SIM_ENGINE_MEMORY_H_
+// real engines use, the matching KvLayout, and optionally a signal region (load and ready slots,
+// platform/signal_region.h).
+#ifndef KVCELLAR_PLATFORM_SIM_ENGINE_MEMORY_H_
+#define KVCELLAR_PLATFORM_SIM_ENGINE_MEMORY_H_
 
 #include <cstdint>
 #include <string>
@@ -16,12 +18,11 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "gpu/completion.h"
-#include "gpu/device_backend.h"
-#include "gpu/kv_layout.h"
-#include "gpu/shm_mapping.h"
+#include "core/kv_layout.h"
+#include "platform/shm_mapping.h"
+#include "platform/signal_region.h"
 
-namespace kvcellar::gpu {
+namespace kvcellar::platform {
 
 // One sim allocation. Owns its shm name: destruction unmaps and unlinks it (a daemon that mapped
 // it keeps its mapping until it closes the engine).
@@ -33,7 +34,7 @@ class SimEngineMemory {
   uint64_t size() const { return shm_.size(); }
   const std::string& name() const { return shm_.name(); }
   // The KvLayout region for bytes [offset, offset + size) of this allocation.
-  MemoryRegion Region(uint64_t offset, uint64_t size) const { return {name(), offset, size}; }
+  core::MemoryRegion Region(uint64_t offset, uint64_t size) const { return {name(), offset, size}; }
 
  private:
   explicit SimEngineMemory(ShmMapping shm) : shm_(std::move(shm)) {}
@@ -63,34 +64,36 @@ struct SimKvShape {
 
 class SimEngineKvCache {
  public:
-  // Creates "<prefix>-kv" (and "<prefix>-done" when completion_slots > 0).
+  // Creates "<prefix>-kv" (and "<prefix>-done", a signal region of `completion_slots` load
+  // slots and as many ready slots, when completion_slots > 0).
   static absl::StatusOr<SimEngineKvCache> Create(absl::string_view name_prefix,
                                                  const SimKvShape& shape,
                                                  uint32_t completion_slots);
   // The layout Create(name_prefix, shape, ...) registers, and the bytes of its "<prefix>-kv"
   // object; lets another process describe the cache without opening it.
-  static absl::StatusOr<KvLayout> Layout(absl::string_view name_prefix, const SimKvShape& shape,
-                                         uint64_t* total_bytes = nullptr);
+  static absl::StatusOr<core::KvLayout> Layout(absl::string_view name_prefix,
+                                               const SimKvShape& shape,
+                                               uint64_t* total_bytes = nullptr);
   static std::string CompletionName(absl::string_view name_prefix);
 
-  const KvLayout& layout() const { return layout_; }
-  EngineSpec Spec(std::string device_uuid = "") const;
+  const core::KvLayout& layout() const { return layout_; }
   // Engine memory of block `block` of `layer`'s buffer (0: K or latent, 1: V).
   uint8_t* Block(uint32_t layer, uint32_t buffer, uint32_t block) const;
   SimEngineMemory& memory() { return memory_; }
-  CompletionRegion& completion() { return completion_; }
+  SignalRegion& completion() { return completion_; }
+  const SignalRegion& completion() const { return completion_; }
 
  private:
-  SimEngineKvCache(SimEngineMemory memory, KvLayout layout, CompletionRegion completion)
+  SimEngineKvCache(SimEngineMemory memory, core::KvLayout layout, SignalRegion completion)
       : memory_(std::move(memory)),
         layout_(std::move(layout)),
         completion_(std::move(completion)) {}
 
   SimEngineMemory memory_;
-  KvLayout layout_;
-  CompletionRegion completion_;
+  core::KvLayout layout_;
+  SignalRegion completion_;
 };
 
-}  // namespace kvcellar::gpu
+}  // namespace kvcellar::platform
 
-#endif  // KVCELLAR_GPU_SIM_ENGINE_MEMORY_H_
+#endif  // KVCELLAR_PLATFORM_SIM_ENGINE_MEMORY_H_

@@ -1,9 +1,9 @@
-#include "gpu/kv_layout.h"
+#include "core/kv_layout.h"
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
-namespace kvcellar::gpu {
+namespace kvcellar::core {
 namespace {
 
 using ::testing::HasSubstr;
@@ -158,4 +158,4 @@ TEST(KvLayoutTest, SameStrideDisjointAcrossBlockRange) {
 }
 
 }  // namespace
-}  // namespace kvcellar::gpu
+}  // namespace kvcellar::core

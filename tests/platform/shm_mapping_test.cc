@@ -2,7 +2,7 @@
 // (a memfd, as SGLang's HiCache host pool is) named "/proc/<pid>/fd/<fd>". The engine side here is
 // this test process: it creates the memfd and the mapping reopens it through /proc with this
 // process's real pid, exactly as the daemon reopens an engine's.
-#include "gpu/shm_mapping.h"
+#include "platform/shm_mapping.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -16,10 +16,10 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
-#include "gpu/sim_engine_memory.h"
 #include "gtest/gtest.h"
+#include "platform/sim_engine_memory.h"
 
-namespace kvcellar::gpu {
+namespace kvcellar::platform {
 namespace {
 
 using ::testing::HasSubstr;
@@ -219,4 +219,4 @@ TEST(ShmMappingTest, CreateTakesOnlyPosixNames) {
 }
 
 }  // namespace
-}  // namespace kvcellar::gpu
+}  // namespace kvcellar::platform

@@ -11,12 +11,12 @@
 //
 // The guarded function must not own anything with a destructor in the frames a fault skips, nor
 // hold locks: a fault abandons them mid-way (plain loops of memcpy over raw pointers qualify).
-#ifndef KVCELLAR_GPU_BUS_FAULT_GUARD_H_
-#define KVCELLAR_GPU_BUS_FAULT_GUARD_H_
+#ifndef KVCELLAR_PLATFORM_BUS_FAULT_GUARD_H_
+#define KVCELLAR_PLATFORM_BUS_FAULT_GUARD_H_
 
 #include <cstdint>
 
-namespace kvcellar::gpu {
+namespace kvcellar::platform {
 
 // Installs the handler (idempotent, thread-safe). Call before the first guarded copy.
 void InstallBusFaultHandler();
@@ -35,6 +35,6 @@ bool BusFaultHandlerInstalled();
 bool StoreSharedWord(uint64_t* word, uint64_t value);
 bool LoadSharedWord(const uint64_t* word, uint64_t* value);
 
-}  // namespace kvcellar::gpu
+}  // namespace kvcellar::platform
 
-#endif  // KVCELLAR_GPU_BUS_FAULT_GUARD_H_
+#endif  // KVCELLAR_PLATFORM_BUS_FAULT_GUARD_H_

@@ -1,6 +1,6 @@
 // ShmMapping: a shared-memory object mapped into this process.
 //
-// The sim device (host shared memory) keeps engine memory and the completion region in shared
+// The sim device (host shared memory) keeps engine memory and the signal region in shared
 // objects: the engine creates them and the daemon maps them (Open), so both processes see the
 // same bytes, exactly as both see one GPU allocation through CUDA IPC. Two kinds of name:
 //   - a POSIX shm name, "/kvc-sim-4242-rank0" (shm_open); Create makes these;
@@ -14,11 +14,12 @@
 // engine names, read-write (the socket's permissions decide who may connect). A process that
 // truncates an object another process has mapped makes that process's next access fault
 // (SIGBUS): the sim device's copies of engine memory run under a fault guard
-// (gpu/bus_fault_guard.h), so such an engine fails only its own ops; the completion regions
-// (signal words) are not guarded yet. A /proc name must lead to shared memory (a regular file on
-// tmpfs or hugetlbfs, as memfds and /dev/shm objects are), never to a disk file, pipe or device.
-#ifndef KVCELLAR_GPU_SHM_MAPPING_H_
-#define KVCELLAR_GPU_SHM_MAPPING_H_
+// (platform/bus_fault_guard.h), so such an engine fails only its own ops, and so do the daemon's
+// accesses to signal words (platform/signal_region.h). A /proc name must lead to shared memory (a
+// regular file on tmpfs or hugetlbfs, as memfds and /dev/shm objects are), never to a disk file,
+// pipe or device.
+#ifndef KVCELLAR_PLATFORM_SHM_MAPPING_H_
+#define KVCELLAR_PLATFORM_SHM_MAPPING_H_
 
 #include <cstdint>
 #include <string>
@@ -26,7 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
-namespace kvcellar::gpu {
+namespace kvcellar::platform {
 
 class ShmMapping {
  public:
@@ -72,6 +73,6 @@ class ShmMapping {
   bool owner_ = false;
 };
 
-}  // namespace kvcellar::gpu
+}  // namespace kvcellar::platform
 
-#endif  // KVCELLAR_GPU_SHM_MAPPING_H_
+#endif  // KVCELLAR_PLATFORM_SHM_MAPPING_H_

@@ -1,4 +1,4 @@
-#include "gpu/sim_engine_memory.h"
+#include "platform/sim_engine_memory.h"
 
 #include <unistd.h>
 
@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 
-namespace kvcellar::gpu {
+namespace kvcellar::platform {
 
 absl::StatusOr<SimEngineMemory> SimEngineMemory::Create(absl::string_view name, uint64_t bytes) {
   absl::StatusOr<ShmMapping> shm = ShmMapping::Create(name, bytes);
@@ -22,14 +22,15 @@ std::string UniqueShmName(absl::string_view tag) {
                       absl::Hex(rng() & 0xffffffff));
 }
 
-absl::StatusOr<KvLayout> SimEngineKvCache::Layout(absl::string_view name_prefix,
-                                                  const SimKvShape& shape, uint64_t* total_bytes) {
+absl::StatusOr<core::KvLayout> SimEngineKvCache::Layout(absl::string_view name_prefix,
+                                                        const SimKvShape& shape,
+                                                        uint64_t* total_bytes) {
   if (shape.num_layers == 0 || shape.num_blocks == 0 || shape.bytes_per_block == 0) {
     return absl::InvalidArgumentError("SimKvShape: layers, blocks and bytes_per_block must be > 0");
   }
   const uint32_t buffers = shape.mla ? 1 : 2;
   const uint64_t bpb = shape.bytes_per_block;
-  KvLayout layout;
+  core::KvLayout layout;
   layout.num_blocks = shape.num_blocks;
   uint64_t total = 0;
   const std::string kv_name = absl::StrCat(name_prefix, "-kv");
@@ -39,9 +40,9 @@ absl::StatusOr<KvLayout> SimEngineKvCache::Layout(absl::string_view name_prefix,
     const uint64_t layer_bytes = buffer_bytes * buffers;
     for (uint32_t l = 0; l < shape.num_layers; ++l) {
       layout.regions.push_back({kv_name, l * layer_bytes, layer_bytes});
-      LayerLayout ll;
+      core::LayerLayout ll;
       ll.k = {l, 0, stride, bpb};
-      if (!shape.mla) ll.v = BufferLayout{l, buffer_bytes, stride, bpb};
+      if (!shape.mla) ll.v = core::BufferLayout{l, buffer_bytes, stride, bpb};
       layout.layers.push_back(ll);
     }
     total = layer_bytes * shape.num_layers;
@@ -50,9 +51,9 @@ absl::StatusOr<KvLayout> SimEngineKvCache::Layout(absl::string_view name_prefix,
     total = stride * shape.num_blocks;
     layout.regions.push_back({kv_name, 0, total});
     for (uint32_t l = 0; l < shape.num_layers; ++l) {
-      LayerLayout ll;
+      core::LayerLayout ll;
       ll.k = {0, l * buffers * bpb, stride, bpb};
-      if (!shape.mla) ll.v = BufferLayout{0, l * buffers * bpb + bpb, stride, bpb};
+      if (!shape.mla) ll.v = core::BufferLayout{0, l * buffers * bpb + bpb, stride, bpb};
       layout.layers.push_back(ll);
     }
   }
@@ -69,34 +70,26 @@ absl::StatusOr<SimEngineKvCache> SimEngineKvCache::Create(absl::string_view name
                                                           const SimKvShape& shape,
                                                           uint32_t completion_slots) {
   uint64_t total = 0;
-  absl::StatusOr<KvLayout> layout = Layout(name_prefix, shape, &total);
+  absl::StatusOr<core::KvLayout> layout = Layout(name_prefix, shape, &total);
   if (!layout.ok()) return layout.status();
   absl::StatusOr<SimEngineMemory> memory =
       SimEngineMemory::Create(layout->regions.front().handle, total);
   if (!memory.ok()) return memory.status();
-  CompletionRegion completion;
+  SignalRegion completion;
   if (completion_slots > 0) {
-    absl::StatusOr<CompletionRegion> c =
-        CompletionRegion::Create(CompletionName(name_prefix), completion_slots, shape.num_layers);
+    absl::StatusOr<SignalRegion> c = SignalRegion::Create(
+        CompletionName(name_prefix), completion_slots, shape.num_layers, completion_slots);
     if (!c.ok()) return c.status();
     completion = *std::move(c);
   }
   return SimEngineKvCache(*std::move(memory), *std::move(layout), std::move(completion));
 }
 
-EngineSpec SimEngineKvCache::Spec(std::string device_uuid) const {
-  EngineSpec spec;
-  spec.device_uuid = std::move(device_uuid);
-  spec.layout = layout_;
-  if (completion_.valid()) spec.completion_region = completion_.name();
-  return spec;
-}
-
 uint8_t* SimEngineKvCache::Block(uint32_t layer, uint32_t buffer, uint32_t block) const {
-  const LayerLayout& l = layout_.layers[layer];
-  const BufferLayout& b = buffer == 0 ? l.k : *l.v;
-  const MemoryRegion& r = layout_.regions[b.region];
+  const core::LayerLayout& l = layout_.layers[layer];
+  const core::BufferLayout& b = buffer == 0 ? l.k : *l.v;
+  const core::MemoryRegion& r = layout_.regions[b.region];
   return memory_.data() + r.offset + b.offset + uint64_t{block} * b.block_stride;
 }
 
-}  // namespace kvcellar::gpu
+}  // namespace kvcellar::platform

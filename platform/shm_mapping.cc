@@ -1,4 +1,4 @@
-#include "gpu/shm_mapping.h"
+#include "platform/shm_mapping.h"
 
 #include <fcntl.h>
 #include <linux/magic.h>
@@ -17,7 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 
-namespace kvcellar::gpu {
+namespace kvcellar::platform {
 namespace {
 
 absl::Status ErrnoStatus(int err, absl::string_view what) {
@@ -216,4 +216,4 @@ void ShmMapping::Reset() {
   owner_ = false;
 }
 
-}  // namespace kvcellar::gpu
+}  // namespace kvcellar::platform

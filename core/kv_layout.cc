@@ -1,10 +1,10 @@
-#include "gpu/kv_layout.h"
+#include "core/kv_layout.h"
 
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
 
-namespace kvcellar::gpu {
+namespace kvcellar::core {
 namespace {
 
 using int128 = __int128;
@@ -194,4 +194,4 @@ std::vector<LayerObjectOffsets> PageObjectOffsets(const KvLayout& layout) {
   return out;
 }
 
-}  // namespace kvcellar::gpu
+}  // namespace kvcellar::core
