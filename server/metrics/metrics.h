@@ -180,6 +180,11 @@ class Histogram {
 
 namespace metrics_internal {
 
+// The text format is UTF-8: help texts must be, label values are repaired. SanitizeUtf8 replaces
+// each byte that is not part of valid UTF-8 with U+FFFD.
+bool IsValidUtf8(absl::string_view s);
+std::string SanitizeUtf8(absl::string_view s);
+
 // Name syntax (prometheus::CheckMetricName, CheckLabelName), as an error that names the culprit.
 absl::Status ValidateMetricName(absl::string_view name);
 absl::Status ValidateLabelName(absl::string_view name);

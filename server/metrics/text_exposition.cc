@@ -86,36 +86,6 @@ std::string Escape(absl::string_view s, bool quotes) {
   return out;
 }
 
-// Length of the valid UTF-8 sequence at s[i], or 0 when the bytes there are not one.
-size_t Utf8SequenceLength(absl::string_view s, size_t i) {
-  const auto byte = [&](size_t k) { return static_cast<unsigned char>(s[k]); };
-  const unsigned char c = byte(i);
-  if (c < 0x80) return 1;
-  size_t n;
-  uint32_t cp;
-  if ((c & 0xE0) == 0xC0) {
-    n = 2;
-    cp = c & 0x1F;
-  } else if ((c & 0xF0) == 0xE0) {
-    n = 3;
-    cp = c & 0x0F;
-  } else if ((c & 0xF8) == 0xF0) {
-    n = 4;
-    cp = c & 0x07;
-  } else {
-    return 0;
-  }
-  if (i + n > s.size()) return 0;
-  for (size_t k = 1; k < n; ++k) {
-    if ((byte(i + k) & 0xC0) != 0x80) return 0;
-    cp = (cp << 6) | (byte(i + k) & 0x3F);
-  }
-  // Overlong encodings, UTF-16 surrogates and code points past U+10FFFF are invalid.
-  static constexpr uint32_t kMinForLength[] = {0, 0, 0x80, 0x800, 0x10000};
-  if (cp < kMinForLength[n] || (cp >= 0xD800 && cp <= 0xDFFF) || cp > 0x10FFFF) return 0;
-  return n;
-}
-
 }  // namespace
 
 std::string TextExposition::Serialize(const std::vector<prometheus::MetricFamily>& families) const {
@@ -175,32 +145,6 @@ std::string FormatValue(double v) {
 std::string EscapeLabelValue(absl::string_view v) { return Escape(v, /*quotes=*/true); }
 
 std::string EscapeHelp(absl::string_view help) { return Escape(help, /*quotes=*/false); }
-
-bool IsValidUtf8(absl::string_view s) {
-  for (size_t i = 0; i < s.size();) {
-    const size_t n = Utf8SequenceLength(s, i);
-    if (n == 0) return false;
-    i += n;
-  }
-  return true;
-}
-
-std::string SanitizeUtf8(absl::string_view s) {
-  static constexpr absl::string_view kReplacement = "\xEF\xBF\xBD";  // U+FFFD
-  std::string out;
-  out.reserve(s.size());
-  for (size_t i = 0; i < s.size();) {
-    const size_t n = Utf8SequenceLength(s, i);
-    if (n == 0) {
-      out.append(kReplacement.data(), kReplacement.size());
-      ++i;
-    } else {
-      out.append(s.data() + i, n);
-      i += n;
-    }
-  }
-  return out;
-}
 
 absl::string_view TypeName(prometheus::MetricType type) {
   switch (type) {

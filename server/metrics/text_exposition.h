@@ -52,10 +52,6 @@ std::string FormatValue(double v);
 // Escapes a label value (\\, \", \n) and a HELP text (\\, \n).
 std::string EscapeLabelValue(absl::string_view v);
 std::string EscapeHelp(absl::string_view help);
-// The text format is UTF-8: label values and help texts are checked or repaired before they get
-// this far. SanitizeUtf8 replaces each byte that is not part of valid UTF-8 with U+FFFD.
-bool IsValidUtf8(absl::string_view s);
-std::string SanitizeUtf8(absl::string_view s);
 // "counter", "gauge", "histogram", "summary", "untyped".
 absl::string_view TypeName(prometheus::MetricType type);
 
