@@ -34,8 +34,9 @@ inline constexpr char kPrometheusTextContentType[] = "text/plain; version=0.0.4;
 
 // Writes each family with # HELP and # TYPE, then its series in the order given; a series' labels
 // in the order of ClientMetric::label. Families without series are skipped, as the Go client
-// does. Counter, gauge and histogram families are supported (the ones kvcellard makes); summary
-// and untyped families are written with their # TYPE line and no samples.
+// does. Histogram buckets are written as given: they end with the +Inf bucket, as both
+// prometheus::Histogram::Collect and ours make them. Counter, gauge and histogram families are
+// what kvcellard makes; a summary or untyped family gets its # HELP and # TYPE lines only.
 class TextExposition final : public prometheus::Serializer {
  public:
   std::string Serialize(const std::vector<prometheus::MetricFamily>& families) const override;
