@@ -18,6 +18,8 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   # Core libraries.
   libabsl-dev liburing-dev libssl-dev libyaml-cpp-dev libhiredis-dev
+  # Metrics: prometheus-cpp's core library (the pull and push parts come with it, unused).
+  prometheus-cpp-dev
   # Tests and benchmarks.
   libgtest-dev libgmock-dev libbenchmark-dev
   # Real components the tests drive.

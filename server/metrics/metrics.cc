@@ -1,27 +1,22 @@
 #include "server/metrics/metrics.h"
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <limits>
-#include <system_error>
 #include <utility>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "platform/log.h"
+#include "prometheus/check_names.h"
 
 namespace kvcellar::server {
+
+using metrics_internal::IsValidUtf8;
+using metrics_internal::TypeName;
+
 namespace {
-
-// 2^53: every integer of at most this magnitude is exact in a double, so it prints as an integer.
-constexpr double kMaxExactInteger = 9007199254740992.0;
-
-// Go's strconv.FormatFloat(v, 'g', -1, 64) switches to exponent notation at 10^6 for values it
-// does not print as integers; Go clients format `le` this way, and so do we.
-constexpr int kExponentNotationFrom = 6;
-constexpr int kExponentNotationBelow = -4;
 
 // Label names Prometheus gives a meaning to: `le` on histogram buckets, `quantile` on summaries.
 // promtool flags them on any other type, and our histograms add `le` themselves.
@@ -66,30 +61,9 @@ size_t Utf8SequenceLength(absl::string_view s, size_t i) {
   return n;
 }
 
-bool IsValidUtf8(absl::string_view s) {
-  for (size_t i = 0; i < s.size();) {
-    const size_t n = Utf8SequenceLength(s, i);
-    if (n == 0) return false;
-    i += n;
-  }
-  return true;
-}
-
 bool IsReservedLabel(absl::string_view name) {
   return std::find(std::begin(kReservedLabels), std::end(kReservedLabels), name) !=
          std::end(kReservedLabels);
-}
-
-absl::string_view TypeName(MetricType type) {
-  switch (type) {
-    case MetricType::kCounter:
-      return "counter";
-    case MetricType::kGauge:
-      return "gauge";
-    case MetricType::kHistogram:
-      return "histogram";
-  }
-  return "untyped";
 }
 
 // Checks label names as a family or a collector sample declares them.
@@ -117,15 +91,15 @@ absl::Status ValidateLabelNames(absl::string_view metric,
 absl::Status ValidateFamily(MetricType type, absl::string_view name, absl::string_view help) {
   if (absl::Status s = metrics_internal::ValidateMetricName(name); !s.ok()) return s;
   const bool total = absl::EndsWith(name, "_total");
-  if (type == MetricType::kCounter && !total) {
+  if (type == MetricType::Counter && !total) {
     return absl::InvalidArgumentError(
         absl::StrCat("counter '", name, "' must end in _total (Prometheus naming)"));
   }
-  if (type != MetricType::kCounter && total) {
+  if (type != MetricType::Counter && total) {
     return absl::InvalidArgumentError(
         absl::StrCat(TypeName(type), " '", name, "' must not end in _total: only counters do"));
   }
-  if (type == MetricType::kHistogram) {
+  if (type == MetricType::Histogram) {
     for (absl::string_view suffix : kHistogramSuffixes) {
       if (absl::EndsWith(name, suffix)) {
         return absl::InvalidArgumentError(absl::StrCat("histogram '", name, "' must not end in ",
@@ -143,35 +117,27 @@ absl::Status ValidateFamily(MetricType type, absl::string_view name, absl::strin
   return absl::OkStatus();
 }
 
-// `a="x",b="y"`, values sanitized and escaped.
-std::string RenderLabels(absl::Span<const std::string> names,
-                         absl::Span<const std::string> values) {
-  std::string out;
-  for (size_t i = 0; i < names.size(); ++i) {
-    absl::StrAppend(&out, i == 0 ? "" : ",", names[i], "=\"",
-                    metrics_internal::EscapeLabelValue(values[i]), "\"");
-  }
-  return out;
+// `name{a="x",b="y"}`: one series of a collector, as its repeats are recognized and reported.
+std::string SeriesKey(absl::string_view name,
+                      const std::vector<prometheus::ClientMetric::Label>& labels) {
+  return absl::StrCat(name, "{",
+                      absl::StrJoin(labels, ",",
+                                    [](std::string* out, const prometheus::ClientMetric::Label& l) {
+                                      absl::StrAppend(out, l.name, "=\"",
+                                                      metrics_internal::EscapeLabelValue(l.value),
+                                                      "\"");
+                                    }),
+                      "}");
 }
 
 std::vector<std::string> SampleNames(absl::string_view name, MetricType type) {
   std::vector<std::string> names;
-  if (type == MetricType::kHistogram) {
+  if (type == MetricType::Histogram) {
     for (absl::string_view suffix : kHistogramSuffixes) names.push_back(absl::StrCat(name, suffix));
   } else {
     names.emplace_back(name);
   }
   return names;
-}
-
-void RenderFamily(const metrics_internal::FamilySnapshot& family, std::string* out) {
-  absl::StrAppend(out, "# HELP ", family.name, " ", metrics_internal::EscapeHelp(family.help),
-                  "\n# TYPE ", family.name, " ", TypeName(family.type), "\n");
-  for (const metrics_internal::Sample& s : family.samples) {
-    absl::StrAppend(out, family.name, s.suffix);
-    if (!s.labels.empty()) absl::StrAppend(out, "{", s.labels, "}");
-    absl::StrAppend(out, " ", s.value, "\n");
-  }
 }
 
 }  // namespace
@@ -227,85 +193,43 @@ uint64_t Histogram::Count() const {
   return total;
 }
 
-// --- Formatting and validation ----------------------------------------------------------------
+prometheus::ClientMetric Counter::Collect() const {
+  prometheus::ClientMetric m;
+  m.counter.value = Value();
+  return m;
+}
+
+prometheus::ClientMetric Gauge::Collect() const {
+  prometheus::ClientMetric m;
+  m.gauge.value = Value();
+  return m;
+}
+
+prometheus::ClientMetric Histogram::Collect() const {
+  prometheus::ClientMetric m;
+  m.histogram.bucket.reserve(bucket_count());
+  uint64_t cumulative = 0;
+  for (size_t i = 0; i < bucket_count(); ++i) {
+    cumulative += BucketCount(i);
+    m.histogram.bucket.push_back(
+        {cumulative, i < bounds_.size() ? bounds_[i] : std::numeric_limits<double>::infinity()});
+  }
+  m.histogram.sample_count = cumulative;
+  m.histogram.sample_sum = Sum();
+  return m;
+}
+
+// --- UTF-8 and names --------------------------------------------------------------------------
 
 namespace metrics_internal {
 
-std::string FormatValue(double v) {
-  if (std::isnan(v)) return "NaN";
-  if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
-  if (v == std::trunc(v) && std::fabs(v) <= kMaxExactInteger) {
-    return absl::StrCat(static_cast<int64_t>(v));  // -0.0 prints as 0
+bool IsValidUtf8(absl::string_view s) {
+  for (size_t i = 0; i < s.size();) {
+    const size_t n = Utf8SequenceLength(s, i);
+    if (n == 0) return false;
+    i += n;
   }
-  // Shortest round-trip digits, as d[.ddd]e±XX.
-  char buf[64];
-  const std::to_chars_result r =
-      std::to_chars(buf, buf + sizeof(buf), v, std::chars_format::scientific);
-  if (r.ec != std::errc()) return absl::StrCat(v);  // cannot happen with 64 bytes
-  const absl::string_view sci(buf, r.ptr - buf);
-  const size_t e = sci.find('e');
-  int exp = 0;
-  std::from_chars(sci.data() + e + (sci[e + 1] == '+' ? 2 : 1), sci.data() + sci.size(), exp);
-  if (exp < kExponentNotationBelow || exp >= kExponentNotationFrom) return std::string(sci);
-
-  // Fixed notation from the same digits.
-  std::string digits;
-  const bool negative = sci[0] == '-';
-  for (char c : sci.substr(negative ? 1 : 0, e - (negative ? 1 : 0))) {
-    if (c != '.') digits.push_back(c);
-  }
-  std::string out = negative ? "-" : "";
-  if (exp < 0) {
-    absl::StrAppend(&out, "0.", std::string(-exp - 1, '0'), digits);
-  } else {
-    const size_t int_digits = static_cast<size_t>(exp) + 1;
-    if (digits.size() <= int_digits) {
-      absl::StrAppend(&out, digits, std::string(int_digits - digits.size(), '0'));
-    } else {
-      absl::StrAppend(&out, absl::string_view(digits).substr(0, int_digits), ".",
-                      absl::string_view(digits).substr(int_digits));
-    }
-  }
-  return out;
-}
-
-std::string EscapeLabelValue(absl::string_view v) {
-  std::string out;
-  out.reserve(v.size());
-  for (char c : v) {
-    switch (c) {
-      case '\\':
-        out += "\\\\";
-        break;
-      case '"':
-        out += "\\\"";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      default:
-        out.push_back(c);
-    }
-  }
-  return out;
-}
-
-std::string EscapeHelp(absl::string_view help) {
-  std::string out;
-  out.reserve(help.size());
-  for (char c : help) {
-    switch (c) {
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      default:
-        out.push_back(c);
-    }
-  }
-  return out;
+  return true;
 }
 
 std::string SanitizeUtf8(absl::string_view s) {
@@ -326,25 +250,17 @@ std::string SanitizeUtf8(absl::string_view s) {
 }
 
 absl::Status ValidateMetricName(absl::string_view name) {
-  const auto head = [](char c) { return absl::ascii_isalpha(c) || c == '_' || c == ':'; };
-  const auto tail = [&](char c) { return head(c) || absl::ascii_isdigit(c); };
-  if (name.empty() || !head(name[0]) || !std::all_of(name.begin() + 1, name.end(), tail)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("metric name '", name, "' is invalid: must match [a-zA-Z_:][a-zA-Z0-9_:]*"));
+  if (!prometheus::CheckMetricName(std::string(name))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "metric name '", name, "' is invalid: must match [a-zA-Z_:][a-zA-Z0-9_:]*, not __*"));
   }
   return absl::OkStatus();
 }
 
 absl::Status ValidateLabelName(absl::string_view name) {
-  const auto head = [](char c) { return absl::ascii_isalpha(c) || c == '_'; };
-  const auto tail = [&](char c) { return head(c) || absl::ascii_isdigit(c); };
-  if (name.empty() || !head(name[0]) || !std::all_of(name.begin() + 1, name.end(), tail)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("label name '", name, "' is invalid: must match [a-zA-Z_][a-zA-Z0-9_]*"));
-  }
-  if (absl::StartsWith(name, "__")) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("label name '", name, "' is invalid: names starting with __ are reserved"));
+  if (!prometheus::CheckLabelName(std::string(name))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "label name '", name, "' is invalid: must match [a-zA-Z_][a-zA-Z0-9_]*, not __*"));
   }
   return absl::OkStatus();
 }
@@ -439,32 +355,19 @@ T& MetricFamily<T>::WithLabels(absl::Span<const absl::string_view> label_values)
 }
 
 template <typename T>
-void MetricFamily<T>::Snapshot(metrics_internal::FamilySnapshot* out) const {
+std::vector<prometheus::MetricFamily> MetricFamily<T>::Collect() const {
   absl::ReaderMutexLock lock(&mu_);
+  if (series_.empty()) return {};
+  prometheus::MetricFamily family{name(), help(), type(), {}};
+  family.metric.reserve(series_.size());
   for (const auto& [values, series] : series_) {
-    std::string labels = RenderLabels(label_names(), values);
-    if constexpr (std::is_same_v<T, Counter>) {
-      const double fractional = series->FractionalPart();
-      out->samples.push_back({"", std::move(labels),
-                              fractional == 0 ? absl::StrCat(series->IntegerPart())
-                                              : metrics_internal::FormatValue(series->Value())});
-    } else if constexpr (std::is_same_v<T, Gauge>) {
-      out->samples.push_back(
-          {"", std::move(labels), metrics_internal::FormatValue(series->Value())});
-    } else {
-      const absl::string_view sep = labels.empty() ? "" : ",";
-      uint64_t cumulative = 0;
-      for (size_t i = 0; i < series->bucket_count(); ++i) {
-        cumulative += series->BucketCount(i);
-        const std::string le =
-            i < bounds_.size() ? metrics_internal::FormatValue(bounds_[i]) : "+Inf";
-        out->samples.push_back(
-            {"_bucket", absl::StrCat(labels, sep, "le=\"", le, "\""), absl::StrCat(cumulative)});
-      }
-      out->samples.push_back({"_sum", labels, metrics_internal::FormatValue(series->Sum())});
-      out->samples.push_back({"_count", std::move(labels), absl::StrCat(cumulative)});
-    }
+    prometheus::ClientMetric& m = family.metric.emplace_back(series->Collect());
+    m.label.reserve(values.size());
+    for (size_t i = 0; i < values.size(); ++i) m.label.push_back({label_names()[i], values[i]});
   }
+  std::vector<prometheus::MetricFamily> out;
+  out.push_back(std::move(family));
+  return out;
 }
 
 template class MetricFamily<Counter>;
@@ -475,14 +378,16 @@ template class MetricFamily<Histogram>;
 class MetricsRegistry::CallbackGauge final : public MetricFamilyBase {
  public:
   CallbackGauge(std::string name, std::string help, std::function<double()> value)
-      : MetricFamilyBase(std::move(name), std::move(help), MetricType::kGauge, {}),
+      : MetricFamilyBase(std::move(name), std::move(help), MetricType::Gauge, {}),
         value_(std::move(value)) {}
 
- private:
-  void Snapshot(metrics_internal::FamilySnapshot* out) const override {
-    out->samples.push_back({"", "", metrics_internal::FormatValue(value_())});
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    prometheus::ClientMetric m;
+    m.gauge.value = value_();
+    return {{name(), help(), type(), {std::move(m)}}};
   }
 
+ private:
   const std::function<double()> value_;
 };
 
@@ -490,12 +395,12 @@ class MetricsRegistry::CallbackGauge final : public MetricFamilyBase {
 
 void MetricWriter::AddCounter(absl::string_view name, absl::string_view help, double value,
                               absl::Span<const Label> labels) {
-  Add(MetricType::kCounter, name, help, value, labels);
+  Add(MetricType::Counter, name, help, value, labels);
 }
 
 void MetricWriter::AddGauge(absl::string_view name, absl::string_view help, double value,
                             absl::Span<const Label> labels) {
-  Add(MetricType::kGauge, name, help, value, labels);
+  Add(MetricType::Gauge, name, help, value, labels);
 }
 
 void MetricWriter::Drop(std::string reason) {
@@ -508,12 +413,10 @@ void MetricWriter::Add(MetricType type, absl::string_view name, absl::string_vie
     return Drop(std::string(s.message()));
   }
   std::vector<absl::string_view> names;
-  std::vector<std::string> names_owned;
-  std::vector<std::string> values;
+  prometheus::ClientMetric sample;
   for (const Label& l : labels) {
     names.push_back(l.name);
-    names_owned.emplace_back(l.name);
-    values.push_back(metrics_internal::SanitizeUtf8(l.value));
+    sample.label.push_back({std::string(l.name), metrics_internal::SanitizeUtf8(l.value)});
   }
   if (absl::Status s = ValidateLabelNames(name, names); !s.ok()) {
     return Drop(std::string(s.message()));
@@ -526,18 +429,15 @@ void MetricWriter::Add(MetricType type, absl::string_view name, absl::string_vie
     return Drop(absl::StrCat("collector metric '", name, "' written as both ",
                              TypeName(it->second.type), " and ", TypeName(type)));
   }
-  std::string rendered = RenderLabels(names_owned, values);
-  if (!series_seen_.insert(absl::StrCat(name, "{", rendered, "}")).second) {
-    return Drop(absl::StrCat("collector metric '", name, "' repeats the series {", rendered, "}"));
+  if (std::string key = SeriesKey(name, sample.label); !series_seen_.insert(key).second) {
+    return Drop(absl::StrCat("collector metric '", name, "' repeats the series ", key));
   }
   if (it == families_->end()) {
-    metrics_internal::FamilySnapshot family;
-    family.name = std::string(name);
-    family.help = std::string(help);
-    family.type = type;
+    prometheus::MetricFamily family{std::string(name), std::string(help), type, {}};
     it = families_->emplace(family.name, std::move(family)).first;
   }
-  it->second.samples.push_back({"", std::move(rendered), metrics_internal::FormatValue(value)});
+  (type == MetricType::Counter ? sample.counter.value : sample.gauge.value) = value;
+  it->second.metric.push_back(std::move(sample));
 }
 
 // --- Registry ---------------------------------------------------------------------------------
@@ -553,7 +453,7 @@ absl::Status MetricsRegistry::CheckSampleNamesFree(absl::string_view name, Metri
     for (absl::string_view suffix : kHistogramSuffixes) {
       if (!absl::EndsWith(sample, suffix)) continue;
       auto it = families_.find(absl::string_view(sample).substr(0, sample.size() - suffix.size()));
-      if (it != families_.end() && it->second->type() == MetricType::kHistogram) {
+      if (it != families_.end() && it->second->type() == MetricType::Histogram) {
         return absl::AlreadyExistsError(absl::StrCat("metric '", name, "' clashes with the ",
                                                      suffix, " series of histogram '", it->first,
                                                      "'"));
@@ -616,26 +516,26 @@ absl::StatusOr<Family*> MetricsRegistry::Register(MetricType type, absl::string_
 absl::StatusOr<CounterFamily*> MetricsRegistry::RegisterCounter(
     absl::string_view name, absl::string_view help, absl::Span<const absl::string_view> label_names,
     size_t max_series) {
-  return Register<CounterFamily>(MetricType::kCounter, name, help, label_names, max_series, {});
+  return Register<CounterFamily>(MetricType::Counter, name, help, label_names, max_series, {});
 }
 
 absl::StatusOr<GaugeFamily*> MetricsRegistry::RegisterGauge(
     absl::string_view name, absl::string_view help, absl::Span<const absl::string_view> label_names,
     size_t max_series) {
-  return Register<GaugeFamily>(MetricType::kGauge, name, help, label_names, max_series, {});
+  return Register<GaugeFamily>(MetricType::Gauge, name, help, label_names, max_series, {});
 }
 
 absl::StatusOr<HistogramFamily*> MetricsRegistry::RegisterHistogram(
     absl::string_view name, absl::string_view help, absl::Span<const absl::string_view> label_names,
     absl::Span<const double> bounds, size_t max_series) {
-  return Register<HistogramFamily>(MetricType::kHistogram, name, help, label_names, max_series,
+  return Register<HistogramFamily>(MetricType::Histogram, name, help, label_names, max_series,
                                    bounds);
 }
 
 absl::StatusOr<CollectorId> MetricsRegistry::AddCallbackGauge(absl::string_view name,
                                                               absl::string_view help,
                                                               std::function<double()> value) {
-  if (absl::Status s = ValidateFamily(MetricType::kGauge, name, help); !s.ok()) return s;
+  if (absl::Status s = ValidateFamily(MetricType::Gauge, name, help); !s.ok()) return s;
   if (!value) {
     return absl::InvalidArgumentError(absl::StrCat("callback gauge '", name, "' has no callback"));
   }
@@ -644,7 +544,7 @@ absl::StatusOr<CollectorId> MetricsRegistry::AddCallbackGauge(absl::string_view 
   if (families_.contains(name)) {
     return absl::AlreadyExistsError(absl::StrCat("metric '", name, "' is already registered"));
   }
-  if (absl::Status s = CheckSampleNamesFree(name, MetricType::kGauge); !s.ok()) return s;
+  if (absl::Status s = CheckSampleNamesFree(name, MetricType::Gauge); !s.ok()) return s;
   families_.emplace(std::string(name), std::make_unique<CallbackGauge>(
                                            std::string(name), std::string(help), std::move(value)));
   const CollectorId id = next_id_++;
@@ -669,7 +569,7 @@ void MetricsRegistry::RemoveCollector(CollectorId id) {
   }
 }
 
-std::string MetricsRegistry::Scrape() {
+std::vector<prometheus::MetricFamily> MetricsRegistry::Collect() const {
   absl::MutexLock scrape_lock(&scrape_mu_);
   // Families are never removed while scrape_mu_ is held (only callback gauges are removed, and
   // under it), so the pointers stay valid after mu_ is released.
@@ -679,18 +579,14 @@ std::string MetricsRegistry::Scrape() {
     registered.reserve(families_.size());
     for (const auto& [name, family] : families_) registered.push_back(family.get());
   }
-  std::map<std::string, metrics_internal::FamilySnapshot> families;
+  std::map<std::string, prometheus::MetricFamily> families;  // by name: the exposition's order
   std::set<std::string> reserved;
   for (const MetricFamilyBase* family : registered) {
     reserved.insert(family->name());
     for (std::string& sample : SampleNames(family->name(), family->type())) {
       reserved.insert(std::move(sample));
     }
-    metrics_internal::FamilySnapshot& snapshot = families[family->name()];
-    snapshot.name = family->name();
-    snapshot.help = family->help();
-    snapshot.type = family->type();
-    family->Snapshot(&snapshot);
+    for (prometheus::MetricFamily& f : family->Collect()) families.emplace(f.name, std::move(f));
   }
   MetricWriter writer(&families, &reserved);
   for (const Collector& c : collectors_) c.collect(writer);
@@ -698,14 +594,13 @@ std::string MetricsRegistry::Scrape() {
     KVLOG(Warn, "metrics collectors wrote invalid samples; dropped",
           {{"dropped", writer.dropped_}, {"first_reason", writer.first_drop_reason_}});
   }
-
-  std::string out;
-  for (const auto& [name, family] : families) {
-    // Like the Go client, a family without series (labels never used) is not written.
-    if (!family.samples.empty()) RenderFamily(family, &out);
-  }
+  std::vector<prometheus::MetricFamily> out;
+  out.reserve(families.size());
+  for (auto& [name, family] : families) out.push_back(std::move(family));
   return out;
 }
+
+std::string MetricsRegistry::Scrape() const { return TextExposition().Serialize(Collect()); }
 
 MetricsRegistry& DefaultRegistry() {
   static MetricsRegistry* const registry = new MetricsRegistry();

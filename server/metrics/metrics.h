@@ -1,7 +1,23 @@
 // The metrics registry: counters, gauges and histograms exported in the Prometheus text format.
 //
-// prometheus-cpp is not packaged in Debian 12, so this is a small registry of our own with the
-// parts kvcellard needs: label families with fixed label names, lock-free updates on hot paths,
+// Built on prometheus-cpp 1.0.1 (Debian 12's prometheus-cpp-dev, target prometheus-cpp::core):
+// families and the registry are prometheus::Collectable, a scrape collects prometheus-cpp's data
+// model (prometheus::MetricFamily, ClientMetric), names are checked with its CheckMetricName and
+// CheckLabelName, and the text is written by a prometheus::Serializer (text_exposition.h says why
+// that one is ours). Still written here, because prometheus-cpp 1.0.1's classes would change what
+// kvcellard does:
+// - The series (Counter, Gauge, Histogram). prometheus::Counter holds a double, so counts past
+//   2^53 lose units, and it takes NaN; prometheus::Histogram::Observe locks a mutex per series
+//   and puts NaN in its first bucket. Ours are lock-free relaxed atomics, exact integer counters.
+// - The label index (MetricFamily<T>). prometheus::Family::Add takes a std::map of strings, so
+//   every lookup allocates (the RPC interceptor looks its series up per call), it orders labels
+//   by name (ours: as registered, e.g. service,method,code), keeps series in hash order, has no
+//   bound on series and throws on errors.
+// - The registry. prometheus::Registry takes only families its builders made: no scrape-time
+//   collectors or callback gauges; it orders families by type, not name; and it does not check
+//   Prometheus' naming rules (_total, reserved labels, histogram suffix clashes).
+//
+// What it gives: label families with fixed label names, lock-free updates on hot paths,
 // scrape-time collectors, bounded series cardinality, and a correct text exposition (format
 // 0.0.4) that `promtool check metrics` accepts without warnings.
 //
@@ -18,10 +34,10 @@
 // - Counter, Gauge and Histogram updates are lock-free atomics (relaxed order: a metric orders no
 //   other memory). Integer counter adds are a single fetch_add; double adds and histogram sums are
 //   a compare-and-swap loop on the double's bits.
-// - Scrape() runs collectors and callback gauges on the calling (HTTP) thread. Scrapes are
-//   serialized with each other and with RemoveCollector, so a removed collector never runs again
-//   once RemoveCollector returns. Collectors and callbacks must not call Scrape, AddCollector,
-//   AddCallbackGauge or RemoveCollector (they may register and update metrics).
+// - Collect() and Scrape() run collectors and callback gauges on the calling (HTTP) thread. They
+//   are serialized with each other and with RemoveCollector, so a removed collector never runs
+//   again once RemoveCollector returns. Collectors and callbacks must not call Collect, Scrape,
+//   AddCollector, AddCallbackGauge or RemoveCollector (they may register and update metrics).
 // - A scrape reads each atomic once; values of different series, or the _sum and the buckets of
 //   one histogram, may come from slightly different instants. _count always equals the +Inf
 //   bucket because both are computed from the same bucket reads.
@@ -50,11 +66,13 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "prometheus/client_metric.h"
+#include "prometheus/collectable.h"
+#include "prometheus/metric_family.h"
+#include "prometheus/metric_type.h"
+#include "server/metrics/text_exposition.h"
 
 namespace kvcellar::server {
-
-// The Content-Type of Scrape()'s output.
-inline constexpr char kPrometheusTextContentType[] = "text/plain; version=0.0.4; charset=utf-8";
 
 // Series per family before new label sets are folded into the overflow series. Labels here are
 // RPC methods, status codes, tiers and the like: tens of values. The bound exists so that a label
@@ -65,7 +83,8 @@ inline constexpr size_t kDefaultMaxSeries = 1000;
 // The label value that every label of the overflow series carries.
 inline constexpr char kOverflowLabelValue[] = "other";
 
-enum class MetricType { kCounter, kGauge, kHistogram };
+// Counter, Gauge or Histogram (kvcellard makes no Summary or Untyped families).
+using MetricType = prometheus::MetricType;
 
 // Histogram bucket upper bounds, in seconds, for RPC and copy latencies: 25 µs to 10 s in 1-2.5-5
 // steps (the 1-2.5-5 series is Prometheus' DefBuckets pattern, extended down to the µs scale of
@@ -100,6 +119,9 @@ class alignas(64) Counter {
   uint64_t IntegerPart() const { return ints_.load(std::memory_order_relaxed); }
   double FractionalPart() const;
 
+  // The value as prometheus-cpp's counter sample (no labels).
+  prometheus::ClientMetric Collect() const;
+
  private:
   std::atomic<uint64_t> ints_{0};
   std::atomic<uint64_t> double_bits_{0};  // bits of a double, 0.0 initially
@@ -119,12 +141,15 @@ class alignas(64) Gauge {
   void Decrement() { Add(-1.0); }
   double Value() const { return std::bit_cast<double>(bits_.load(std::memory_order_relaxed)); }
 
+  // The value as prometheus-cpp's gauge sample (no labels).
+  prometheus::ClientMetric Collect() const;
+
  private:
   std::atomic<uint64_t> bits_{0};  // bits of a double, 0.0 initially
 };
 
 // A histogram series with the bucket bounds of its family. Counts are kept per bucket
-// (non-cumulative) so that Observe touches one bucket; the scrape accumulates them.
+// (non-cumulative) so that Observe touches one bucket; Collect accumulates them.
 class Histogram {
  public:
   // `bounds` is owned by the family and outlives the series.
@@ -143,6 +168,10 @@ class Histogram {
   double Sum() const { return std::bit_cast<double>(sum_bits_.load(std::memory_order_relaxed)); }
   absl::Span<const double> bounds() const { return bounds_; }
 
+  // Cumulative buckets ending with +Inf, _sum and _count as prometheus-cpp's histogram sample
+  // (no labels); _count is the +Inf bucket's count.
+  prometheus::ClientMetric Collect() const;
+
  private:
   absl::Span<const double> bounds_;
   std::unique_ptr<std::atomic<uint64_t>[]> counts_;  // bounds_.size() + 1
@@ -151,30 +180,12 @@ class Histogram {
 
 namespace metrics_internal {
 
-// One exposition line without its metric-name prefix: `<name><suffix>{<labels>} <value>`.
-struct Sample {
-  std::string suffix;  // "", "_bucket", "_sum", "_count"
-  std::string labels;  // rendered and escaped, without braces: `a="x",b="y"`
-  std::string value;   // formatted
-};
-
-struct FamilySnapshot {
-  std::string name;
-  std::string help;
-  MetricType type = MetricType::kGauge;
-  std::vector<Sample> samples;
-};
-
-// Formats a sample value: NaN, +Inf, -Inf; integers up to 2^53 without exponent; other values in
-// the shortest form that round-trips, fixed or exponent notation as Go's strconv 'g' -1 chooses
-// (so `le` values read like the ones Go clients emit: 2.5e-05, 0.0001, 0.25).
-std::string FormatValue(double v);
-// Escapes a label value (\\, \", \n) and a HELP text (\\, \n).
-std::string EscapeLabelValue(absl::string_view v);
-std::string EscapeHelp(absl::string_view help);
-// Replaces each byte that is not part of valid UTF-8 with U+FFFD.
+// The text format is UTF-8: help texts must be, label values are repaired. SanitizeUtf8 replaces
+// each byte that is not part of valid UTF-8 with U+FFFD.
+bool IsValidUtf8(absl::string_view s);
 std::string SanitizeUtf8(absl::string_view s);
 
+// Name syntax (prometheus::CheckMetricName, CheckLabelName), as an error that names the culprit.
 absl::Status ValidateMetricName(absl::string_view name);
 absl::Status ValidateLabelName(absl::string_view name);
 
@@ -188,10 +199,10 @@ struct LabelValuesLess {
 
 }  // namespace metrics_internal
 
-// What every family has, whatever its series type. Owned by the registry.
-class MetricFamilyBase {
+// What every family has, whatever its series type. Owned by the registry. Collect() gives no
+// family when there is no series, else one with its series in label-value order.
+class MetricFamilyBase : public prometheus::Collectable {
  public:
-  virtual ~MetricFamilyBase() = default;
   MetricFamilyBase(const MetricFamilyBase&) = delete;
   MetricFamilyBase& operator=(const MetricFamilyBase&) = delete;
 
@@ -209,10 +220,6 @@ class MetricFamilyBase {
         label_names_(std::move(label_names)) {}
 
  private:
-  friend class MetricsRegistry;
-  // Appends this family's samples, series in label-value order.
-  virtual void Snapshot(metrics_internal::FamilySnapshot* out) const = 0;
-
   const std::string name_;
   const std::string help_;
   const MetricType type_;
@@ -236,12 +243,14 @@ class MetricFamily final : public MetricFamilyBase {
   size_t max_series() const { return max_series_; }
   absl::Span<const double> bounds() const { return bounds_; }  // histograms only
 
+  // Labels in registration order.
+  std::vector<prometheus::MetricFamily> Collect() const override;
+
   // Internal: use MetricsRegistry::Register*.
   MetricFamily(std::string name, std::string help, MetricType type,
                std::vector<std::string> label_names, size_t max_series, std::vector<double> bounds);
 
  private:
-  void Snapshot(metrics_internal::FamilySnapshot* out) const override;
   std::unique_ptr<T> NewSeries() const;
   T& Overflow() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -250,7 +259,6 @@ class MetricFamily final : public MetricFamilyBase {
   mutable absl::Mutex mu_;
   std::map<std::vector<std::string>, std::unique_ptr<T>, metrics_internal::LabelValuesLess> series_
       ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<T> overflow_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> warned_overflow_{false};
   std::atomic<bool> warned_arity_{false};
 };
@@ -282,14 +290,14 @@ class MetricWriter {
 
  private:
   friend class MetricsRegistry;
-  MetricWriter(std::map<std::string, metrics_internal::FamilySnapshot>* families,
+  MetricWriter(std::map<std::string, prometheus::MetricFamily>* families,
                const std::set<std::string>* reserved)
       : families_(families), reserved_(reserved) {}
   void Add(MetricType type, absl::string_view name, absl::string_view help, double value,
            absl::Span<const Label> labels);
   void Drop(std::string reason);
 
-  std::map<std::string, metrics_internal::FamilySnapshot>* families_;
+  std::map<std::string, prometheus::MetricFamily>* families_;
   // Sample names of the registered families: a collector may not write them.
   const std::set<std::string>* reserved_;
   std::set<std::string> series_seen_;  // name{labels} of each sample written
@@ -299,20 +307,20 @@ class MetricWriter {
 
 using CollectorId = uint64_t;
 
-class MetricsRegistry {
+class MetricsRegistry final : public prometheus::Collectable {
  public:
   MetricsRegistry() = default;
-  ~MetricsRegistry();
+  ~MetricsRegistry() override;
   MetricsRegistry(const MetricsRegistry&) = delete;
   MetricsRegistry& operator=(const MetricsRegistry&) = delete;
 
   // Registers a family, or returns the existing one when `name` was registered with the same
   // type, label names (and bounds); a different type, label names or bounds is AlreadyExists.
-  // InvalidArgument for: a name outside [a-zA-Z_:][a-zA-Z0-9_:]*; a label name outside
-  // [a-zA-Z_][a-zA-Z0-9_]*, starting with "__", repeated, or reserved ("le", "quantile"); an
-  // empty or non-UTF-8 help; a counter name without the _total suffix, or another type's name
-  // with it; max_series == 0; histogram bounds not finite and strictly increasing (a trailing
-  // +Inf is accepted and dropped: the +Inf bucket is always there).
+  // InvalidArgument for: a name outside [a-zA-Z_:][a-zA-Z0-9_:]* or starting with "__"; a label
+  // name outside [a-zA-Z_][a-zA-Z0-9_]*, starting with "__", repeated, or reserved ("le",
+  // "quantile"); an empty or non-UTF-8 help; a counter name without the _total suffix, or another
+  // type's name with it; max_series == 0; histogram bounds not finite and strictly increasing (a
+  // trailing +Inf is accepted and dropped: the +Inf bucket is always there).
   absl::StatusOr<CounterFamily*> RegisterCounter(
       absl::string_view name, absl::string_view help,
       absl::Span<const absl::string_view> label_names = {}, size_t max_series = kDefaultMaxSeries);
@@ -337,9 +345,12 @@ class MetricsRegistry {
   // are ignored.
   void RemoveCollector(CollectorId id);
 
-  // The text exposition (format 0.0.4): families sorted by name, each with # HELP and # TYPE,
-  // series in label-value order.
-  std::string Scrape();
+  // Every family with at least one series, registered and collected, sorted by name; series in
+  // label-value order (collectors' in the order written), labels in registration order.
+  std::vector<prometheus::MetricFamily> Collect() const override;
+
+  // Collect() as text (format 0.0.4, TextExposition): each family with # HELP and # TYPE.
+  std::string Scrape() const;
 
  private:
   class CallbackGauge;
@@ -358,7 +369,7 @@ class MetricsRegistry {
 
   // Lock order: scrape_mu_ before mu_. scrape_mu_ is held while collectors and callback gauges
   // run; mu_ never is, so they may register metrics.
-  absl::Mutex scrape_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  mutable absl::Mutex scrape_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   std::vector<Collector> collectors_ ABSL_GUARDED_BY(scrape_mu_);
   std::map<CollectorId, std::string> callback_gauges_ ABSL_GUARDED_BY(scrape_mu_);  // id -> name
   CollectorId next_id_ ABSL_GUARDED_BY(scrape_mu_) = 1;

@@ -441,6 +441,45 @@ TEST(MetricsRegistryTest, CollectorsMayRegisterMetrics) {
   EXPECT_THAT(r.Scrape(), HasSubstr("kvcellar_lazy_total 1\n"));
 }
 
+TEST(MetricsRegistryTest, CollectGivesPrometheusCppFamilies) {
+  MetricsRegistry r;
+  r.RegisterCounter("kvcellar_test_requests_total", "Requests.", {"method", "code"})
+      .value()
+      ->WithLabels({"Match", "OK"})
+      .Add(3);
+  r.RegisterGauge("kvcellar_test_unused", "Unused.", {"x"}).value();  // no series: not collected
+  r.RegisterHistogram("kvcellar_test_latency_seconds", "Latency.", {}, {1})
+      .value()
+      ->WithLabels({})
+      .Observe(0.5);
+  r.AddCollector([](MetricWriter& w) {
+    w.AddGauge("kvcellar_test_a_pool_bytes", "Pool.", 10, {{"tier", "l2"}});
+  });
+  const std::vector<prometheus::MetricFamily> families = r.Collect();
+  ASSERT_EQ(families.size(), 3u);
+  // By name, collectors' families among the registered ones.
+  EXPECT_EQ(families[0].name, "kvcellar_test_a_pool_bytes");
+  EXPECT_EQ(families[0].type, prometheus::MetricType::Gauge);
+  EXPECT_EQ(families[0].metric[0].gauge.value, 10);
+  EXPECT_EQ(families[1].name, "kvcellar_test_latency_seconds");
+  const prometheus::ClientMetric::Histogram& h = families[1].metric[0].histogram;
+  ASSERT_EQ(h.bucket.size(), 2u);
+  EXPECT_EQ(h.bucket[0].upper_bound, 1);
+  EXPECT_EQ(h.bucket[1].upper_bound, std::numeric_limits<double>::infinity());
+  EXPECT_EQ(h.bucket[1].cumulative_count, 1u);
+  EXPECT_EQ(h.sample_count, 1u);
+  EXPECT_EQ(h.sample_sum, 0.5);
+  EXPECT_EQ(families[2].name, "kvcellar_test_requests_total");
+  EXPECT_EQ(families[2].help, "Requests.");
+  EXPECT_EQ(families[2].type, prometheus::MetricType::Counter);
+  // Labels in registration order, as the exposition writes them.
+  ASSERT_EQ(families[2].metric[0].label.size(), 2u);
+  EXPECT_EQ(families[2].metric[0].label[0].name, "method");
+  EXPECT_EQ(families[2].metric[0].label[1].name, "code");
+  EXPECT_EQ(families[2].metric[0].counter.value, 3);
+  EXPECT_EQ(r.Scrape(), TextExposition().Serialize(families));
+}
+
 TEST(MetricsRegistryTest, DefaultRegistryIsOneInstance) {
   EXPECT_EQ(&DefaultRegistry(), &DefaultRegistry());
 }
