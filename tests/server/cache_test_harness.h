@@ -168,11 +168,6 @@ class TestEngine {
   gpu::ShmMapping signals_;
 };
 
-// A sequence result's per-page statuses as ints (for ElementsAre against v1::PAGE_STATUS_*).
-inline std::vector<int> Statuses(const v1::SequenceResult& r) {
-  return std::vector<int>(r.page_status().begin(), r.page_status().end());
-}
-
 struct HarnessOptions {
   uint64_t pool_bytes = 4 * kRegionBytes;
   int64_t lease_ms = 10000;

@@ -1,8 +1,8 @@
 // Fixtures shared by the server's unit tests (tests/server/<room>/<name>_test.cc test
 // server/<room>/<name>.h): the test engines' geometry, namespace specs, KV layouts, a small real
-// host pool, and L2World, the L2 side of a CacheService (pool, namespace registry, metrics,
-// L2Space) without the service, its threads or gRPC. cache_test_harness.h builds the whole
-// service on the same pieces.
+// host pool; L2World, the L2 side of a CacheService (pool, namespace registry, metrics, L2Space)
+// without the service, its threads or gRPC; and L3World, that plus real file tiers in temp
+// directories. cache_test_harness.h builds the whole service on the same pieces.
 #ifndef KVCELLAR_TESTS_SERVER_COMPONENT_FIXTURES_H_
 #define KVCELLAR_TESTS_SERVER_COMPONENT_FIXTURES_H_
 
@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
 #include "absl/types/span.h"
 #include "core/eviction_policy.h"
 #include "core/host_pool.h"
@@ -25,12 +26,18 @@
 #include "core/radix_index.h"
 #include "gpu/kv_layout.h"
 #include "gtest/gtest.h"
+#include "kvcellar/v1/cache_service.pb.h"
 #include "kvcellar/v1/common.pb.h"
+#include "server/config/config.h"
 #include "server/l2/l2_space.h"
+#include "server/l3/l3_tiers.h"
 #include "server/metrics/cache_metrics.h"
 #include "server/metrics/metrics.h"
 #include "server/session/namespace_registry.h"
+#include "server/session/op_table.h"
+#include "server/session/session_registry.h"
 #include "server/status_util.h"
+#include "tests/storage/storage_test_util.h"
 
 namespace kvcellar::server::testing {
 
@@ -228,6 +235,31 @@ class L2World {
     return keys.size();
   }
 
+  // Writes storage::testing::FillPayload's bytes for each (key, shard) into the L2 slot of every
+  // shard of `keys` (committed): what a Backup would have gathered from an engine.
+  void FillPayloads(Namespace& ns, absl::Span<const core::PageKey> keys) {
+    for (const core::PageKey& key : keys) {
+      for (uint16_t shard = 0; shard < ns.shards(); ++shard) {
+        core::SlotRef slot;
+        ns.index()->GetL2Slots(absl::MakeConstSpan(&key, 1), shard, absl::MakeSpan(&slot, 1));
+        ASSERT_TRUE(slot.valid()) << "page not in L2";
+        storage::testing::FillPayload(key, shard, pool_->Address(slot), ns.object_bytes());
+      }
+    }
+  }
+  // Whether the L2 slots of `key` hold FillPayload's bytes (what an L3 read brought back).
+  bool HoldsPayload(Namespace& ns, const core::PageKey& key) {
+    for (uint16_t shard = 0; shard < ns.shards(); ++shard) {
+      core::SlotRef slot;
+      ns.index()->GetL2Slots(absl::MakeConstSpan(&key, 1), shard, absl::MakeSpan(&slot, 1));
+      if (!slot.valid() || !storage::testing::PayloadMatches(key, shard, pool_->Address(slot),
+                                                             ns.object_bytes())) {
+        return false;
+      }
+    }
+    return true;
+  }
+
   // Pages of `keys` (a chain from its first key) whose every shard is committed in L2.
   static uint32_t L2Hits(Namespace& ns, absl::Span<const core::PageKey> keys) {
     core::MatchOptions o;
@@ -244,6 +276,102 @@ class L2World {
   CacheMetrics metrics_;
   L2Space l2_;
 };
+
+// An L2World whose indexes know `tiers.size()` L3 tiers, and those tiers: file tiers, each in a
+// temp directory of its own, opened from storage.tiers as the daemon opens them. tiers[i] is the
+// options of tier i ("admit_after=2"); tier i is named "t<i>". The metrics know the tier names.
+class L3World : public L2World {
+ public:
+  explicit L3World(std::vector<std::string> tiers = {""},
+                   StorageConfig storage = DefaultConfig().storage,
+                   L2World::Options l2 = L2World::Options())
+      : L2World(WithTiers(l2, tiers.size())) {
+    for (size_t i = 0; i < tiers.size(); ++i) {
+      dirs_.push_back(std::make_unique<storage::testing::TempDir>());
+      absl::StrAppend(&storage.tiers, i == 0 ? "" : ";", "file:", dirs_.back()->path(), "?name=t",
+                      i, "&io=threads", tiers[i].empty() ? "" : "&", tiers[i]);
+    }
+    storage_ = storage;
+    absl::StatusOr<std::unique_ptr<L3Tiers>> opened = L3Tiers::Open(storage_);
+    EXPECT_TRUE(opened.ok()) << opened.status();
+    tiers_ = opened.ok() ? *std::move(opened) : L3Tiers::None();
+    metrics().SetL3Tiers(tiers_->names());
+  }
+
+  L3Tiers& tiers() { return *tiers_; }
+  storage::Backend& backend(size_t tier) { return *tiers_->tier(tier).backend; }
+  const StorageConfig& storage() const { return storage_; }
+
+  // Puts FillPayload objects of every shard of `keys` into tier `tier` and marks them in the
+  // index (keys[0]'s parent is `parent`), as this daemon's earlier writes would have.
+  void StoreInL3(Namespace& ns, size_t tier, const std::vector<core::PageKey>& keys,
+                 std::optional<core::PageKey> parent = std::nullopt) {
+    std::vector<core::L3Update> marks;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      for (uint16_t shard = 0; shard < ns.shards(); ++shard) {
+        EXPECT_EQ(storage::testing::PutOne(backend(tier), ns.digest(), keys[i], shard,
+                                           ns.object_bytes()),
+                  storage::ObjectStatus::kOk);
+        marks.push_back({keys[i], i == 0 ? parent : std::optional(keys[i - 1]), shard,
+                         static_cast<uint8_t>(tier), true});
+      }
+    }
+    std::vector<absl::Status> statuses(marks.size());
+    EXPECT_EQ(ns.index()->UpdateL3(marks, absl::MakeSpan(statuses)), marks.size());
+  }
+
+  // The status of reading (key, shard) back from tier `tier` (kOk only with FillPayload's bytes).
+  storage::ObjectStatus Read(Namespace& ns, size_t tier, const core::PageKey& key,
+                             uint16_t shard = 0) {
+    return storage::testing::GetOne(backend(tier), ns.digest(), key, shard, ns.object_bytes(),
+                                    ns.object_bytes());
+  }
+
+ private:
+  static L2World::Options WithTiers(L2World::Options o, size_t tiers) {
+    o.l3_tiers = static_cast<int>(tiers);
+    return o;
+  }
+
+  std::vector<std::unique_ptr<storage::testing::TempDir>> dirs_;
+  StorageConfig storage_;
+  std::unique_ptr<L3Tiers> tiers_;
+};
+
+// The op's result once it is terminal (or, after 10 s, as it stands: the test then fails on it).
+inline v1::OpResult AwaitOp(OpTable& ops, const OpRecord& op) {
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  v1::OpResult r;
+  for (;;) {
+    r.Clear();
+    ops.Fill(op, /*omit_page_status=*/false, /*submission=*/false, &r);
+    if (r.state() != v1::OP_STATE_PENDING || absl::Now() > give_up) return r;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+}
+
+// A sequence result's per-page statuses as ints (for ElementsAre against v1::PAGE_STATUS_*).
+inline std::vector<int> Statuses(const v1::SequenceResult& r) {
+  return std::vector<int>(r.page_status().begin(), r.page_status().end());
+}
+
+// What a registration fixes, for components that take a SessionInfo; no device mapping.
+inline SessionInfo WorkerInfo(std::shared_ptr<Namespace> ns, const std::string& instance = "inst",
+                              uint32_t rank = 0, uint64_t id = 1) {
+  SessionInfo info;
+  info.id = id;
+  info.instance_id = instance;
+  info.rank = rank;
+  info.role = v1::SESSION_ROLE_WORKER;
+  info.tp_size = ns->spec().tp_size;
+  info.shard = ns->shards() > 1 ? static_cast<uint16_t>(rank) : 0;
+  info.shard_writer = ns->shards() > 1 || rank == 0;
+  info.ns = std::move(ns);
+  info.device_kind = v1::DEVICE_KIND_SIM;
+  info.num_layers = kLayers;
+  info.registered = absl::Now();
+  return info;
+}
 
 }  // namespace kvcellar::server::testing
 
