@@ -130,26 +130,7 @@ class TestEngine {
     r.mutable_device()->set_kind(v1::DEVICE_KIND_SIM);
     r.mutable_device()->set_uuid(std::string(16, static_cast<char>(seed_)));
     r.mutable_device()->set_name("sim");
-    const gpu::KvLayout& l = kv_->layout();
-    v1::KvLayout* out = r.mutable_layout();
-    for (const gpu::MemoryRegion& region : l.regions) {
-      v1::MemoryRegion* m = out->add_regions();
-      m->set_sim_shm_name(region.handle);
-      m->set_offset_bytes(region.offset);
-      m->set_size_bytes(region.size);
-    }
-    auto buffer = [](const gpu::BufferLayout& b, v1::BlockBuffer* o) {
-      o->set_region(b.region);
-      o->set_offset_bytes(b.offset);
-      o->set_block_stride_bytes(b.block_stride);
-      o->set_bytes_per_block(b.bytes_per_block);
-    };
-    for (const gpu::LayerLayout& layer : l.layers) {
-      v1::LayerLayout* ol = out->add_layers();
-      buffer(layer.k, ol->mutable_k());
-      if (layer.v.has_value()) buffer(*layer.v, ol->mutable_v());
-    }
-    out->set_num_blocks(l.num_blocks);
+    SimLayoutProto(kv_->layout(), r.mutable_layout());
     v1::CompletionChannel* c = r.mutable_completion();
     c->set_num_load_slots(kLoadSlots);
     c->set_num_ready_slots(kReadySlots);

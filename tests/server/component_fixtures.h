@@ -135,8 +135,9 @@ inline std::vector<core::PageKey> PromptKeys(const core::NamespaceSpec& spec, ui
 // A valid KV layout of `layers` layers over one region of `num_blocks` blocks: per layer a K and
 // (unless `mla`) a V buffer of `bytes_per_block`, laid out one after the other. Page objects are
 // layers * (mla ? 1 : 2) * bytes_per_block bytes.
-inline gpu::KvLayout TestLayout(uint32_t layers = kLayers, uint64_t bytes_per_block = kBytesPerBlock,
-                                bool mla = false, uint32_t num_blocks = 16) {
+inline gpu::KvLayout TestLayout(uint32_t layers = kLayers,
+                                uint64_t bytes_per_block = kBytesPerBlock, bool mla = false,
+                                uint32_t num_blocks = 16) {
   gpu::KvLayout l;
   const uint64_t buffer_bytes = uint64_t{num_blocks} * bytes_per_block;
   const uint32_t buffers = layers * (mla ? 1 : 2);
@@ -155,6 +156,28 @@ inline gpu::KvLayout TestLayout(uint32_t layers = kLayers, uint64_t bytes_per_bl
     l.layers.push_back(layer);
   }
   return l;
+}
+
+// `layout` as a SIM engine registers it (RegisterEngineRequest.layout): regions by shm name.
+inline void SimLayoutProto(const gpu::KvLayout& layout, v1::KvLayout* out) {
+  for (const gpu::MemoryRegion& region : layout.regions) {
+    v1::MemoryRegion* m = out->add_regions();
+    m->set_sim_shm_name(region.handle);
+    m->set_offset_bytes(region.offset);
+    m->set_size_bytes(region.size);
+  }
+  auto buffer = [](const gpu::BufferLayout& b, v1::BlockBuffer* o) {
+    o->set_region(b.region);
+    o->set_offset_bytes(b.offset);
+    o->set_block_stride_bytes(b.block_stride);
+    o->set_bytes_per_block(b.bytes_per_block);
+  };
+  for (const gpu::LayerLayout& layer : layout.layers) {
+    v1::LayerLayout* l = out->add_layers();
+    buffer(layer.k, l->mutable_k());
+    if (layer.v.has_value()) buffer(*layer.v, l->mutable_v());
+  }
+  out->set_num_blocks(layout.num_blocks);
 }
 
 // A host pool of `pool_bytes` in kRegionBytes regions with two size classes: kObjectBytes and
@@ -252,8 +275,8 @@ class L2World {
     for (uint16_t shard = 0; shard < ns.shards(); ++shard) {
       core::SlotRef slot;
       ns.index()->GetL2Slots(absl::MakeConstSpan(&key, 1), shard, absl::MakeSpan(&slot, 1));
-      if (!slot.valid() || !storage::testing::PayloadMatches(key, shard, pool_->Address(slot),
-                                                             ns.object_bytes())) {
+      if (!slot.valid() ||
+          !storage::testing::PayloadMatches(key, shard, pool_->Address(slot), ns.object_bytes())) {
         return false;
       }
     }
@@ -309,9 +332,9 @@ class L3World : public L2World {
     std::vector<core::L3Update> marks;
     for (size_t i = 0; i < keys.size(); ++i) {
       for (uint16_t shard = 0; shard < ns.shards(); ++shard) {
-        EXPECT_EQ(storage::testing::PutOne(backend(tier), ns.digest(), keys[i], shard,
-                                           ns.object_bytes()),
-                  storage::ObjectStatus::kOk);
+        EXPECT_EQ(
+            storage::testing::PutOne(backend(tier), ns.digest(), keys[i], shard, ns.object_bytes()),
+            storage::ObjectStatus::kOk);
         marks.push_back({keys[i], i == 0 ? parent : std::optional(keys[i - 1]), shard,
                          static_cast<uint8_t>(tier), true});
       }
