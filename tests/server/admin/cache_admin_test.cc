@@ -151,7 +151,7 @@ TEST_F(CacheAdminTest, ListNamespacesReportsL2UsageSessionsAndHitRates) {
   const core::NamespaceSpec a = NsSpec(2, false, "model-a", "team-b");
   const core::NamespaceSpec b = NsSpec(1, false, "model-b", "team-a");
   std::shared_ptr<Namespace> ns_a = WithPages(a, 2);  // 16 pages of 2 shards.
-  world_.namespaces().GetOrCreate(b);                  // No geometry yet.
+  world_.namespaces().GetOrCreate(b);                 // No geometry yet.
   AddSession("inst", 0, a);
   AddSession("inst", 1, a);
   NamespaceCounters::Add(ns_a->counters().lookup_pages, 10);
@@ -294,9 +294,8 @@ TEST_F(CacheAdminTest, EvictAndClearRequestErrorsNameTheFieldAndChangeNothing) {
                            v1::ERROR_REASON_INVALID_FIELD, "tiers"));
   v1::EvictRequest bad_scope = EvictL2();
   bad_scope.mutable_scope()->set_subtree_root_key("x");
-  EXPECT_TRUE(IsCacheError(admin_.Evict(bad_scope, nullptr, &r),
-                           absl::StatusCode::kInvalidArgument, v1::ERROR_REASON_INVALID_FIELD,
-                           "scope.subtree_root_key"));
+  EXPECT_TRUE(IsCacheError(admin_.Evict(bad_scope, nullptr, &r), absl::StatusCode::kInvalidArgument,
+                           v1::ERROR_REASON_INVALID_FIELD, "scope.subtree_root_key"));
   v1::EvictRequest backend = EvictL2();
   backend.add_tiers(v1::TIER_L3);
   backend.add_l3_backends("nvme");
@@ -308,8 +307,8 @@ TEST_F(CacheAdminTest, EvictAndClearRequestErrorsNameTheFieldAndChangeNothing) {
   unconfirmed.add_tiers(v1::TIER_L2);
   v1::ClearResponse c;
   EXPECT_TRUE(IsCacheError(admin_.Clear(unconfirmed, nullptr, &c),
-                           absl::StatusCode::kFailedPrecondition,
-                           v1::ERROR_REASON_CONFIRM_REQUIRED, "confirm"));
+                           absl::StatusCode::kFailedPrecondition, v1::ERROR_REASON_CONFIRM_REQUIRED,
+                           "confirm"));
   EXPECT_EQ(SlotsUsed(world_.pool()), kChain);
   EXPECT_EQ(L2World::L2Hits(*ns, PromptKeys(NsSpec(), 0, kChain)), kChain);
 }

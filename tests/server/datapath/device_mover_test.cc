@@ -150,7 +150,8 @@ TEST_F(DeviceMoverTest, LoadScattersTheL2PrefixAndMissesTheRest) {
   for (uint32_t i = 0; i < 3; ++i) {
     EXPECT_EQ(gpu::testing::CheckBlock(*kv_, 8 + i, kSeed, i), "") << "page " << i;
   }
-  EXPECT_EQ(gpu::testing::CheckBlock(*kv_, 11, kSeed, 11), "") << "a missed page's block is untouched";
+  EXPECT_EQ(gpu::testing::CheckBlock(*kv_, 11, kSeed, 11), "")
+      << "a missed page's block is untouched";
   EXPECT_EQ(gpu::testing::CheckBlock(*kv_, 12, kSeed, 12), "");
   EXPECT_EQ(session_->busy_blocks(), 0u);
   EXPECT_EQ(ns_->index()->Stats().pins, 0u) << "the copy pins are dropped";
@@ -174,7 +175,10 @@ TEST_F(DeviceMoverTest, ReservationErrorsChangeNothing) {
   ASSERT_THAT(Run(mover_.Backup(session_, BackupOf(0, 2, 0))), Each(v1::PAGE_STATUS_OK));
   // Another op of the session still uses block 6.
   const std::vector<uint32_t> held = {6};
-  ASSERT_TRUE(session_->Reserve(held, [](size_t) { return ""; }, std::nullopt, "", 8).ok());
+  ASSERT_TRUE(session_
+                  ->Reserve(
+                      held, [](size_t) { return ""; }, std::nullopt, "", 8)
+                  .ok());
   session_->EndSubmission(true);
 
   absl::StatusOr<std::shared_ptr<OpRecord>> busy = mover_.Load(session_, LoadOf(0, 2, 5));

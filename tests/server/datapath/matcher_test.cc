@@ -204,8 +204,9 @@ class MatcherL3Test : public ::testing::Test {
       : world_({""}, Selective()),
         ops_(&world_.metrics(), absl::Seconds(60)),
         limits_(CacheLimits::FromConfig(DefaultConfig())),
-        writer_(&world_.tiers(), &world_.l2(), [this] { return ops_.NextId(); }, &world_.metrics(),
-                world_.storage()),
+        writer_(
+            &world_.tiers(), &world_.l2(), [this] { return ops_.NextId(); }, &world_.metrics(),
+            world_.storage()),
         prefetcher_(&world_.tiers(), &world_.l2(), &ops_, &pins_, &world_.metrics(), &limits_,
                     world_.storage()),
         matcher_(&pins_, &ops_, &world_.metrics(), &limits_,

@@ -24,7 +24,9 @@ L2World::Options OneRegion() {
   return o;
 }
 
-uint64_t Evicted(const Namespace& ns) { return NamespaceCounters::Get(ns.counters().evicted_objects); }
+uint64_t Evicted(const Namespace& ns) {
+  return NamespaceCounters::Get(ns.counters().evicted_objects);
+}
 
 class L2SpaceTest : public ::testing::Test {
  protected:

@@ -13,8 +13,8 @@
 namespace kvcellar::server::testing {
 namespace {
 
-using ::testing::ElementsAre;
 using ::testing::Each;
+using ::testing::ElementsAre;
 
 constexpr uint32_t kPages = 4;
 
@@ -115,9 +115,9 @@ TEST_F(PrefetcherTest, PagesAlreadyInL2AreNotReadAgain) {
   world_.StoreInL3(*ns_, 0, keys_);
   L3Prefetcher::Started started = Start({Chain()});
   EXPECT_THAT(started.fetching, ElementsAre(2));
-  EXPECT_THAT(Finished(started), ElementsAre(v1::PAGE_STATUS_ALREADY_PRESENT,
-                                             v1::PAGE_STATUS_ALREADY_PRESENT, v1::PAGE_STATUS_OK,
-                                             v1::PAGE_STATUS_OK));
+  EXPECT_THAT(Finished(started),
+              ElementsAre(v1::PAGE_STATUS_ALREADY_PRESENT, v1::PAGE_STATUS_ALREADY_PRESENT,
+                          v1::PAGE_STATUS_OK, v1::PAGE_STATUS_OK));
   prefetcher_.Drain();
 
   // Nothing left to fetch: no op unless the caller always wants one.

@@ -81,7 +81,8 @@ TEST_F(L3TierAdminTest, EvictRemovesDeepestPagesFirstUntilTheTarget) {
   EXPECT_EQ(world_.Read(*ns_, 0, keys_[3]), storage::ObjectStatus::kOk);
 
   // Three objects' worth from t0: page 3 (two objects), then page 2.
-  absl::StatusOr<std::vector<L3BackendUsage>> r = admin_.Evict(Scope({"t0"}), 3 * kObjectBytes, false);
+  absl::StatusOr<std::vector<L3BackendUsage>> r =
+      admin_.Evict(Scope({"t0"}), 3 * kObjectBytes, false);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_THAT(*r, ElementsAre(IsUsage("t0", 4, 2, 4 * kObjectBytes)));
   for (uint16_t shard = 0; shard < 2; ++shard) {

@@ -15,9 +15,9 @@
 namespace kvcellar::server {
 namespace {
 
+using storage::testing::TempDir;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
-using storage::testing::TempDir;
 
 absl::StatusOr<std::unique_ptr<L3Tiers>> Open(const std::string& tiers) {
   StorageConfig c = DefaultConfig().storage;

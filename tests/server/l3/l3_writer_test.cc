@@ -35,8 +35,9 @@ class Writer {
   explicit Writer(std::vector<std::string> tiers, StorageConfig storage,
                   L2World::Options l2 = L2World::Options())
       : world(std::move(tiers), storage, l2),
-        writer(&world.tiers(), &world.l2(), [this] { return next_id++; }, &world.metrics(),
-               world.storage()),
+        writer(
+            &world.tiers(), &world.l2(), [this] { return next_id++; }, &world.metrics(),
+            world.storage()),
         ns(world.Adopted(NsSpec(2))),
         keys(PromptKeys(NsSpec(2), 1, kPages)) {
     world.l2().set_eviction_observer(&writer);

@@ -200,7 +200,7 @@ TEST(NamespaceTest, ExtraReleasesDoNotUnderflowTheHolders) {
   ns->ReleaseLayout();  // Nothing held: ignored.
   ASSERT_TRUE(ns->AdoptLayout(TestLayout()).ok());
   ns->ReleaseLayout();
-  ns->ReleaseLayout();  // One too many: ignored.
+  ns->ReleaseLayout();                              // One too many: ignored.
   ASSERT_TRUE(ns->AdoptLayout(TestLayout()).ok());  // One holder again.
   EXPECT_EQ(ErrorReasonOf(ns->AdoptLayout(TestLayout(kLayers + 1))),
             v1::ERROR_REASON_GROUP_MISMATCH);

@@ -109,8 +109,8 @@ TEST_F(SessionTest, TooManyUnfinishedOpsIsResourceExhausted) {
     session_->EndSubmission(true);
   }
   absl::Status s = Reserve({7}, std::nullopt, 2);
-  EXPECT_TRUE(IsCacheError(s, absl::StatusCode::kResourceExhausted,
-                           v1::ERROR_REASON_TOO_MANY_OPS, ""));
+  EXPECT_TRUE(
+      IsCacheError(s, absl::StatusCode::kResourceExhausted, v1::ERROR_REASON_TOO_MANY_OPS, ""));
   EXPECT_EQ(session_->busy_blocks(), 2u);
   session_->OpFinished();
   EXPECT_TRUE(Reserve({7}, std::nullopt, 2).ok()) << "an op finished: room for one more";
