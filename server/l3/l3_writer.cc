@@ -208,7 +208,12 @@ void L3Writer::OnEvicted(Namespace& ns, absl::Span<core::ReleasedObject> release
           r.slot = core::SlotRef{};  // Ours now; freed when written.
         }
       }
-      tracked_.erase(it);  // The page left L2: whatever was pending for it is over.
+    }
+    // The pages left L2: whatever was pending for them is over. Only now, after every shard of a
+    // page (consecutive in `released`) has found the page's entry above.
+    for (const core::ReleasedObject& r : released) {
+      auto it = tracked_.find(r.key);
+      if (it != tracked_.end() && it->second.ns == &ns) tracked_.erase(it);
     }
     tracked_count_.store(tracked_.size(), std::memory_order_relaxed);
   }

@@ -133,7 +133,7 @@ absl::Status CheckKeysAndBlocks(const Sequences& sequences, const SessionInfo& s
   return absl::OkStatus();
 }
 
-// Field names of gpu::KvLayout::Validate errors ("layers[3].v.block_stride ...") in the
+// Field names of core::KvLayout::Validate errors ("layers[3].v.block_stride ...") in the
 // request's terms ("layout.layers[3].v.block_stride_bytes").
 std::string LayoutField(absl::string_view message) {
   size_t end = message.find_first_of(" :");

@@ -2,7 +2,7 @@
 // made before anything is copied or changed (docs/api.md, "Error model": validation is all or
 // nothing).
 //
-// Each function returns OK or an error built with status_util.h: the gRPC code, the ErrorReason
+// Each function returns OK or an error built with cache_error.h: the gRPC code, the ErrorReason
 // and the request field at fault, with a message naming the field and its value
 // ("sequences[2].device_blocks[5] (9000) out of range [0, 4096)"). Checks that need mutable
 // session state (a block still used by an unfinished op) are made atomically with taking the

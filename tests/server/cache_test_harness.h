@@ -1,6 +1,7 @@
 // A hermetic CacheService for tests: a real CacheServiceImpl behind a real gRPC server on a temp
 // Unix socket, a small host pool, the sim device, and engines whose "device memory" and SIM
-// signal counters are shared memory created in this process.
+// signal counters are shared memory created in this process. The geometry, specs and pool are
+// component_fixtures.h's, which the per-component tests use without the service.
 #ifndef KVCELLAR_TESTS_SERVER_CACHE_TEST_HARNESS_H_
 #define KVCELLAR_TESTS_SERVER_CACHE_TEST_HARNESS_H_
 
@@ -36,19 +37,11 @@
 #include "server/session/sim_counter_channel.h"
 #include "server/rpc/grpc_status.h"
 #include "tests/gpu/sim_test_util.h"
+#include "tests/server/component_fixtures.h"
 
 namespace kvcellar::server::testing {
 
 namespace v1 = ::kvcellar::v1;
-
-// Geometry of the test engines: 2 layers, K and V of 4 KiB per block: 16 KiB page objects, and
-// the pool has a 16 KiB size class so that slot counts are exact.
-inline constexpr uint32_t kLayers = 2;
-inline constexpr uint64_t kBytesPerBlock = 4096;
-inline constexpr uint64_t kObjectBytes = kLayers * 2 * kBytesPerBlock;
-inline constexpr uint32_t kPageSize = 4;  // Tokens per page.
-inline constexpr uint64_t kRegionBytes = 1 << 20;
-inline constexpr uint64_t kSlotsPerRegion = kRegionBytes / kObjectBytes;  // 64
 
 // The outcome of one RPC: its status and the error trailers.
 struct Rpc {
@@ -65,20 +58,6 @@ inline Rpc Outcome(const grpc::ClientContext& ctx, grpc::Status status) {
     if (key == kErrorFieldMetadataKey) r.field = std::string(value.data(), value.size());
   }
   return r;
-}
-
-inline v1::NamespaceSpec Spec(uint32_t tp = 1, bool mla = false, bool opaque = false,
-                              const std::string& model = "test-model") {
-  v1::NamespaceSpec s;
-  s.set_tenant("team-a");
-  s.set_model_id(model);
-  s.set_model_revision("rev1");
-  s.set_kv_dtype("bf16");
-  s.set_page_size_tokens(kPageSize);
-  s.set_layout_kind(mla ? v1::LAYOUT_KIND_MLA : v1::LAYOUT_KIND_MHA_GQA);
-  s.set_tp_size(tp);
-  s.set_opaque_keys(opaque);
-  return s;
 }
 
 // A KVCSIG01 region as an engine creates it (cache_service.proto, SimCounterSignals).
@@ -152,26 +131,7 @@ class TestEngine {
     r.mutable_device()->set_kind(v1::DEVICE_KIND_SIM);
     r.mutable_device()->set_uuid(std::string(16, static_cast<char>(seed_)));
     r.mutable_device()->set_name("sim");
-    const core::KvLayout& l = kv_->layout();
-    v1::KvLayout* out = r.mutable_layout();
-    for (const core::MemoryRegion& region : l.regions) {
-      v1::MemoryRegion* m = out->add_regions();
-      m->set_sim_shm_name(region.handle);
-      m->set_offset_bytes(region.offset);
-      m->set_size_bytes(region.size);
-    }
-    auto buffer = [](const core::BufferLayout& b, v1::BlockBuffer* o) {
-      o->set_region(b.region);
-      o->set_offset_bytes(b.offset);
-      o->set_block_stride_bytes(b.block_stride);
-      o->set_bytes_per_block(b.bytes_per_block);
-    };
-    for (const core::LayerLayout& layer : l.layers) {
-      v1::LayerLayout* ol = out->add_layers();
-      buffer(layer.k, ol->mutable_k());
-      if (layer.v.has_value()) buffer(*layer.v, ol->mutable_v());
-    }
-    out->set_num_blocks(l.num_blocks);
+    SimLayoutProto(kv_->layout(), r.mutable_layout());
     v1::CompletionChannel* c = r.mutable_completion();
     c->set_num_load_slots(kLoadSlots);
     c->set_num_ready_slots(kReadySlots);
@@ -189,34 +149,6 @@ class TestEngine {
   std::string signals_name_;
   platform::ShmMapping signals_;
 };
-
-// Tokens of a prompt: `pages` full pages, distinct per `prompt`.
-inline std::vector<uint32_t> Tokens(uint32_t prompt, uint32_t pages) {
-  std::vector<uint32_t> t(pages * kPageSize);
-  for (size_t i = 0; i < t.size(); ++i) t[i] = prompt * 100000 + static_cast<uint32_t>(i);
-  return t;
-}
-
-// Device blocks first, first + 1, ..., n of them.
-inline std::vector<uint32_t> Blocks(uint32_t first, uint32_t n) {
-  std::vector<uint32_t> v(n);
-  for (uint32_t i = 0; i < n; ++i) v[i] = first + i;
-  return v;
-}
-
-// A sequence result's per-page statuses as ints (for ElementsAre against v1::PAGE_STATUS_*).
-inline std::vector<int> Statuses(const v1::SequenceResult& r) {
-  return std::vector<int>(r.page_status().begin(), r.page_status().end());
-}
-
-inline std::string KeyBlob(const std::vector<core::PageKey>& keys, size_t begin = 0,
-                           size_t end = ~size_t{0}) {
-  std::string out;
-  for (size_t i = begin; i < std::min(end, keys.size()); ++i) {
-    out.append(keys[i].AsBytes().data(), core::kPageKeyBytes);
-  }
-  return out;
-}
 
 struct HarnessOptions {
   uint64_t pool_bytes = 4 * kRegionBytes;
@@ -237,13 +169,7 @@ struct HarnessOptions {
 class CacheHarness {
  public:
   explicit CacheHarness(HarnessOptions o = {}) {
-    core::HostPoolOptions pool;
-    pool.capacity_bytes = o.pool_bytes;
-    pool.region_bytes = kRegionBytes;
-    pool.slot_sizes = {kObjectBytes, 4 * kObjectBytes};
-    absl::StatusOr<std::unique_ptr<core::HostPool>> p = core::HostPool::Create(pool);
-    EXPECT_TRUE(p.ok()) << p.status();
-    pool_ = *std::move(p);
+    pool_ = SmallPool(o.pool_bytes);
     gpu::SimDevice::Options sim;
     sim.copy_threads = 2;
     absl::StatusOr<std::unique_ptr<gpu::SimDevice>> d = gpu::SimDevice::Create(sim);
@@ -347,16 +273,7 @@ class CacheHarness {
   // The keys of `tokens` in the namespace of `spec`.
   static std::vector<core::PageKey> Keys(const v1::NamespaceSpec& spec,
                                          const std::vector<uint32_t>& tokens) {
-    core::NamespaceSpec s;
-    s.tenant = spec.tenant();
-    s.model_id = spec.model_id();
-    s.model_revision = spec.model_revision();
-    s.kv_dtype = spec.kv_dtype();
-    s.page_size = spec.page_size_tokens();
-    s.layout =
-        spec.layout_kind() == v1::LAYOUT_KIND_MLA ? core::LayoutKind::kMla : core::LayoutKind::kMha;
-    s.tp_size = spec.tp_size();
-    s.opaque_keys = spec.opaque_keys();
+    const core::NamespaceSpec s = CoreSpec(spec);
     return core::ComputePageKeys(s.Digest(), tokens, s.page_size);
   }
 
@@ -432,11 +349,7 @@ class CacheHarness {
     return total;
   }
 
-  uint64_t PoolSlotsUsed() {
-    uint64_t used = 0;
-    for (const core::SizeClassStats& c : pool_->Stats()) used += c.slots_used;
-    return used;
-  }
+  uint64_t PoolSlotsUsed() { return SlotsUsed(*pool_); }
 
   // Drops every page of every namespace (as an admin Clear would) and frees the slots.
   void ClearIndexes() {
