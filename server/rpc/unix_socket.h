@@ -16,7 +16,8 @@
 
 namespace kvcellar::server {
 
-// Makes PATH ready for a bind: creates missing parent directories (mode 0750: owner and group, see unix_socket.cc), fails with
+// Makes PATH ready for a bind: creates missing parent directories (mode 0750: owner and group,
+// see unix_socket.cc), fails with
 // FailedPrecondition if a process accepts connections on it ("another kvcellard is listening"),
 // removes a stale socket file, and fails if PATH exists and is not a socket (never deletes a
 // regular file by mistake).
