@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "platform/log.h"
 #include "server/errors/cache_error.h"
@@ -76,6 +77,20 @@ void SetPending(absl::Span<uint8_t> statuses, PageStatus final_status) {
   }
 }
 
+// The outcome of a copy that did not finish: CANCELLED when its session ended or the device
+// cancelled it, else FAILED with the device's error (logged as `event`). Pending pages say which.
+OpOutcome Unfinished(const absl::Status& device, OpCancelCause cause, uint64_t op_id,
+                     absl::string_view event, absl::Span<uint8_t> statuses) {
+  if (cause == OpCancelCause::kSessionEnded || Cancelled(device)) {
+    SetPending(statuses, v1::PAGE_STATUS_CANCELLED);
+    return {v1::OP_STATE_CANCELLED,
+            cause == OpCancelCause::kSessionEnded ? "session ended" : device.ToString()};
+  }
+  SetPending(statuses, v1::PAGE_STATUS_DEVICE_ERROR);
+  KVLOG(Warn, event, {{"op_id", op_id}, {"error", device.ToString()}});
+  return {v1::OP_STATE_FAILED, absl::StrCat("device error: ", device.ToString())};
+}
+
 class LoadCompletion final : public OpCompletion {
  public:
   std::shared_ptr<Session> session;
@@ -98,14 +113,8 @@ class LoadCompletion final : public OpCompletion {
     if (device.ok()) {
       SetPending(statuses, v1::PAGE_STATUS_OK);
       metrics->CountMovedBytes(v1::OP_KIND_LOAD, bytes, SecondsSince(submitted));
-    } else if (cause == OpCancelCause::kSessionEnded || Cancelled(device)) {
-      SetPending(statuses, v1::PAGE_STATUS_CANCELLED);
-      out = {v1::OP_STATE_CANCELLED,
-             cause == OpCancelCause::kSessionEnded ? "session ended" : device.ToString()};
     } else {
-      SetPending(statuses, v1::PAGE_STATUS_DEVICE_ERROR);
-      out = {v1::OP_STATE_FAILED, absl::StrCat("device error: ", device.ToString())};
-      KVLOG(Warn, "load failed", {{"op_id", op_id}, {"error", device.ToString()}});
+      out = Unfinished(device, cause, op_id, "load failed", statuses);
     }
     // Every layer, then the op word: the engine's waits all end, whatever the outcome.
     if (pump != nullptr) pump->FinishLoad(op_id, out.state != v1::OP_STATE_DONE);
@@ -165,14 +174,8 @@ class BackupCompletion final : public OpCompletion {
         out = {v1::OP_STATE_DONE, ""};
         KVLOG(Warn, "backup ready signal timed out",
               {{"op_id", op_id}, {"ready_timeout_ms", ready_timeout_ms}});
-      } else if (cause == OpCancelCause::kSessionEnded || Cancelled(device)) {
-        SetPending(statuses, v1::PAGE_STATUS_CANCELLED);
-        out = {v1::OP_STATE_CANCELLED,
-               cause == OpCancelCause::kSessionEnded ? "session ended" : device.ToString()};
       } else {
-        SetPending(statuses, v1::PAGE_STATUS_DEVICE_ERROR);
-        out = {v1::OP_STATE_FAILED, absl::StrCat("device error: ", device.ToString())};
-        KVLOG(Warn, "backup failed", {{"op_id", op_id}, {"error", device.ToString()}});
+        out = Unfinished(device, cause, op_id, "backup failed", statuses);
       }
     }
     session->ReleaseBlocks(blocks);

@@ -12,24 +12,13 @@
 namespace kvcellar::client {
 namespace {
 
+using testing::FastOptions;
+using testing::kSlack;
 using testing::SchedulerRegistration;
 using testing::TempDir;
 using testing::TestNamespace;
 using testing::WorkerRegistration;
 
-// Scheduling noise on a loaded 2-core CI machine (ctest -j runs the 16-engine stress test
-// alongside); the deadlines under test are 100-300 ms.
-constexpr absl::Duration kSlack = absl::Milliseconds(250);
-
-ClientOptions FastOptions(const std::string& addr) {
-  ClientOptions o;
-  o.addr = addr;
-  o.rpc_timeout = absl::Milliseconds(200);
-  o.register_timeout = absl::Milliseconds(300);
-  o.reconnect_backoff_min = absl::Milliseconds(20);
-  o.reconnect_backoff_max = absl::Milliseconds(200);
-  return o;
-}
 
 TEST(ClientKeysTest, EqualsCoreChain) {
   const core::NamespaceSpec ns = TestNamespace();

@@ -16,20 +16,14 @@ namespace {
 
 using testing::FakeConfig;
 using testing::FakeDaemon;
+using testing::kSlack;
 using testing::SchedulerRegistration;
 using testing::TempDir;
 using testing::WorkerRegistration;
 
-constexpr absl::Duration kSlack = absl::Milliseconds(250);
-
+// The shared fast options with the 500 ms registration timeout these tests were written with.
 ClientOptions FastOptions(const std::string& addr) {
-  ClientOptions o;
-  o.addr = addr;
-  o.rpc_timeout = absl::Milliseconds(200);
-  o.register_timeout = absl::Milliseconds(500);
-  o.reconnect_backoff_min = absl::Milliseconds(20);
-  o.reconnect_backoff_max = absl::Milliseconds(200);
-  return o;
+  return testing::FastOptions(addr, absl::Milliseconds(500));
 }
 
 // Polls `pred` for up to `timeout`.

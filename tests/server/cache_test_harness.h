@@ -323,13 +323,21 @@ class CacheHarness {
     return resp.ops_size() == 1 ? resp.ops(0) : v1::OpResult();
   }
 
-  uint32_t L2Hits(uint64_t session, const std::vector<uint32_t>& tokens) {
+  // A Match of one sequence by token ids, expected to succeed; with `pin`, the hit is pinned.
+  v1::MatchResponse MatchTokens(uint64_t session, const std::vector<uint32_t>& tokens,
+                                bool pin = false) {
     v1::MatchRequest req;
     req.set_session_id(session);
+    req.set_pin(pin);
     req.add_sequences()->mutable_token_ids()->Add(tokens.begin(), tokens.end());
     v1::MatchResponse resp;
     Rpc r = Match(req, &resp);
     EXPECT_TRUE(r.ok()) << r.status.error_message();
+    return resp;
+  }
+
+  uint32_t L2Hits(uint64_t session, const std::vector<uint32_t>& tokens) {
+    v1::MatchResponse resp = MatchTokens(session, tokens);
     return resp.results_size() == 1 ? resp.results(0).l2_hit_pages() : 0;
   }
 

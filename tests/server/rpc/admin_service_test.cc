@@ -95,12 +95,7 @@ TEST(AdminStatusTest, PoolFieldsEqualTheMetricsWithPinsAndCopiesInFlight) {
   v1::OpResult done =
       h.Wait(a.session, h.Backup(a.session, keys, 0, 32, Blocks(0, 32)).op().op_id());
   ASSERT_EQ(done.sequences(0).leading_ok_pages(), 32u);
-  v1::MatchRequest match;
-  match.set_session_id(scheduler);
-  match.set_pin(true);
-  match.add_sequences()->mutable_token_ids()->Add(tokens.begin(), tokens.end());
-  v1::MatchResponse m;
-  ASSERT_TRUE(h.Match(match, &m).ok());
+  const v1::MatchResponse m = h.MatchTokens(scheduler, tokens, /*pin=*/true);
   ASSERT_EQ(m.results(0).l2_hit_pages(), 32u);
 
   // 2 more pages in flight: the Backup waits for a ready signal the engine has not published.

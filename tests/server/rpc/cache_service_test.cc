@@ -400,12 +400,7 @@ TEST(CacheServiceTest, SessionLeaseExpiryDropsPinsAndClosesTheSession) {
   const std::vector<uint32_t> tokens = Tokens(9, 2);
   const auto keys = CacheHarness::Keys(spec, tokens);
   h.Wait(a.session, h.Backup(a.session, keys, 0, 2, {0, 1}).op().op_id());
-  v1::MatchRequest match;
-  match.set_session_id(a.session);
-  match.set_pin(true);
-  match.add_sequences()->mutable_token_ids()->Add(tokens.begin(), tokens.end());
-  v1::MatchResponse m;
-  ASSERT_TRUE(h.Match(match, &m).ok());
+  const v1::MatchResponse m = h.MatchTokens(a.session, tokens, /*pin=*/true);
   EXPECT_EQ(h.IndexStats().pinned_pages, 2u);
 
   // No heartbeat: the session lapses, its pins go, the pages stay (for the next engine).
@@ -440,12 +435,7 @@ TEST(CacheServiceTest, HeartbeatKeepsTheSessionWhilePinLeasesExpire) {
   const std::vector<uint32_t> tokens = Tokens(9, 2);
   const auto keys = CacheHarness::Keys(spec, tokens);
   h.Wait(a.session, h.Backup(a.session, keys, 0, 2, {0, 1}).op().op_id());
-  v1::MatchRequest match;
-  match.set_session_id(a.session);
-  match.set_pin(true);
-  match.add_sequences()->mutable_token_ids()->Add(tokens.begin(), tokens.end());
-  v1::MatchResponse m;
-  ASSERT_TRUE(h.Match(match, &m).ok());
+  const v1::MatchResponse m = h.MatchTokens(a.session, tokens, /*pin=*/true);
   const uint64_t pin = m.results(0).pin_id();
   EXPECT_EQ(h.IndexStats().pinned_pages, 2u);
 
@@ -478,12 +468,7 @@ TEST(CacheServiceTest, HeartbeatRenewsPins) {
   const std::vector<uint32_t> tokens = Tokens(9, 2);
   const auto keys = CacheHarness::Keys(spec, tokens);
   h.Wait(a.session, h.Backup(a.session, keys, 0, 2, {0, 1}).op().op_id());
-  v1::MatchRequest match;
-  match.set_session_id(a.session);
-  match.set_pin(true);
-  match.add_sequences()->mutable_token_ids()->Add(tokens.begin(), tokens.end());
-  v1::MatchResponse m;
-  ASSERT_TRUE(h.Match(match, &m).ok());
+  const v1::MatchResponse m = h.MatchTokens(a.session, tokens, /*pin=*/true);
   v1::HeartbeatRequest hb;
   hb.set_session_id(a.session);
   hb.add_renew_pin_ids(m.results(0).pin_id());
@@ -508,12 +493,7 @@ TEST(CacheServiceTest, LoadReleasePinDropsThisRanksHold) {
   h.Wait(r0.session, h.Backup(r0.session, keys, 0, 2, {0, 1}).op().op_id());
   h.Wait(r1.session, h.Backup(r1.session, keys, 0, 2, {0, 1}).op().op_id());
   const uint64_t scheduler = h.RegisterScheduler("inst-a", spec);
-  v1::MatchRequest match;
-  match.set_session_id(scheduler);
-  match.set_pin(true);
-  match.add_sequences()->mutable_token_ids()->Add(tokens.begin(), tokens.end());
-  v1::MatchResponse m;
-  ASSERT_TRUE(h.Match(match, &m).ok());
+  const v1::MatchResponse m = h.MatchTokens(scheduler, tokens, /*pin=*/true);
   const uint64_t pin = m.results(0).pin_id();
   ASSERT_NE(pin, 0u);
 
