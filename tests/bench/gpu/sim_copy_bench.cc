@@ -71,14 +71,19 @@ std::unique_ptr<Setup> MakeSetup(benchmark::State& state) {
   return s;
 }
 
+// One scatter (L2 -> engine) or gather (engine -> L2) of every item, waited for; false on error.
+bool CopyOnce(Setup& s, bool scatter) {
+  absl::StatusOr<OpHandle> op =
+      scatter ? s.device->SubmitScatter(*s.engine, s.scatter_items, {})
+              : s.device->SubmitGather(*s.engine, s.gather_items, ReadyFence::Ready(), {});
+  return op.ok() && (*op)->Wait(absl::Seconds(60)) && (*op)->status().ok();
+}
+
 void Run(benchmark::State& state, bool scatter) {
   std::unique_ptr<Setup> s = MakeSetup(state);
   if (!s) return;
   for (auto _ : state) {
-    absl::StatusOr<OpHandle> op =
-        scatter ? s->device->SubmitScatter(*s->engine, s->scatter_items, {})
-                : s->device->SubmitGather(*s->engine, s->gather_items, ReadyFence::Ready(), {});
-    if (!op.ok() || !(*op)->Wait(absl::Seconds(60)) || !(*op)->status().ok()) {
+    if (!CopyOnce(*s, scatter)) {
       state.SkipWithError("op failed");
       return;
     }
@@ -120,10 +125,7 @@ void RunSideBySide(benchmark::State& state, bool scatter) {
     }
     benchmark::ClobberMemory();
     absl::Time t1 = absl::Now();
-    absl::StatusOr<OpHandle> op =
-        scatter ? s->device->SubmitScatter(*s->engine, s->scatter_items, {})
-                : s->device->SubmitGather(*s->engine, s->gather_items, ReadyFence::Ready(), {});
-    if (!op.ok() || !(*op)->Wait(absl::Seconds(60)) || !(*op)->status().ok()) {
+    if (!CopyOnce(*s, scatter)) {
       state.SkipWithError("op failed");
       return;
     }
