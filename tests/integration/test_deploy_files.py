@@ -1051,14 +1051,10 @@ class Prometheus:
         return self.api("query", query=expr)["result"]
 
     def wait_for(self, what, pred, timeout=30):
-        deadline = time.monotonic() + timeout
-        while True:
-            value = pred()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise AssertionError(f"prometheus: timed out waiting for {what}\n" + self.log())
-            time.sleep(0.25)
+        try:
+            return wait_until(pred, timeout=timeout, interval=0.25, what=what)
+        except AssertionError as e:
+            raise AssertionError(f"prometheus: {e}\n" + self.log()) from None
 
     def stop(self):
         if self.proc is not None and self.proc.poll() is None:

@@ -326,12 +326,7 @@ TEST(CacheServiceTest, MatchPinsSurviveEvictionAndReleaseDropsThem) {
   EXPECT_EQ(h.PoolSlotsUsed(), kSlotsPerRegion);
 
   // Pin the oldest prompt, then push 4 more prompts through the full pool.
-  v1::MatchRequest match;
-  match.set_session_id(scheduler);
-  match.set_pin(true);
-  match.add_sequences()->mutable_token_ids()->Add(prompts[0].begin(), prompts[0].end());
-  v1::MatchResponse m;
-  ASSERT_TRUE(h.Match(match, &m).ok());
+  const v1::MatchResponse m = h.MatchTokens(scheduler, prompts[0], /*pin=*/true);
   ASSERT_EQ(m.results(0).l2_hit_pages(), 8u);
   const uint64_t pin = m.results(0).pin_id();
   ASSERT_NE(pin, 0u);
@@ -375,12 +370,7 @@ TEST(CacheServiceTest, FullPoolOfPinnedPagesIsNoSpace) {
   const std::vector<uint32_t> big = Tokens(1, 64);
   const auto keys = CacheHarness::Keys(spec, big);
   h.Wait(a.session, h.Backup(a.session, keys, 0, 64, Blocks(0, 64)).op().op_id());
-  v1::MatchRequest match;
-  match.set_session_id(scheduler);
-  match.set_pin(true);
-  match.add_sequences()->mutable_token_ids()->Add(big.begin(), big.end());
-  v1::MatchResponse m;
-  ASSERT_TRUE(h.Match(match, &m).ok());
+  const v1::MatchResponse m = h.MatchTokens(scheduler, big, /*pin=*/true);
   ASSERT_EQ(m.results(0).l2_hit_pages(), 64u);
 
   const auto other = CacheHarness::Keys(spec, Tokens(2, 2));
