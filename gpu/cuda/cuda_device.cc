@@ -382,6 +382,17 @@ class CudaDevice final : public DeviceBackend {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(e.mu);
   absl::Status IssueRuns(CudaEngine& e, cudaStream_t stream, bool kernel)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(e.mu);
+  // The phases of Submit once the stream is chosen: a Gather's copies then its op word; a
+  // Scatter's copies layer by layer, each followed by its layer's event or word, then the op word;
+  // after an enqueue error, every signal the engine may wait on, so that no wait hangs.
+  absl::Status EnqueueGather(CudaEngine& e, absl::Span<const CopyItem> items, bool kernel,
+                             OpSignal signal, cudaStream_t stream)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(e.mu);
+  absl::Status EnqueueScatter(CudaEngine& e, absl::Span<const CopyItem> items, bool kernel,
+                              OpSignal signal, bool layer_events, cudaStream_t stream)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(e.mu);
+  void EnqueueFailureSignals(CudaEngine& e, OpSignal signal, bool layer_events,
+                             cudaStream_t stream) ABSL_EXCLUSIVE_LOCKS_REQUIRED(e.mu);
 
   const CudaDeviceOptions options_;
   std::vector<DeviceInfo> devices_;
@@ -665,13 +676,12 @@ absl::Status CudaDevice::IssueRuns(CudaEngine& e, cudaStream_t stream, bool kern
   return absl::OkStatus();
 }
 
-absl::StatusOr<OpHandle> CudaDevice::Submit(EngineMapping& mapping,
-                                            absl::Span<const CopyItem> items,
-                                            const ReadyFence& fence, OpSignal signal,
-                                            bool scatter) {
-  auto* ep = dynamic_cast<CudaEngine*>(&mapping);
-  if (ep == nullptr) return absl::InvalidArgumentError("engine: not a mapping of the CUDA device");
-  CudaEngine& e = *ep;
+// The request's own checks, before anything is enqueued: the items, the fence's kind, and the
+// signal's slot. `layer_events` says how a Scatter signals its layers: the engine's IPC events
+// when it registered them, else words stored into its signal region.
+absl::Status CheckSubmit(const CudaEngine& e, absl::Span<const CopyItem> items,
+                         const ReadyFence& fence, OpSignal signal, bool scatter,
+                         bool layer_events) {
   if (absl::Status s = ValidateCopyItems(items, e.layout_.num_blocks, scatter); !s.ok()) return s;
   switch (fence.kind) {
     case ReadyFence::Kind::kReady:
@@ -688,9 +698,6 @@ absl::StatusOr<OpHandle> CudaDevice::Submit(EngineMapping& mapping,
       break;
   }
   const uint32_t num_layers = static_cast<uint32_t>(e.layout_.layers.size());
-  // How a Scatter signals its layers: the engine's IPC events when it registered them, else
-  // tickets stored into its signal region.
-  const bool layer_events = signal.enabled() && scatter && !e.load_events.empty();
   if (layer_events) {
     const size_t slots = e.load_events.size() / num_layers;
     if (signal.slot >= slots) {
@@ -706,6 +713,43 @@ absl::StatusOr<OpHandle> CudaDevice::Submit(EngineMapping& mapping,
       return absl::InvalidArgumentError(absl::StrCat(
           "signal.slot (", signal.slot, ") out of range [0, ", e.completion.num_load_slots(), ")"));
     }
+  }
+  return absl::OkStatus();
+}
+
+// Appends the segments [first, last) of `item` (its host page at `host`) to e.runs, merging runs
+// contiguous on both sides.
+void AppendRuns(CudaEngine& e, const CopyItem& item, uint8_t* host, uint32_t first, uint32_t last,
+                bool scatter) {
+  const uint64_t block = item.device_block;
+  for (uint32_t s = first; s < last;) {
+    uint8_t* dev = e.seg_base[s] + block * e.segs[s].block_stride;
+    uint64_t len = e.segs[s].bytes;
+    uint32_t next = s + 1;
+    while (next < last && e.seg_base[next] + block * e.segs[next].block_stride == dev + len) {
+      len += e.segs[next++].bytes;
+    }
+    uint8_t* h = host + e.segs[s].object_offset;
+    if (scatter) {
+      e.runs.push_back({h, dev, len});
+    } else {
+      e.runs.push_back({dev, h, len});
+    }
+    s = next;
+  }
+}
+
+absl::StatusOr<OpHandle> CudaDevice::Submit(EngineMapping& mapping,
+                                            absl::Span<const CopyItem> items,
+                                            const ReadyFence& fence, OpSignal signal,
+                                            bool scatter) {
+  auto* ep = dynamic_cast<CudaEngine*>(&mapping);
+  if (ep == nullptr) return absl::InvalidArgumentError("engine: not a mapping of the CUDA device");
+  CudaEngine& e = *ep;
+  const uint32_t num_layers = static_cast<uint32_t>(e.layout_.layers.size());
+  const bool layer_events = signal.enabled() && scatter && !e.load_events.empty();
+  if (absl::Status s = CheckSubmit(e, items, fence, signal, scatter, layer_events); !s.ok()) {
+    return s;
   }
   const int d = e.dev.index;
   ScopedDevice sd(d);
@@ -726,8 +770,6 @@ absl::StatusOr<OpHandle> CudaDevice::Submit(EngineMapping& mapping,
     kernel = options_.copy_path == CudaDeviceOptions::CopyPath::kKernel ||
              e.mean_run_bytes <= static_cast<double>(options_.kernel_max_run_bytes);
   }
-  auto host_of = [&](size_t i) -> uint8_t* { return kernel ? e.host_dev[i] : items[i].host_page; };
-
   if (fence.kind == ReadyFence::Kind::kCudaIpcEvent) {
     cudaEvent_t ev;
     if (absl::Status s = FenceEvent(e, fence.cuda_ipc_event, &ev); !s.ok()) return s;
@@ -737,81 +779,85 @@ absl::StatusOr<OpHandle> CudaDevice::Submit(EngineMapping& mapping,
     }
   }
   // From here on work is on the stream: errors are the op's, reported once the stream passes it.
-  absl::Status st;
-  // Appends item i's segments [first, last) to e.runs, merging runs contiguous on both sides.
-  auto add_runs = [&](size_t i, uint32_t first, uint32_t last) {
-    const uint64_t block = items[i].device_block;
-    uint8_t* host = host_of(i);
-    for (uint32_t s = first; s < last;) {
-      uint8_t* dev = e.seg_base[s] + block * e.segs[s].block_stride;
-      uint64_t len = e.segs[s].bytes;
-      uint32_t next = s + 1;
-      while (next < last && e.seg_base[next] + block * e.segs[next].block_stride == dev + len) {
-        len += e.segs[next++].bytes;
-      }
-      uint8_t* h = host + e.segs[s].object_offset;
-      if (scatter) {
-        e.runs.push_back({h, dev, len});
-      } else {
-        e.runs.push_back({dev, h, len});
-      }
-      s = next;
-    }
-  };
-  const uint32_t slot = signal.slot;
-  if (!scatter) {
-    e.runs.clear();
-    for (size_t i = 0; i < items.size(); ++i) add_runs(i, 0, static_cast<uint32_t>(e.segs.size()));
-    st = IssueRuns(e, stream, kernel);
-    if (st.ok() && signal.enabled()) {
-      st = CudaStatus(cuda::LaunchStoreTicket(
-                          e.CompletionWord(e.completion.OpWordOffset(slot)),
-                          core::SignalLayout::OpWord(signal.ticket, /*failed=*/false), stream),
-                      "ticket kernel");
-    }
-  } else {
-    for (uint32_t l = 0; l < num_layers && st.ok(); ++l) {
-      e.runs.clear();
-      for (size_t i = 0; i < items.size(); ++i) add_runs(i, e.layer_first[l], e.layer_first[l + 1]);
-      st = IssueRuns(e, stream, kernel);
-      if (st.ok() && layer_events) {
-        // Recorded before the Load reply: the engine's cudaStreamWaitEvent after the reply binds
-        // to this record (docs/api.md).
-        st = CudaStatus(cudaEventRecord(e.load_events[slot * num_layers + l], stream),
-                        "cudaEventRecord(load event)");
-      } else if (st.ok() && signal.enabled()) {
-        st = CudaStatus(
-            cuda::LaunchStoreTicket(e.CompletionWord(e.completion.LayerWordOffset(slot, l)),
-                                    signal.ticket, stream),
-            "ticket kernel");
-      }
-    }
-    if (st.ok() && signal.enabled() && !layer_events) {
-      st = CudaStatus(cuda::LaunchStoreTicket(
-                          e.CompletionWord(e.completion.OpWordOffset(slot)),
-                          core::SignalLayout::OpWord(signal.ticket, /*failed=*/false), stream),
-                      "ticket kernel");
-    }
-  }
+  const absl::Status st = scatter ? EnqueueScatter(e, items, kernel, signal, layer_events, stream)
+                                  : EnqueueGather(e, items, kernel, signal, stream);
   if (!st.ok()) {
     op->SetEnqueueError(st);
-    if (layer_events) {
-      // Every layer's event, so that no engine wait refers to an older Load; the op's FAILED
-      // state (WaitOps) tells the engine the blocks are not to be used.
-      for (uint32_t l = 0; l < num_layers; ++l) {
-        cudaEventRecord(e.load_events[slot * num_layers + l], stream);
-      }
-    } else if (signal.enabled()) {
-      cuda::LaunchStoreFailure(e.CompletionWord(e.completion.LayerWordOffset(slot, 0)), num_layers,
-                               signal.ticket, e.CompletionWord(e.completion.OpWordOffset(slot)),
-                               core::SignalLayout::OpWord(signal.ticket, /*failed=*/true), stream);
-    }
+    EnqueueFailureSignals(e, signal, layer_events, stream);
   }
   auto* arg = new std::shared_ptr<CudaOp>(op);
   if (cudaLaunchHostFunc(stream, OnOpDone, arg) != cudaSuccess) {
     delete arg;  // Probe() finishes the op once the stream drains or reports the error.
   }
   return OpHandle(std::move(op));
+}
+
+absl::Status CudaDevice::EnqueueGather(CudaEngine& e, absl::Span<const CopyItem> items,
+                                       bool kernel, OpSignal signal, cudaStream_t stream) {
+  e.runs.clear();
+  for (size_t i = 0; i < items.size(); ++i) {
+    AppendRuns(e, items[i], kernel ? e.host_dev[i] : items[i].host_page, 0,
+               static_cast<uint32_t>(e.segs.size()), /*scatter=*/false);
+  }
+  absl::Status st = IssueRuns(e, stream, kernel);
+  if (st.ok() && signal.enabled()) {
+    st = CudaStatus(cuda::LaunchStoreTicket(
+                        e.CompletionWord(e.completion.OpWordOffset(signal.slot)),
+                        core::SignalLayout::OpWord(signal.ticket, /*failed=*/false), stream),
+                    "ticket kernel");
+  }
+  return st;
+}
+
+absl::Status CudaDevice::EnqueueScatter(CudaEngine& e, absl::Span<const CopyItem> items,
+                                        bool kernel, OpSignal signal, bool layer_events,
+                                        cudaStream_t stream) {
+  const uint32_t num_layers = static_cast<uint32_t>(e.layout_.layers.size());
+  const uint32_t slot = signal.slot;
+  absl::Status st;
+  for (uint32_t l = 0; l < num_layers && st.ok(); ++l) {
+    e.runs.clear();
+    for (size_t i = 0; i < items.size(); ++i) {
+      AppendRuns(e, items[i], kernel ? e.host_dev[i] : items[i].host_page, e.layer_first[l],
+                 e.layer_first[l + 1], /*scatter=*/true);
+    }
+    st = IssueRuns(e, stream, kernel);
+    if (st.ok() && layer_events) {
+      // Recorded before the Load reply: the engine's cudaStreamWaitEvent after the reply binds
+      // to this record (docs/api.md).
+      st = CudaStatus(cudaEventRecord(e.load_events[slot * num_layers + l], stream),
+                      "cudaEventRecord(load event)");
+    } else if (st.ok() && signal.enabled()) {
+      st = CudaStatus(
+          cuda::LaunchStoreTicket(e.CompletionWord(e.completion.LayerWordOffset(slot, l)),
+                                  signal.ticket, stream),
+          "ticket kernel");
+    }
+  }
+  if (st.ok() && signal.enabled() && !layer_events) {
+    st = CudaStatus(cuda::LaunchStoreTicket(
+                        e.CompletionWord(e.completion.OpWordOffset(slot)),
+                        core::SignalLayout::OpWord(signal.ticket, /*failed=*/false), stream),
+                    "ticket kernel");
+  }
+  return st;
+}
+
+void CudaDevice::EnqueueFailureSignals(CudaEngine& e, OpSignal signal, bool layer_events,
+                                       cudaStream_t stream) {
+  const uint32_t num_layers = static_cast<uint32_t>(e.layout_.layers.size());
+  const uint32_t slot = signal.slot;
+  if (layer_events) {
+    // Every layer's event, so that no engine wait refers to an older Load; the op's FAILED
+    // state (WaitOps) tells the engine the blocks are not to be used.
+    for (uint32_t l = 0; l < num_layers; ++l) {
+      cudaEventRecord(e.load_events[slot * num_layers + l], stream);
+    }
+  } else if (signal.enabled()) {
+    cuda::LaunchStoreFailure(e.CompletionWord(e.completion.LayerWordOffset(slot, 0)), num_layers,
+                             signal.ticket, e.CompletionWord(e.completion.OpWordOffset(slot)),
+                             core::SignalLayout::OpWord(signal.ticket, /*failed=*/true), stream);
+  }
 }
 
 absl::Status CudaDevice::RegisterHostMemory(void* addr, size_t bytes) {
