@@ -20,6 +20,7 @@
 #include <map>
 #include <random>
 #include <set>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -658,27 +659,11 @@ int CmdRandom(Engine& e, Flags& f) {
   return mismatched > 0 ? kExitMismatch : kExitOk;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  Flags f;
-  std::string command, error;
-  if (!f.Parse(argc, argv, &command, &error)) {
-    if (error == "help") {
-      std::fputs(kUsage, stdout);
-      return kExitOk;
-    }
-    std::fprintf(stderr, "kvcellar-engine-sim: %s\n%s", error.c_str(), kUsage);
-    return kExitUsage;
-  }
-  if (command != "backup" && command != "load" && command != "random" && command != "hold") {
-    std::fprintf(stderr, "kvcellar-engine-sim: unknown command '%s'\n%s", command.c_str(), kUsage);
-    return kExitUsage;
-  }
-  // An engine whose daemon dies must not die of SIGPIPE.
-  signal(SIGPIPE, SIG_IGN);
-
-  Engine e;
+// The engine, its simulated KV memory, its registration and its client, from the flags. Returns
+// an exit code on a bad flag, nullopt when the engine can start.
+std::optional<int> Configure(Flags& f, Engine& e, kc::SimEngineOptions& so,
+                             kc::EngineRegistration& reg, kc::ClientOptions& co,
+                             absl::Duration& register_wait) {
   e.page_size = static_cast<uint32_t>(f.U64("--page-size", 16));
   e.op_wait = absl::Milliseconds(f.U64("--wait-ms", 10000));
   e.layer_signals = !f.Bool("--no-layer-signals");
@@ -700,7 +685,6 @@ int main(int argc, char** argv) {
   }
   const std::string layout = f.Str("--layout", "mha");
   const std::string arrangement = f.Str("--arrangement", "layer");
-  kc::SimEngineOptions so;
   so.num_layers = static_cast<uint32_t>(f.U64("--layers", 2));
   so.bytes_per_block = f.U64("--block-bytes", 4096);
   so.num_blocks = static_cast<uint32_t>(f.U64("--blocks", 64));
@@ -714,7 +698,6 @@ int main(int argc, char** argv) {
     so.name_prefix = absl::StrCat("/", prefix, "-", getpid());
   }
 
-  kc::EngineRegistration reg;
   reg.instance_id = f.Str("--instance", absl::StrCat("sim-", getpid()));
   reg.rank = static_cast<uint32_t>(f.U64("--rank", 0));
   reg.ns.tenant = f.Str("--tenant", "");
@@ -729,12 +712,11 @@ int main(int argc, char** argv) {
   reg.device_uuid = std::string(16, '\0');
   for (int i = 0; i < 8; ++i) reg.device_uuid[i] = static_cast<char>(getpid() >> (8 * (i % 4)));
 
-  kc::ClientOptions co;
   co.addr = f.Str("--addr", kvcellar::platform::DefaultSocketPath());
   co.rpc_timeout = absl::Milliseconds(f.U64("--rpc-timeout-ms", 1000));
   co.register_timeout = std::max(co.rpc_timeout, absl::Seconds(2));
   co.reconnect_backoff_max = absl::Milliseconds(f.U64("--backoff-max-ms", 1000));
-  const absl::Duration register_wait = absl::Milliseconds(f.U64("--register-wait-ms", 5000));
+  register_wait = absl::Milliseconds(f.U64("--register-wait-ms", 5000));
   if (layout != "mha" && layout != "mla") {
     std::fprintf(stderr, "--layout must be mha or mla\n");
     return kExitUsage;
@@ -744,6 +726,14 @@ int main(int argc, char** argv) {
     return kExitUsage;
   }
 
+  return std::nullopt;
+}
+
+// Creates the simulated engine memory, connects and registers, and waits for the session to be
+// active (a "random" run goes on regardless). Returns an exit code when the engine cannot start.
+std::optional<int> Start(Engine& e, const std::string& command, const kc::SimEngineOptions& so,
+                         kc::EngineRegistration& reg, const kc::ClientOptions& co,
+                         absl::Duration register_wait) {
   absl::StatusOr<std::unique_ptr<kc::SimEngine>> sim = kc::SimEngine::Create(so);
   if (!sim.ok()) {
     std::fprintf(stderr, "sim engine: %s\n", sim.status().ToString().c_str());
@@ -772,6 +762,36 @@ int main(int argc, char** argv) {
                  absl::FormatDuration(register_wait).c_str(),
                  kc::SessionStateName(e.session->state()));
   }
+  return std::nullopt;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags f;
+  std::string command, error;
+  if (!f.Parse(argc, argv, &command, &error)) {
+    if (error == "help") {
+      std::fputs(kUsage, stdout);
+      return kExitOk;
+    }
+    std::fprintf(stderr, "kvcellar-engine-sim: %s\n%s", error.c_str(), kUsage);
+    return kExitUsage;
+  }
+  if (command != "backup" && command != "load" && command != "random" && command != "hold") {
+    std::fprintf(stderr, "kvcellar-engine-sim: unknown command '%s'\n%s", command.c_str(), kUsage);
+    return kExitUsage;
+  }
+  // An engine whose daemon dies must not die of SIGPIPE.
+  signal(SIGPIPE, SIG_IGN);
+
+  Engine e;
+  kc::SimEngineOptions so;
+  kc::EngineRegistration reg;
+  kc::ClientOptions co;
+  absl::Duration register_wait;
+  if (std::optional<int> exit = Configure(f, e, so, reg, co, register_wait)) return *exit;
+  if (std::optional<int> exit = Start(e, command, so, reg, co, register_wait)) return *exit;
 
   int rc = kExitUsage;
   if (command == "backup") rc = CmdBackup(e, f);
