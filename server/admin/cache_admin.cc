@@ -312,7 +312,10 @@ absl::Status CacheAdmin::Evict(const v1::EvictRequest& request, L3Admin* l3,
           target == 0 ? 0 : (target - std::min(target, freed) + object_bytes - 1) / object_bytes;
       core::AdminEvictResult r;
       if (!reached()) {
-        r = l2_->EvictScope(*ns, scope->subtree_root, max_objects, request.dry_run());
+        uint64_t written_back = 0;
+        r = l2_->EvictScope(*ns, scope->subtree_root, max_objects, request.dry_run(),
+                            &written_back);
+        response->set_written_back_pages(response->written_back_pages() + written_back);
       } else {
         r = l2_->EvictScope(*ns, scope->subtree_root, /*max_objects=*/1, /*dry_run=*/true);
         r.pages = r.objects = 0;  // Only the skipped counts: the target is met.

@@ -1,6 +1,4 @@
 #include "server/l2/l2_space.h"
-
-#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -108,12 +106,27 @@ uint64_t L2Space::FinishEviction(Namespace& ns, std::vector<core::ReleasedObject
 
 core::AdminEvictResult L2Space::EvictScope(Namespace& ns,
                                            const std::optional<core::PageKey>& subtree,
-                                           uint64_t max_objects, bool dry_run) {
+                                           uint64_t max_objects, bool dry_run,
+                                           uint64_t* written_back_pages) {
   core::RadixIndex* index = ns.index();
   if (index == nullptr) return {};
   std::vector<core::ReleasedObject> evicted;
   core::AdminEvictResult result = index->EvictScope(subtree, max_objects, dry_run, &evicted);
   if (evicted.empty()) return result;
+  // As pool-full and watermark eviction: a write-back observer takes the slots of the pages it
+  // writes to L3 (and frees them after), so WRITE_BACK pages are not lost to an admin Evict.
+  if (L2EvictionObserver* observer = observer_.load(std::memory_order_acquire)) {
+    observer->OnEvicted(ns, absl::MakeSpan(evicted));
+  }
+  if (written_back_pages != nullptr) {
+    // Pages, not objects: a page's shards are adjacent; it counts once any shard was taken.
+    const core::PageKey* counted = nullptr;
+    for (const core::ReleasedObject& r : evicted) {
+      if (r.slot.valid() || (counted != nullptr && *counted == r.key)) continue;
+      ++*written_back_pages;
+      counted = &r.key;
+    }
+  }
   FreeReleased(evicted);
   const uint64_t bytes = evicted.size() * ns.slot_bytes();
   metrics_->CountEviction(EvictReason::kAdmin, result.pages, bytes);

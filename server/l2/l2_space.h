@@ -100,10 +100,12 @@ class L2Space {
     observer_.store(observer, std::memory_order_release);
   }
   // AdminService.Evict on one namespace: RadixIndex::EvictScope (the policy's order, leaf first,
-  // never busy pages), then the slots go back to the pool and the eviction is counted as every
-  // eviction is. `max_objects` 0: everything eligible.
+  // never busy pages); the eviction observer writes WRITE_BACK pages to L3 as on every eviction
+  // (their count is added to `written_back_pages` when given), the other slots go back to the
+  // pool, and the eviction is counted as every eviction is. `max_objects` 0: everything eligible.
   core::AdminEvictResult EvictScope(Namespace& ns, const std::optional<core::PageKey>& subtree,
-                                    uint64_t max_objects, bool dry_run);
+                                    uint64_t max_objects, bool dry_run,
+                                    uint64_t* written_back_pages = nullptr);
   // AdminService.Clear on one namespace: RadixIndex::ClearScope, slots freed, counted. Busy pages
   // are doomed and freed later by ReapDoomed. With dry_run nothing changes; `removed` (optional)
   // receives the objects that went or would go.

@@ -164,6 +164,22 @@ TEST(L3WriterTest, WriteBackWritesEvictedPagesAndFreesTheirSlotsAfter) {
   EXPECT_EQ(w.writer.tracked(), 0u);
 }
 
+TEST(L3WriterTest, AnAdminEvictWritesBackLikeAnyEviction) {
+  Writer w({""}, Storage(L3WritePolicy::kWriteBack));
+  w.Committed(v1::WRITE_POLICY_UNSPECIFIED);
+  w.writer.Drain();
+  ASSERT_EQ(w.writer.tracked(), kPages);
+  uint64_t written_back = 0;
+  const core::AdminEvictResult r =
+      w.world.l2().EvictScope(*w.ns, std::nullopt, 0, /*dry_run=*/false, &written_back);
+  EXPECT_EQ(r.pages, kPages);
+  EXPECT_EQ(written_back, kPages) << "pages, not objects: each TP-2 page counts once";
+  w.writer.Drain();
+  EXPECT_EQ(SlotsUsed(w.world.pool()), 0u) << "slots freed once written";
+  for (const core::PageKey& key : w.keys) EXPECT_TRUE(w.Stored(0, key));
+  EXPECT_EQ(w.Marked(0), kPages);
+}
+
 TEST(L3WriterTest, WritesPastThePendingLimitAreDroppedNotQueued) {
   // Room for one object in flight; a commit of six objects is dropped whole.
   Writer w({""}, Storage(L3WritePolicy::kWriteThrough, 2, kObjectBytes));
