@@ -658,7 +658,7 @@ TEST_F(ConfigTest, RedactionHidesSecretValues) {
 // ---- Socket paths -------------------------------------------------------------------------
 
 TEST_F(ConfigTest, UnixSocketPathResolution) {
-  // The environment rule itself is core/runtime_paths' (shared with the client); here, that the
+  // The environment rule itself is platform/runtime_paths' (shared with the client); here, that the
   // config defers to it and puts the admin socket beside the engine socket.
   Config c = DefaultConfig();
   EXPECT_EQ(ResolveUnixSocketPath(c), platform::DefaultSocketPath(platform::kDefaultSocketName));
