@@ -113,11 +113,9 @@ core::AdminEvictResult L2Space::EvictScope(Namespace& ns,
   std::vector<core::ReleasedObject> evicted;
   core::AdminEvictResult result = index->EvictScope(subtree, max_objects, dry_run, &evicted);
   if (evicted.empty()) return result;
-  // As pool-full and watermark eviction: a write-back observer takes the slots of the pages it
+  // The one ending every eviction has: a write-back observer takes the slots of the pages it
   // writes to L3 (and frees them after), so WRITE_BACK pages are not lost to an admin Evict.
-  if (L2EvictionObserver* observer = observer_.load(std::memory_order_acquire)) {
-    observer->OnEvicted(ns, absl::MakeSpan(evicted));
-  }
+  FinishEviction(ns, evicted, EvictReason::kAdmin);
   if (written_back_pages != nullptr) {
     // Pages, not objects: a page's shards are adjacent; it counts once any shard was taken.
     const core::PageKey* counted = nullptr;
@@ -127,11 +125,6 @@ core::AdminEvictResult L2Space::EvictScope(Namespace& ns,
       counted = &r.key;
     }
   }
-  FreeReleased(evicted);
-  const uint64_t bytes = evicted.size() * ns.slot_bytes();
-  metrics_->CountEviction(EvictReason::kAdmin, result.pages, bytes);
-  NamespaceCounters::Add(ns.counters().evicted_objects, evicted.size());
-  NamespaceCounters::Add(ns.counters().evicted_bytes, bytes);
   return result;
 }
 
