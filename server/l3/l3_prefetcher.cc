@@ -353,11 +353,11 @@ v1::PageStatus L3Prefetcher::BeginPage(Plan& plan, const core::PageKey& key,
 
 std::unique_ptr<OpRecord> L3Prefetcher::NewRecord(const SessionInfo& session,
                                                   const std::vector<PrefetchChain>& chains,
-                                                  const Plan& plan, absl::Duration deadline,
+                                                  Plan& plan, absl::Duration deadline,
                                                   const std::shared_ptr<Fetch>& shared) {
   Fetch& fetch = *shared;
   auto record = std::make_unique<OpRecord>();
-  record->seq_begin = plan.seq_begin;
+  record->seq_begin = std::move(plan.seq_begin);  // Not needed by the reads.
   record->id = ops_->NextId();
   fetch.op_id = record->id;
   if (fetch.policy == v1::PREFETCH_POLICY_BEST_EFFORT) {

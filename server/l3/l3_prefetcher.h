@@ -123,9 +123,9 @@ class L3Prefetcher {
   v1::PageStatus BeginPage(Plan& plan, const core::PageKey& key,
                            std::optional<core::PageKey> parent, core::ShardMask committed,
                            std::vector<core::SlotRef>* slots);
-  // The op's record, registered as in flight.
+  // The op's record (it takes the plan's seq_begin), registered as in flight.
   std::unique_ptr<OpRecord> NewRecord(const SessionInfo& session,
-                                      const std::vector<PrefetchChain>& chains, const Plan& plan,
+                                      const std::vector<PrefetchChain>& chains, Plan& plan,
                                       absl::Duration deadline, const std::shared_ptr<Fetch>& fetch);
   // The reads, per tier in batches of at most the backend's max_batch_items; lands the fetch
   // when the last one completes (at once when there is none).
