@@ -60,6 +60,7 @@ Daemon::~Daemon() {
   Shutdown();
   // The services must outlive the servers, the device its mappings (held by the cache service),
   // and the pool everything that copies into it.
+  unix_listener_.reset();
   engine_server_.reset();
   admin_server_.reset();
   l3_admin_.reset();
@@ -148,7 +149,7 @@ void Daemon::CreateServices(MetricsRegistry& registry) {
     cache_options.daemon_epoch = info_.epoch;
   }
   cache_ = std::make_unique<Cache>(std::move(cache_options));
-  cache_service_ = std::make_unique<CacheServiceImpl>(cache_.get());
+  cache_service_ = std::make_unique<CacheServiceImpl>(cache_.get(), &peer_credentials_);
   if (!l3_->empty()) {
     l3_admin_ = std::make_unique<L3TierAdmin>(l3_.get(), &cache_->namespaces());
   }
@@ -171,10 +172,10 @@ void Daemon::ConfigureServer(grpc::ServerBuilder& builder) const {
 }
 
 absl::StatusOr<std::string> Daemon::StartEngineServer() {
-  // Engine server: the Unix socket, and TCP when configured.
+  // Engine server: the Unix socket (accepted by unix_listener_, which knows each peer's
+  // credentials), and TCP when configured.
   grpc::ServerBuilder engine;
   ConfigureServer(engine);
-  engine.AddListeningPort(absl::StrCat("unix:", unix_socket_), grpc::InsecureServerCredentials());
   int tcp_port = 0;
   if (!config_.listen.tcp_address.empty()) {
     absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds =
@@ -185,15 +186,16 @@ absl::StatusOr<std::string> Daemon::StartEngineServer() {
   engine.RegisterService(cache_service_.get());
   engine.RegisterService(engine_admin_service_.get());
 
-  mode_t old_umask = ::umask(kOwnerOnlyUmask);
   engine_server_ = engine.BuildAndStart();
-  ::umask(old_umask);
   if (engine_server_ == nullptr) {
-    return absl::UnavailableError(absl::StrCat(
-        "cannot listen on unix:", unix_socket_,
-        config_.listen.tcp_address.empty() ? "" : absl::StrCat(" and ", config_.listen.tcp_address),
-        " (address in use, or a bad address)"));
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on '", config_.listen.tcp_address,
+                     "' (listen.tcp_address: address in use, or a bad address)"));
   }
+  absl::StatusOr<std::unique_ptr<UnixListener>> listener =
+      UnixListener::Start(unix_socket_, engine_server_.get(), &peer_credentials_);
+  if (!listener.ok()) return listener.status();
+  unix_listener_ = *std::move(listener);
   if (!config_.listen.tcp_address.empty() && tcp_port == 0) {
     return absl::UnavailableError(
         absl::StrCat("cannot listen on '", config_.listen.tcp_address, "' (listen.tcp_address)"));
@@ -408,6 +410,7 @@ void Daemon::Shutdown() {
   }
   // Shutdown(deadline) stops accepting at once, waits for in-flight RPCs until the deadline and
   // cancels whatever is still running then. Both servers share one deadline.
+  if (unix_listener_) unix_listener_->Stop();  // No new engine connections.
   if (engine_server_) engine_server_->Shutdown(deadline);
   if (admin_server_) admin_server_->Shutdown(deadline);
   if (http_server_) http_server_->Stop();

@@ -30,6 +30,8 @@
 #include "server/l3/l3_tiers.h"
 #include "server/admin/daemon_info.h"
 #include "server/datapath/device_set.h"
+#include "server/rpc/peer_credentials.h"
+#include "server/rpc/unix_listener.h"
 
 namespace kvcellar::server {
 
@@ -96,11 +98,14 @@ class Daemon {
   // pool (whose slots their I/O reads and writes).
   std::unique_ptr<L3Tiers> l3_;
   std::unique_ptr<Cache> cache_;  // The composition root; outlives its service.
+  PeerCredentials peer_credentials_;  // Of engine-socket connections; outlives the service.
   std::unique_ptr<CacheServiceImpl> cache_service_;
   std::unique_ptr<L3TierAdmin> l3_admin_;  // nullptr without L3 tiers.
   std::unique_ptr<AdminServiceImpl> engine_admin_service_;  // Read-only RPCs.
   std::unique_ptr<AdminServiceImpl> admin_service_;         // All RPCs.
   std::unique_ptr<grpc::Server> engine_server_;
+  // Accepts the engine socket's connections for engine_server_: stops before the server goes.
+  std::unique_ptr<UnixListener> unix_listener_;
   std::unique_ptr<grpc::Server> admin_server_;
   std::unique_ptr<HttpServer> http_server_;
   std::string unix_socket_;

@@ -62,6 +62,12 @@ struct TlsConfig {
   bool operator==(const TlsConfig&) const = default;
 };
 
+// Who may register engines under which tenant (server/config/tenant_grant.h says the syntax).
+struct TenantsConfig {
+  std::string allow;  // "" = every peer may register every tenant.
+  bool operator==(const TenantsConfig&) const = default;
+};
+
 struct HttpConfig {
   std::string address;  // "" = no metrics/health HTTP listener.
   // Distinct (tenant, model) label pairs with per-namespace series; the rest share "other".
@@ -130,6 +136,7 @@ struct StorageConfig {
 struct Config {
   ListenConfig listen;
   TlsConfig tls;
+  TenantsConfig tenants;
   HttpConfig http;
   LogConfig log;
   ServerConfig server;

@@ -23,6 +23,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "server/config/config_schema.h"
+#include "server/config/tenant_grant.h"
 
 namespace kvcellar::server {
 namespace {
@@ -342,6 +343,21 @@ void CheckTls(const Config& config, std::vector<std::string>* errors) {
   }
 }
 
+// A subject grant matches only a verified client certificate, which only mtls asks for.
+void CheckTenantGrants(const Config& config, std::vector<std::string>* errors) {
+  if (config.tls.mode == TlsMode::kMtls) return;
+  absl::StatusOr<std::vector<TenantGrant>> grants = ParseTenantGrants(config.tenants.allow);
+  if (!grants.ok()) return;  // The key's own check reported it.
+  for (const TenantGrant& g : *grants) {
+    if (g.kind != TenantGrant::Kind::kSubject) continue;
+    errors->push_back(absl::StrCat(
+        "'tenants.allow' grants tenant ", Quoted(g.tenant.substr(0, 80)),
+        " to a certificate subject, but 'tls.mode' is not mtls: no peer presents a verified "
+        "certificate; set tls.mode to mtls, or grant a uid or gid"));
+    return;
+  }
+}
+
 std::vector<std::string> CrossCheck(const Config& config) {
   std::vector<std::string> errors;
   const PoolConfig& pool = config.pool;
@@ -356,6 +372,7 @@ std::vector<std::string> CrossCheck(const Config& config) {
                                   FormatSize(pool.region_size), ")"));
   }
   CheckTls(config, &errors);
+  CheckTenantGrants(config, &errors);
   const ListenConfig& listen = config.listen;
   if (!listen.unix_socket.empty() && listen.admin_socket == listen.unix_socket) {
     errors.push_back(absl::StrCat("'listen.admin_socket' and 'listen.unix_socket' are both ",

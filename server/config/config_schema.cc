@@ -39,6 +39,7 @@
 #include "platform/runtime_paths.h"
 
 #include "server/config/l3_tier_spec.h"
+#include "server/config/tenant_grant.h"
 
 namespace kvcellar::server {
 namespace config_schema {
@@ -228,6 +229,12 @@ std::string CheckL3Tiers(absl::string_view value) {
   absl::StatusOr<std::vector<L3TierSpec>> specs = ParseL3TierSpecs(value);
   if (specs.ok()) return "";
   return absl::StrCat("is invalid: ", specs.status().message());
+}
+
+std::string CheckTenantGrants(absl::string_view value) {
+  absl::StatusOr<std::vector<TenantGrant>> grants = ParseTenantGrants(value);
+  if (grants.ok()) return "";
+  return absl::StrCat("is invalid: ", grants.status().message());
 }
 
 std::string CheckShmName(absl::string_view value) {
@@ -421,6 +428,14 @@ std::vector<KeySpec> SchemaTable() {
                 "PEM private key of cert_file; required by tls and mtls."),
       StringKey(KVC_FIELD(tls, client_ca_file), "", nullptr, "readable file, or \"\"",
                 "PEM CA bundle that client certificates must chain to; required by mtls."),
+      // tenants
+      ListKey(StringKey(KVC_FIELD(tenants, allow), "", CheckTenantGrants,
+                        "tenant grants, or \"\"",
+                        "Who may register engines under which tenant, separated by ';': "
+                        "TENANT=uid:USER, TENANT=gid:GROUP (Unix socket peers), "
+                        "TENANT=subject:SUBJECT (mTLS client certificates), or a YAML list of "
+                        "them; \"\" = every peer may use every tenant (docs/security.md)."),
+              ';'),
       // http
       StringKey(KVC_FIELD(http, address), "127.0.0.1:9740", CheckHostPort, "host:port, or \"\"",
                 "HTTP listener for /metrics, /healthz and /readyz; \"\" = none."),

@@ -8,9 +8,9 @@
 #include "absl/time/clock.h"
 #include "platform/log.h"
 #include "server/build_info.h"
-#include "server/session/namespace_metrics.h"
-#include "server/rpc/request_validation.h"
 #include "server/rpc/grpc_status.h"
+#include "server/rpc/request_validation.h"
+#include "server/session/namespace_metrics.h"
 
 namespace kvcellar::server {
 namespace {
@@ -64,10 +64,37 @@ class WaitOpsReactor final : public grpc::ServerUnaryReactor, public OpWaiter {
   OpTable* const ops_;
 };
 
+// The table of a service that was given none: it knows no connection.
+const PeerCredentials& NoCredentials() {
+  static const PeerCredentials* const empty = new PeerCredentials();
+  return *empty;
+}
+
 }  // namespace
 
-CacheServiceImpl::CacheServiceImpl(Cache* cache)
+absl::Status CacheServiceImpl::CheckOwner(const Session& session, const PeerIdentity& caller) {
+  if (session.info().owner == caller) return absl::OkStatus();
+  // The owner is not named: that would tell one tenant's engine who runs another's.
+  return CacheError(absl::StatusCode::kPermissionDenied, v1::ERROR_REASON_NOT_SESSION_OWNER,
+                    "session_id",
+                    absl::StrCat("session_id: session ", session.id(),
+                                 " was registered by another peer, and a session is usable only "
+                                 "by the identity that registered it; this call comes from ",
+                                 caller.Describe()));
+}
+
+absl::StatusOr<std::shared_ptr<Session>> CacheServiceImpl::OwnSession(
+    const grpc::CallbackServerContext* context, uint64_t session_id) const {
+  absl::StatusOr<std::shared_ptr<Session>> session = cache_->FindSession(session_id);
+  if (!session.ok()) return session.status();
+  if (absl::Status s = CheckOwner(**session, credentials_->Identify(context)); !s.ok()) return s;
+  return session;
+}
+
+CacheServiceImpl::CacheServiceImpl(Cache* cache, const PeerCredentials* credentials)
     : cache_(cache),
+      credentials_(credentials != nullptr ? credentials : &NoCredentials()),
+      tenants_(TenantAccess::FromConfig(cache->config().tenants.allow)),
       config_(cache->config()),
       limits_(cache->limits()),
       daemon_epoch_(cache->daemon_epoch()),
@@ -88,6 +115,9 @@ absl::Status CacheServiceImpl::DoRegister(grpc::CallbackServerContext* context,
   if (absl::Status s = cache_->CheckNotDraining(); !s.ok()) return s;
   absl::StatusOr<Registration> reg = ParseRegistration(request, limits_, devices_.kinds());
   if (!reg.ok()) return reg.status();
+  // Before anything is created: a refused tenant leaves no namespace behind.
+  PeerIdentity caller = credentials_->Identify(context);
+  if (absl::Status s = tenants_.Check(reg->spec.tenant, caller); !s.ok()) return s;
 
   std::shared_ptr<Namespace> ns = namespaces_.GetOrCreate(reg->spec);
   const bool mla = reg->spec.layout == core::LayoutKind::kMla;
@@ -109,7 +139,8 @@ absl::Status CacheServiceImpl::DoRegister(grpc::CallbackServerContext* context,
   info.pid = request.pid();
   info.engine_name = request.engine_name();
   info.client_version = request.client_version();
-  info.peer = context != nullptr ? context->peer() : "";
+  info.peer = caller.kind == PeerIdentity::Kind::kInProcess ? "" : caller.Describe();
+  info.owner = std::move(caller);
   info.registered = absl::Now();
   if (absl::Status s = sessions_.CheckAdd(info, request.replace_existing()); !s.ok()) return s;
 
@@ -138,8 +169,9 @@ absl::Status CacheServiceImpl::DoRegister(grpc::CallbackServerContext* context,
   auto session = std::make_shared<Session>(std::move(info), std::move(mapping), deadline);
   std::shared_ptr<Session> replaced;
   if (absl::Status s = sessions_.Add(session, request.replace_existing(), &replaced); !s.ok()) {
-    if (reg->worker) ns->ReleaseLayout();  // A refused registration holds nothing.
-    return s;  // The mapping closes with `session`.
+    // A refused registration holds nothing; the mapping closes with `session`.
+    if (reg->worker) ns->ReleaseLayout();
+    return s;
   }
   if (replaced != nullptr) {
     cache_->EndSession(replaced, /*last_of_instance=*/false, absl::ZeroDuration(), "replaced");
@@ -208,26 +240,38 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Heartbeat(grpc::CallbackServerContex
     response->set_state(v1::SESSION_STATE_UNKNOWN);
     return Finish(context, absl::OkStatus());
   }
+  if (absl::Status s = CheckOwner(*session, credentials_->Identify(context)); !s.ok()) {
+    return Finish(context, s);  // Another peer's heartbeat must not keep a session alive.
+  }
   const absl::Time deadline = now + absl::Milliseconds(limits_.lease_ms);
   session->Renew(deadline);
   response->set_state(v1::SESSION_STATE_ACTIVE);
   response->set_lease_remaining_ms(limits_.lease_ms);
   response->set_lease_deadline_unix_ms(absl::ToUnixMillis(deadline));
   if (request->renew_pin_ids_size() > 0) {
-    for (uint64_t id : cache_->pins().Renew(request->renew_pin_ids(), session->info().instance_id, now)) {
+    for (uint64_t id :
+         cache_->pins().Renew(request->renew_pin_ids(), session->info().instance_id, now)) {
       response->add_unknown_pin_ids(id);
     }
   }
   return Finish(context, absl::OkStatus());
 }
 
-absl::Status CacheServiceImpl::DoUnregister(const v1::UnregisterEngineRequest& request,
+absl::Status CacheServiceImpl::DoUnregister(const grpc::CallbackServerContext* context,
+                                            const v1::UnregisterEngineRequest& request,
                                             v1::UnregisterEngineResponse* response) {
+  // Checked before the removal; ids are never reused, so the session removed is the one checked.
+  if (std::shared_ptr<Session> s = sessions_.Find(request.session_id(), absl::Now());
+      s != nullptr) {
+    if (absl::Status owner = CheckOwner(*s, credentials_->Identify(context)); !owner.ok()) {
+      return owner;
+    }
+  }
   SessionRegistry::Removed removed = sessions_.Remove(request.session_id());
   if (removed.session == nullptr) return SessionUnknown(request.session_id());
   const uint32_t drain_ms = std::min(request.drain_timeout_ms(), limits_.max_wait_ms);
   Cache::EndCounts counts = cache_->EndSession(removed.session, removed.last_of_instance,
-                                absl::Milliseconds(drain_ms), "unregistered");
+                                               absl::Milliseconds(drain_ms), "unregistered");
   response->set_ops_completed(counts.ops_completed);
   response->set_ops_cancelled(counts.ops_cancelled);
   response->set_pins_released(counts.pins_released);
@@ -237,16 +281,17 @@ absl::Status CacheServiceImpl::DoUnregister(const v1::UnregisterEngineRequest& r
 grpc::ServerUnaryReactor* CacheServiceImpl::UnregisterEngine(
     grpc::CallbackServerContext* context, const v1::UnregisterEngineRequest* request,
     v1::UnregisterEngineResponse* response) {
-  return Finish(context, DoUnregister(*request, response));
+  return Finish(context, DoUnregister(context, *request, response));
 }
 
 // ---- Match / Load / Backup
 // -----------------------------------------------------------------------
 
-absl::Status CacheServiceImpl::DoMatch(const v1::MatchRequest& request,
+absl::Status CacheServiceImpl::DoMatch(const grpc::CallbackServerContext* context,
+                                       const v1::MatchRequest& request,
                                        v1::MatchResponse* response) {
   if (absl::Status s = cache_->CheckNotDraining(); !s.ok()) return s;
-  absl::StatusOr<std::shared_ptr<Session>> session = cache_->FindSession(request.session_id());
+  absl::StatusOr<std::shared_ptr<Session>> session = OwnSession(context, request.session_id());
   if (!session.ok()) return session.status();
   const SessionInfo& info = (*session)->info();
   if (absl::Status s = ValidateMatch(request, info.ns->spec(), limits_); !s.ok()) return s;
@@ -256,13 +301,14 @@ absl::Status CacheServiceImpl::DoMatch(const v1::MatchRequest& request,
 grpc::ServerUnaryReactor* CacheServiceImpl::Match(grpc::CallbackServerContext* context,
                                                   const v1::MatchRequest* request,
                                                   v1::MatchResponse* response) {
-  return Finish(context, DoMatch(*request, response));
+  return Finish(context, DoMatch(context, *request, response));
 }
 
-absl::Status CacheServiceImpl::DoPrefetch(const v1::PrefetchRequest& request,
+absl::Status CacheServiceImpl::DoPrefetch(const grpc::CallbackServerContext* context,
+                                          const v1::PrefetchRequest& request,
                                           v1::PrefetchResponse* response) {
   if (absl::Status s = cache_->CheckNotDraining(); !s.ok()) return s;
-  absl::StatusOr<std::shared_ptr<Session>> session = cache_->FindSession(request.session_id());
+  absl::StatusOr<std::shared_ptr<Session>> session = OwnSession(context, request.session_id());
   if (!session.ok()) return session.status();
   if (absl::Status s = ValidatePrefetch(request, limits_); !s.ok()) return s;
   const SessionInfo& info = (*session)->info();
@@ -280,7 +326,7 @@ absl::Status CacheServiceImpl::DoPrefetch(const v1::PrefetchRequest& request,
     if (request.pin()) {
       chain.pin_id = ops_.NextId();
       cache_->pins().Add(chain.pin_id, info.instance_id, info.ns, {}, info.tp_size,
-                absl::Milliseconds(lease_ms), pin_deadline);
+                         absl::Milliseconds(lease_ms), pin_deadline);
       response->add_pin_ids(chain.pin_id);
     }
   }
@@ -300,12 +346,13 @@ absl::Status CacheServiceImpl::DoPrefetch(const v1::PrefetchRequest& request,
 grpc::ServerUnaryReactor* CacheServiceImpl::Prefetch(grpc::CallbackServerContext* context,
                                                      const v1::PrefetchRequest* request,
                                                      v1::PrefetchResponse* response) {
-  return Finish(context, DoPrefetch(*request, response));
+  return Finish(context, DoPrefetch(context, *request, response));
 }
 
-absl::Status CacheServiceImpl::DoLoad(const v1::LoadRequest& request, v1::LoadResponse* response) {
+absl::Status CacheServiceImpl::DoLoad(const grpc::CallbackServerContext* context,
+                                      const v1::LoadRequest& request, v1::LoadResponse* response) {
   if (absl::Status s = cache_->CheckNotDraining(); !s.ok()) return s;
-  absl::StatusOr<std::shared_ptr<Session>> session = cache_->FindSession(request.session_id());
+  absl::StatusOr<std::shared_ptr<Session>> session = OwnSession(context, request.session_id());
   if (!session.ok()) return session.status();
   if (absl::Status s = ValidateLoad(request, (*session)->info(), limits_); !s.ok()) return s;
   // The engine schedules with what has landed: a BEST_EFFORT prefetch under the pin stops here.
@@ -321,13 +368,14 @@ absl::Status CacheServiceImpl::DoLoad(const v1::LoadRequest& request, v1::LoadRe
 grpc::ServerUnaryReactor* CacheServiceImpl::Load(grpc::CallbackServerContext* context,
                                                  const v1::LoadRequest* request,
                                                  v1::LoadResponse* response) {
-  return Finish(context, DoLoad(*request, response));
+  return Finish(context, DoLoad(context, *request, response));
 }
 
-absl::Status CacheServiceImpl::DoBackup(const v1::BackupRequest& request,
+absl::Status CacheServiceImpl::DoBackup(const grpc::CallbackServerContext* context,
+                                        const v1::BackupRequest& request,
                                         v1::BackupResponse* response) {
   if (absl::Status s = cache_->CheckNotDraining(); !s.ok()) return s;
-  absl::StatusOr<std::shared_ptr<Session>> session = cache_->FindSession(request.session_id());
+  absl::StatusOr<std::shared_ptr<Session>> session = OwnSession(context, request.session_id());
   if (!session.ok()) return session.status();
   if (absl::Status s = ValidateBackup(request, (*session)->info(), limits_); !s.ok()) return s;
   absl::StatusOr<std::shared_ptr<OpRecord>> op = mover_.Backup(*session, request);
@@ -339,7 +387,7 @@ absl::Status CacheServiceImpl::DoBackup(const v1::BackupRequest& request,
 grpc::ServerUnaryReactor* CacheServiceImpl::Backup(grpc::CallbackServerContext* context,
                                                    const v1::BackupRequest* request,
                                                    v1::BackupResponse* response) {
-  return Finish(context, DoBackup(*request, response));
+  return Finish(context, DoBackup(context, *request, response));
 }
 
 // ---- WaitOps / Release
@@ -348,7 +396,7 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Backup(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* CacheServiceImpl::WaitOps(grpc::CallbackServerContext* context,
                                                     const v1::WaitOpsRequest* request,
                                                     v1::WaitOpsResponse* response) {
-  absl::StatusOr<std::shared_ptr<Session>> session = cache_->FindSession(request->session_id());
+  absl::StatusOr<std::shared_ptr<Session>> session = OwnSession(context, request->session_id());
   if (!session.ok()) return Finish(context, session.status());
   if (request->op_ids_size() == 0) {
     return Finish(context, InvalidField("op_ids", "op_ids: at least one op id is required"));
@@ -382,9 +430,10 @@ grpc::ServerUnaryReactor* CacheServiceImpl::WaitOps(grpc::CallbackServerContext*
   return reactor;
 }
 
-absl::Status CacheServiceImpl::DoRelease(const v1::ReleaseRequest& request,
+absl::Status CacheServiceImpl::DoRelease(const grpc::CallbackServerContext* context,
+                                         const v1::ReleaseRequest& request,
                                          v1::ReleaseResponse* response) {
-  absl::StatusOr<std::shared_ptr<Session>> session = cache_->FindSession(request.session_id());
+  absl::StatusOr<std::shared_ptr<Session>> session = OwnSession(context, request.session_id());
   if (!session.ok()) return session.status();
   if (static_cast<uint32_t>(request.pin_ids_size()) > limits_.max_batch_sequences) {
     return LimitExceeded("pin_ids", absl::StrCat("pin_ids: ", request.pin_ids_size(),
@@ -411,7 +460,7 @@ absl::Status CacheServiceImpl::DoRelease(const v1::ReleaseRequest& request,
 grpc::ServerUnaryReactor* CacheServiceImpl::Release(grpc::CallbackServerContext* context,
                                                     const v1::ReleaseRequest* request,
                                                     v1::ReleaseResponse* response) {
-  return Finish(context, DoRelease(*request, response));
+  return Finish(context, DoRelease(context, *request, response));
 }
 
 }  // namespace kvcellar::server

@@ -18,13 +18,17 @@
 #include "absl/status/status.h"
 #include "kvcellar/v1/cache_service.grpc.pb.h"
 #include "server/cache/cache.h"
+#include "server/rpc/peer_credentials.h"
+#include "server/session/tenant_access.h"
 
 namespace kvcellar::server {
 
 class CacheServiceImpl final : public kvcellar::v1::CacheService::CallbackService {
  public:
-  // `cache` outlives the service.
-  explicit CacheServiceImpl(Cache* cache);
+  // `cache` and `credentials` outlive the service. `credentials` knows the peers of the engine
+  // socket's connections (UnixListener); nullptr: peers are told apart by gRPC's peer names
+  // only, as for TCP without client certificates.
+  explicit CacheServiceImpl(Cache* cache, const PeerCredentials* credentials = nullptr);
   CacheServiceImpl(const CacheServiceImpl&) = delete;
   CacheServiceImpl& operator=(const CacheServiceImpl&) = delete;
 
@@ -60,15 +64,30 @@ class CacheServiceImpl final : public kvcellar::v1::CacheService::CallbackServic
   absl::Status DoRegister(grpc::CallbackServerContext* context,
                           const v1::RegisterEngineRequest& request,
                           v1::RegisterEngineResponse* response);
-  absl::Status DoUnregister(const v1::UnregisterEngineRequest& request,
+  absl::Status DoUnregister(const grpc::CallbackServerContext* context,
+                            const v1::UnregisterEngineRequest& request,
                             v1::UnregisterEngineResponse* response);
-  absl::Status DoMatch(const v1::MatchRequest& request, v1::MatchResponse* response);
-  absl::Status DoPrefetch(const v1::PrefetchRequest& request, v1::PrefetchResponse* response);
-  absl::Status DoLoad(const v1::LoadRequest& request, v1::LoadResponse* response);
-  absl::Status DoBackup(const v1::BackupRequest& request, v1::BackupResponse* response);
-  absl::Status DoRelease(const v1::ReleaseRequest& request, v1::ReleaseResponse* response);
+  absl::Status DoMatch(const grpc::CallbackServerContext* context, const v1::MatchRequest& request,
+                       v1::MatchResponse* response);
+  absl::Status DoPrefetch(const grpc::CallbackServerContext* context,
+                          const v1::PrefetchRequest& request, v1::PrefetchResponse* response);
+  absl::Status DoLoad(const grpc::CallbackServerContext* context, const v1::LoadRequest& request,
+                      v1::LoadResponse* response);
+  absl::Status DoBackup(const grpc::CallbackServerContext* context,
+                        const v1::BackupRequest& request, v1::BackupResponse* response);
+  absl::Status DoRelease(const grpc::CallbackServerContext* context,
+                         const v1::ReleaseRequest& request, v1::ReleaseResponse* response);
+
+  // The session `session_id` names, if the caller is the identity that registered it: else
+  // FAILED_PRECONDITION (SESSION_UNKNOWN) or PERMISSION_DENIED (NOT_SESSION_OWNER).
+  absl::StatusOr<std::shared_ptr<Session>> OwnSession(const grpc::CallbackServerContext* context,
+                                                      uint64_t session_id) const;
+  // OK when `caller` registered `session`, else PERMISSION_DENIED (NOT_SESSION_OWNER).
+  static absl::Status CheckOwner(const Session& session, const PeerIdentity& caller);
 
   Cache* const cache_;
+  const PeerCredentials* const credentials_;  // Never null (an empty table when none is given).
+  const TenantAccess tenants_;
   // The cache's components the handlers use most.
   const Config& config_;
   const CacheLimits& limits_;

@@ -132,6 +132,19 @@ absl::Status SessionRegistry::CheckAddLocked(const SessionInfo& info, bool repla
   auto it = instances_.find(info.instance_id);
   if (it == instances_.end()) return absl::OkStatus();
   const Instance& instance = it->second;
+  // An instance is one engine, run by one principal: another user cannot join it as a rank,
+  // replace one of its seats (replace_existing), or learn its namespace from a GROUP_MISMATCH,
+  // whatever instance ids it read from ListEngines.
+  for (const std::shared_ptr<Session>& s : instance.sessions) {
+    if (s->lease_deadline() <= absl::Now() || s->info().owner.SamePrincipal(info.owner)) continue;
+    return CacheError(
+        absl::StatusCode::kPermissionDenied, v1::ERROR_REASON_NOT_SESSION_OWNER, "instance_id",
+        absl::StrCat("instance_id: instance ", core::Quote(info.instance_id),
+                     " has live sessions of another peer identity; every session of an instance "
+                     "must come from the same user (uid and gid) or certificate, and this "
+                     "registration comes from ",
+                     info.owner.Describe()));
+  }
   if (instance.ns_digest != info.ns->digest()) {
     return CacheError(absl::StatusCode::kFailedPrecondition, v1::ERROR_REASON_GROUP_MISMATCH,
                       "namespace_spec",
@@ -142,11 +155,11 @@ absl::Status SessionRegistry::CheckAddLocked(const SessionInfo& info, bool repla
                                    "of an instance must send the same namespace_spec"));
   }
   if (instance.tp_size != info.tp_size) {
-    return CacheError(
-        absl::StatusCode::kFailedPrecondition, v1::ERROR_REASON_GROUP_MISMATCH,
-        "namespace_spec.tp_size",
-        absl::StrCat("namespace_spec.tp_size (", info.tp_size, "): instance ",
-                     core::Quote(info.instance_id), " is registered with tp_size ", instance.tp_size));
+    return CacheError(absl::StatusCode::kFailedPrecondition, v1::ERROR_REASON_GROUP_MISMATCH,
+                      "namespace_spec.tp_size",
+                      absl::StrCat("namespace_spec.tp_size (", info.tp_size, "): instance ",
+                                   core::Quote(info.instance_id), " is registered with tp_size ",
+                                   instance.tp_size));
   }
   // A holder whose lease has lapsed (not reaped yet) is as good as gone: it is replaced.
   std::shared_ptr<Session> holder = Holder(instance, info);

@@ -40,6 +40,7 @@
 #include "gpu/device_backend.h"
 #include "kvcellar/v1/cache_service.pb.h"
 #include "server/session/namespace_registry.h"
+#include "server/session/peer_identity.h"
 #include "server/session/sim_counter_channel.h"
 
 namespace kvcellar::server {
@@ -63,6 +64,9 @@ struct SessionInfo {
   std::vector<std::string> cuda_ready_events;
   // SIM: the engine's signal counters, or nullptr when it registered none.
   std::shared_ptr<SimCounterChannel> sim_signals;
+  // Who registered the session (the transport's proof, not the request's word): the only
+  // identity that may use it.
+  PeerIdentity owner;
   // For listings and logs.
   uint32_t pid = 0;
   std::string engine_name;

@@ -34,6 +34,7 @@
 #include "server/l3/l3_tiers.h"
 #include "server/metrics/metrics.h"
 #include "server/rpc/cache_service.h"
+#include "server/rpc/unix_listener.h"
 #include "server/session/sim_counter_channel.h"
 #include "server/rpc/grpc_status.h"
 #include "tests/gpu/sim_test_util.h"
@@ -164,6 +165,8 @@ struct HarnessOptions {
   // set, then the harness's sim device unless `serve_sim` is false.
   gpu::DeviceBackend* primary = nullptr;
   bool serve_sim = true;
+  // tenants.allow: "" = every tenant to every peer.
+  std::string tenants_allow;
 };
 
 class CacheHarness {
@@ -183,6 +186,7 @@ class CacheHarness {
     config.pool.high_watermark = o.high_watermark;
     config.pool.low_watermark = o.low_watermark;
     config.storage = o.storage;
+    config.tenants.allow = o.tenants_allow;
     absl::StatusOr<std::unique_ptr<L3Tiers>> l3 = L3Tiers::Open(o.storage);
     EXPECT_TRUE(l3.ok()) << l3.status();
     if (l3.ok()) l3_ = *std::move(l3);
@@ -200,21 +204,27 @@ class CacheHarness {
     options.metrics = &registry_;
     options.housekeeping_interval = o.housekeeping_interval;
     cache_ = std::make_unique<Cache>(std::move(options));
-    service_ = std::make_unique<CacheServiceImpl>(cache_.get());
+    service_ = std::make_unique<CacheServiceImpl>(cache_.get(), &credentials_);
 
+    // Served as the daemon serves its engine socket: UnixListener accepts, so every call carries
+    // the kernel's peer credentials (this test process's uid, gid and pid).
     static std::atomic<int> counter{0};
     socket_ = absl::StrCat("/tmp/kvc-cache-test-", getpid(), "-", counter.fetch_add(1), ".sock");
     ::unlink(socket_.c_str());
     grpc::ServerBuilder builder;
-    builder.AddListeningPort(absl::StrCat("unix:", socket_), grpc::InsecureServerCredentials());
     builder.RegisterService(service_.get());
     server_ = builder.BuildAndStart();
     EXPECT_NE(server_, nullptr);
+    absl::StatusOr<std::unique_ptr<UnixListener>> listener =
+        UnixListener::Start(socket_, server_.get(), &credentials_);
+    EXPECT_TRUE(listener.ok()) << listener.status();
+    if (listener.ok()) listener_ = *std::move(listener);
     stub_ = v1::CacheService::NewStub(
         grpc::CreateChannel(absl::StrCat("unix:", socket_), grpc::InsecureChannelCredentials()));
   }
 
   ~CacheHarness() {
+    listener_.reset();
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     server_.reset();
     service_.reset();
@@ -381,7 +391,9 @@ class CacheHarness {
   std::unique_ptr<Cache> cache_;
   std::unique_ptr<CacheServiceImpl> service_;
   std::string socket_;
+  PeerCredentials credentials_;  // Outlives the service and the listener.
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<UnixListener> listener_;
   std::unique_ptr<v1::CacheService::Stub> stub_;
 };
 

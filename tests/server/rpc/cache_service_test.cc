@@ -893,5 +893,51 @@ TEST(NamespaceGeometryTest, HeldOnlyWhileSessionsOrPagesRemain) {
   EXPECT_EQ(h.L2Hits(big2.session, Tokens(3, 4)), 2u);
 }
 
+
+// Sessions and tenants bound to who connects (#13 defect 2). The harness serves its socket
+// through UnixListener, as the daemon does, so the identities are the kernel's.
+TEST(CacheServiceTest, ASessionBelongsToTheProcessThatRegisteredIt) {
+  CacheHarness h;
+  TestEngine e(16, /*mla=*/false, 1);
+  v1::RegisterEngineResponse r = h.Register(e, "inst-a", 0, Spec());
+  absl::StatusOr<std::shared_ptr<Session>> s = h.cache().FindSession(r.session_id());
+  ASSERT_TRUE(s.ok()) << s.status();
+  const SessionInfo& info = (*s)->info();
+  EXPECT_EQ(info.owner.kind, PeerIdentity::Kind::kUnix);
+  EXPECT_EQ(info.owner.uid, ::getuid());
+  EXPECT_EQ(info.owner.gid, ::getgid());
+  EXPECT_EQ(info.owner.pid, ::getpid());
+  EXPECT_EQ(info.peer, info.owner.Describe());
+  // The owner's calls go through (another process's are refused: tests/integration/
+  // test_security.py, which needs a second process).
+  v1::HeartbeatRequest hb;
+  hb.set_session_id(r.session_id());
+  v1::HeartbeatResponse hr;
+  EXPECT_TRUE(h.Heartbeat(hb, &hr).ok());
+  EXPECT_EQ(hr.state(), v1::SESSION_STATE_ACTIVE);
+}
+
+TEST(CacheServiceTest, ATenantNotGrantedToThePeerIsRefusedAndLeavesNothing) {
+  HarnessOptions o;
+  o.tenants_allow = absl::StrCat("team-a=uid:", ::getuid() + 1, ";team-b=gid:", ::getgid());
+  CacheHarness h(o);
+  TestEngine e(16, /*mla=*/false, 1);
+  v1::RegisterEngineResponse resp;
+  Rpc r = h.RegisterEngine(e.Register("inst-a", 0, Spec()), &resp);  // Spec(): tenant team-a.
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(r.reason, "ERROR_REASON_TENANT_DENIED");
+  EXPECT_EQ(r.field, "namespace_spec.tenant");
+  EXPECT_THAT(r.status.error_message(),
+              HasSubstr(absl::StrCat("'team-a' is not granted to uid ", ::getuid())));
+  // Refused before anything was made: no namespace, no session, no geometry held.
+  EXPECT_EQ(h.cache().GetCounts().namespaces, 0u);
+  EXPECT_EQ(h.cache().GetCounts().sessions, 0u);
+
+  v1::NamespaceSpec b = Spec();
+  b.set_tenant("team-b");
+  h.Register(e, "inst-b", 0, b);  // Granted to this process's group.
+  EXPECT_EQ(h.cache().GetCounts().sessions, 1u);
+}
+
 }  // namespace
 }  // namespace kvcellar::server::testing

@@ -19,6 +19,7 @@ namespace kvcellar::server::testing {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::UnorderedElementsAre;
 
 // What Close() hands back: the session treats its mapping as opaque, so a stand-in whose
@@ -163,8 +164,10 @@ class SessionRegistryTest : public ::testing::Test {
   std::shared_ptr<Session> Make(const std::string& instance, uint32_t rank,
                                 const core::NamespaceSpec& spec = NsSpec(2),
                                 absl::Duration lease = absl::Seconds(10),
-                                v1::SessionRole role = v1::SESSION_ROLE_WORKER) {
+                                v1::SessionRole role = v1::SESSION_ROLE_WORKER,
+                                PeerIdentity owner = {}) {
     SessionInfo info;
+    info.owner = std::move(owner);
     info.id = registry_.NewSessionId();
     info.instance_id = instance;
     info.rank = rank;
@@ -265,6 +268,51 @@ TEST_F(SessionRegistryTest, SecondLiveSessionOfASeatIsRefusedUnlessReplacing) {
   EXPECT_EQ(registry_.Find(second->id(), absl::Now()), second);
   EXPECT_EQ(registry_.sessions(), 2u);
   EXPECT_TRUE(registry_.HasInstance("inst")) << "the instance lives through the replacement";
+}
+
+PeerIdentity UnixPeer(uint32_t uid, uint32_t gid, int32_t pid) {
+  PeerIdentity p;
+  p.kind = PeerIdentity::Kind::kUnix;
+  p.uid = uid;
+  p.gid = gid;
+  p.pid = pid;
+  return p;
+}
+
+TEST_F(SessionRegistryTest, AnInstanceBelongsToOnePrincipal) {
+  const auto worker = v1::SESSION_ROLE_WORKER;
+  std::shared_ptr<Session> victim =
+      Make("inst", 0, NsSpec(2), absl::Seconds(10), worker, UnixPeer(1000, 1000, 41));
+  ASSERT_TRUE(Add(victim).ok());
+  // Another user can neither replace the victim's seat nor join its instance as another rank;
+  // nor does it learn the instance's namespace from a GROUP_MISMATCH first.
+  for (const std::shared_ptr<Session>& intruder :
+       {Make("inst", 0, NsSpec(2), absl::Seconds(10), worker, UnixPeer(1001, 1000, 42)),
+        Make("inst", 1, NsSpec(2), absl::Seconds(10), worker, UnixPeer(1000, 1001, 42)),
+        Make("inst", 1, NsSpec(2, false, "other-model"), absl::Seconds(10), worker,
+             UnixPeer(1001, 1001, 42))}) {
+    absl::Status s = Add(intruder, /*replace=*/true);
+    EXPECT_TRUE(IsCacheError(s, absl::StatusCode::kPermissionDenied,
+                             v1::ERROR_REASON_NOT_SESSION_OWNER, "instance_id"))
+        << s;
+    EXPECT_THAT(s.message(), HasSubstr("pid 42"));
+    EXPECT_THAT(s.message(), Not(HasSubstr("pid 41"))) << "the owner is not named";
+  }
+  EXPECT_EQ(registry_.Find(victim->id(), absl::Now()), victim);
+  // The same user in another process (the engine restarted, another rank) may.
+  std::shared_ptr<Session> restarted =
+      Make("inst", 0, NsSpec(2), absl::Seconds(10), worker, UnixPeer(1000, 1000, 43));
+  std::shared_ptr<Session> replaced;
+  ASSERT_TRUE(Add(restarted, /*replace=*/true, &replaced).ok());
+  EXPECT_EQ(replaced, victim);
+  EXPECT_TRUE(
+      Add(Make("inst", 1, NsSpec(2), absl::Seconds(10), worker, UnixPeer(1000, 1000, 44))).ok());
+  // Once the instance's sessions have lapsed, its name is free for anyone.
+  std::shared_ptr<Session> brief =
+      Make("brief", 0, NsSpec(2), absl::Milliseconds(1), worker, UnixPeer(1000, 1000, 45));
+  ASSERT_TRUE(Add(brief).ok());
+  absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_TRUE(Add(Make("brief", 1, NsSpec(2), absl::Seconds(10), worker, UnixPeer(7, 7, 46))).ok());
 }
 
 TEST_F(SessionRegistryTest, LapsedHolderIsReplacedWithoutAsking) {

@@ -1,0 +1,127 @@
+#include "server/rpc/unix_listener.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/server_posix.h"
+#include "platform/log.h"
+
+namespace kvcellar::server {
+namespace {
+
+// The socket is owner-only from bind until SecureUnixSocket applies the configured mode.
+constexpr mode_t kBindUmask = 0177;
+// Out of fds: how long the accept thread pauses before trying the backlog again.
+constexpr int kFdExhaustedPauseMs = 100;
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Start(const std::string& path,
+                                                                  grpc::Server* server,
+                                                                  PeerCredentials* credentials) {
+  sockaddr_un addr{};
+  if (path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("unix socket path '", path, "' is longer than ",
+                                                   sizeof(addr.sun_path) - 1, " bytes"));
+  }
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return absl::InternalError(absl::StrCat("socket(): ", std::strerror(errno)));
+  const mode_t old_umask = ::umask(kBindUmask);
+  const int rc = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  const int bind_errno = errno;
+  ::umask(old_umask);
+  if (rc != 0 || ::listen(fd, SOMAXCONN) != 0) {
+    const int err = rc != 0 ? bind_errno : errno;
+    ::close(fd);
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on unix:", path, ": ", std::strerror(err)));
+  }
+  const int stop_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (stop_fd < 0) {
+    ::close(fd);
+    return absl::InternalError(absl::StrCat("eventfd(): ", std::strerror(errno)));
+  }
+  std::unique_ptr<UnixListener> listener(new UnixListener(fd, stop_fd, server, credentials));
+  listener->thread_ = std::thread([l = listener.get()] { l->AcceptLoop(); });
+  return listener;
+}
+
+UnixListener::UnixListener(int listen_fd, int stop_fd, grpc::Server* server,
+                           PeerCredentials* credentials)
+    : listen_fd_(listen_fd), stop_fd_(stop_fd), server_(server), credentials_(credentials) {}
+
+UnixListener::~UnixListener() {
+  Stop();
+  ::close(listen_fd_);
+  ::close(stop_fd_);
+}
+
+void UnixListener::Stop() {
+  if (!thread_.joinable()) return;
+  const uint64_t one = 1;
+  if (::write(stop_fd_, &one, sizeof(one)) < 0) {
+    KVLOG(Error, "unix listener: cannot signal stop", {{"error", std::strerror(errno)}});
+  }
+  thread_.join();
+}
+
+void UnixListener::AcceptLoop() {
+  bool exhausted = false;  // Logged once per episode of fd exhaustion.
+  for (;;) {
+    // Out of fds, the listening socket stays readable: wait on the stop event alone, then retry.
+    pollfd fds[2] = {{stop_fd_, POLLIN, 0}, {listen_fd_, POLLIN, 0}};
+    const int n = ::poll(fds, exhausted ? 1 : 2, exhausted ? kFdExhaustedPauseMs : -1);
+    if (n < 0 && errno != EINTR) {
+      KVLOG(Error, "unix listener: poll failed", {{"error", std::strerror(errno)}});
+      return;
+    }
+    if (n > 0 && fds[0].revents != 0) return;
+    const bool ok = AcceptPending();
+    if (!ok && !exhausted) {
+      KVLOG(Warn, "unix listener: out of file descriptors; connections wait in the backlog",
+            {{"accepted", accepted()}});
+    }
+    exhausted = !ok;
+  }
+}
+
+bool UnixListener::AcceptPending() {
+  for (;;) {
+    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) return false;
+      return true;  // EAGAIN: nothing more pending.
+    }
+    ucred cred{};
+    socklen_t len = sizeof(cred);
+    if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+      // Without credentials the connection cannot be bound to anyone: refuse it.
+      KVLOG(Warn, "unix listener: no peer credentials; connection closed",
+            {{"error", std::strerror(errno)}});
+      ::close(fd);
+      continue;
+    }
+    PeerIdentity peer;
+    peer.kind = PeerIdentity::Kind::kUnix;
+    peer.uid = cred.uid;
+    peer.gid = cred.gid;
+    peer.pid = cred.pid;
+    // Recorded before gRPC can read a byte, so the first call already finds it.
+    credentials_->Record(fd, peer);
+    accepted_.fetch_add(1, std::memory_order_relaxed);
+    grpc::AddInsecureChannelFromFd(server_, fd);
+  }
+}
+
+}  // namespace kvcellar::server
