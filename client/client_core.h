@@ -37,6 +37,8 @@ struct StatsCounters {
   std::atomic<uint64_t> match_calls{0};
   std::atomic<uint64_t> match_pages{0};
   std::atomic<uint64_t> match_l2_hit_pages{0};
+  std::atomic<uint64_t> keyed_pages{0};
+  std::atomic<uint64_t> keyed_pages_reused{0};
   std::atomic<uint64_t> registrations{0};
   std::atomic<uint64_t> reregistrations{0};
   std::atomic<uint64_t> registration_failures{0};

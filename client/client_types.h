@@ -47,6 +47,10 @@ struct ClientOptions {
   bool heartbeat = true;
   // Heartbeat period; zero uses the daemon's heartbeat_interval_ms.
   absl::Duration heartbeat_interval = absl::ZeroDuration();
+  // Per session: tokens and keys of recently keyed sequences, so that the next turn of a
+  // conversation hashes only its new pages (key_chain_cache.h). 0 turns the cache off. 16 MiB
+  // holds about 100 conversations of 2048 pages at page size 16.
+  size_t key_cache_bytes = size_t{16} << 20;
 };
 
 enum class DeviceKind : uint32_t { kUnspecified = 0, kCuda = 1, kSim = 2 };
@@ -321,6 +325,10 @@ struct ClientStats {
   uint64_t match_calls = 0;
   uint64_t match_pages = 0;
   uint64_t match_l2_hit_pages = 0;
+  // Page keys computed from tokens (Match, ComputeKeys), and of those taken from the key cache
+  // instead of hashed (a conversation's earlier turns).
+  uint64_t keyed_pages = 0;
+  uint64_t keyed_pages_reused = 0;
   uint64_t registrations = 0;    // Successful RegisterEngine, first ones included.
   uint64_t reregistrations = 0;  // Of which after a lost session.
   uint64_t registration_failures = 0;

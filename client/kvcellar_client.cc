@@ -112,6 +112,8 @@ ClientStats StatsCounters::Snapshot() const {
   s.match_calls = get(match_calls);
   s.match_pages = get(match_pages);
   s.match_l2_hit_pages = get(match_l2_hit_pages);
+  s.keyed_pages = get(keyed_pages);
+  s.keyed_pages_reused = get(keyed_pages_reused);
   s.registrations = get(registrations);
   s.reregistrations = get(reregistrations);
   s.registration_failures = get(registration_failures);

@@ -112,6 +112,8 @@ SessionImpl::SessionImpl(std::shared_ptr<ClientCore> core, EngineRegistration re
     : core_(std::move(core)),
       reg_(std::move(reg)),
       ns_digest_(reg_.ns.Digest()),
+      key_cache_(std::make_unique<KeyChainCache>(ns_digest_, reg_.ns.page_size,
+                                                 core_->options().key_cache_bytes)),
       register_request_(ToRegisterRequest(reg_)),
       backoff_(core_->options().reconnect_backoff_min, core_->options().reconnect_backoff_max) {
   info_.ns_digest = ns_digest_;
@@ -447,7 +449,12 @@ bool SessionImpl::WaitUntilActive(absl::Duration timeout) const {
 }
 
 std::vector<core::PageKey> SessionImpl::ComputeKeys(absl::Span<const uint32_t> tokens) const {
-  return core::ComputePageKeys(ns_digest_, tokens, reg_.ns.page_size);
+  size_t reused = 0;
+  std::vector<core::PageKey> keys = key_cache_->Keys(tokens, &reused);
+  StatsCounters& stats = core_->stats();
+  StatsCounters::Add(stats.keyed_pages, keys.size());
+  StatsCounters::Add(stats.keyed_pages_reused, reused);
+  return keys;
 }
 
 void SessionImpl::KeepPinsAlive(absl::Span<const uint64_t> pin_ids) {
@@ -580,7 +587,7 @@ MatchReply SessionImpl::Match(absl::Span<const MatchSequence> sequences,
             absl::StrCat("sequences[", i, "]: tokens in an opaque-keys namespace"));
         return reply;
       }
-      res.keys = core::ComputePageKeys(ns_digest_, seq.tokens, reg_.ns.page_size);
+      res.keys = ComputeKeys(seq.tokens);
       const size_t skip = std::min<size_t>(seq.num_computed_pages, res.keys.size());
       res.total_pages = static_cast<uint32_t>(res.keys.size() - skip);
       AppendKeys(absl::MakeConstSpan(res.keys).subspan(skip), ps->mutable_page_keys());

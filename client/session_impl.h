@@ -29,6 +29,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/backoff.h"
+#include "client/key_chain_cache.h"
 #include "client/client_core.h"
 #include "client/client_types.h"
 #include "client/sim_signals.h"
@@ -102,6 +103,8 @@ class SessionImpl {
   const std::shared_ptr<ClientCore> core_;
   const EngineRegistration reg_;
   const core::PageKey ns_digest_;
+  // Keys of recent token sequences (the engine's conversations); thread-safe on its own.
+  const std::unique_ptr<KeyChainCache> key_cache_;
   const v1::RegisterEngineRequest register_request_;
   // SIM: the engine's signal region, zeroed before every re-registration (a new daemon restarts
   // op ids, and stale larger ids would satisfy the engine's "word >= op_id" waits early).

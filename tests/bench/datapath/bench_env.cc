@@ -145,8 +145,10 @@ DatapathEnv::~DatapathEnv() {
   }
 }
 
-absl::StatusOr<std::unique_ptr<client::Client>> DatapathEnv::Connect() const {
+absl::StatusOr<std::unique_ptr<client::Client>> DatapathEnv::Connect(
+    size_t key_cache_bytes) const {
   client::ClientOptions co;
+  co.key_cache_bytes = key_cache_bytes;
   co.addr = daemon_socket_;
   co.rpc_timeout = options_.rpc_timeout;
   return client::Client::Connect(co);
@@ -154,7 +156,7 @@ absl::StatusOr<std::unique_ptr<client::Client>> DatapathEnv::Connect() const {
 
 absl::StatusOr<SimEngineRank> DatapathEnv::RegisterEngine(const EngineSpec& spec) {
   SimEngineRank rank;
-  absl::StatusOr<std::unique_ptr<client::Client>> c = Connect();
+  absl::StatusOr<std::unique_ptr<client::Client>> c = Connect(spec.key_cache_bytes);
   if (!c.ok()) return c.status();
   rank.client = *std::move(c);
 

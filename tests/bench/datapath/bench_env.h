@@ -47,6 +47,9 @@ struct EngineSpec {
   uint32_t layers = 2;
   uint64_t bytes_per_block = 1024;  // Per layer per K/V buffer.
   uint32_t blocks = 64;
+  // ClientOptions::key_cache_bytes of the rank's client. 0 by default: a benchmark that matches
+  // one prompt again and again must hash it every time, as an engine meeting it first would.
+  size_t key_cache_bytes = 0;
 };
 
 // Destroy in member order reversed: the session closes (the daemon unmaps the engine memory)
@@ -68,7 +71,7 @@ class DatapathEnv {
   const std::string& dir() const { return dir_; }
 
   // A client of its own (its own channel and connection) to the daemon.
-  absl::StatusOr<std::unique_ptr<client::Client>> Connect() const;
+  absl::StatusOr<std::unique_ptr<client::Client>> Connect(size_t key_cache_bytes = 0) const;
   // A new sim KV cache registered under a fresh instance id, session active.
   absl::StatusOr<SimEngineRank> RegisterEngine(const EngineSpec& spec);
   // A fresh opaque page key (never returned before in this run).

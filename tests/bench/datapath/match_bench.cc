@@ -14,8 +14,15 @@
 // chain over the same tokens), match_keys (Session::Match with precomputed keys: RPC + daemon
 // lookup, no hashing), composite (the chain, then Match with those keys: what the library does,
 // assembled from the parts).
+//
+// BM_MatchTurns: a conversation growing by kTurnPages pages a turn up to 2048 pages, one
+// Session::Match per turn, through a client with the key cache (ClientOptions::key_cache_bytes,
+// client/key_chain_cache.h: each turn hashes only its new pages) and, alternated in the same
+// loop, one without (every turn hashes the whole history). A new conversation every iteration,
+// not cached in L2: the time is the client's hashing plus the RPC.
 #include <openssl/sha.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -205,6 +212,67 @@ void RunMatch(benchmark::State& state, DatapathEnv* env, Summary* summary, uint3
                         noop_call.P99());
 }
 
+constexpr uint32_t kTurnPages = 64;
+
+double Mean(const std::vector<double>& v) {
+  double sum = 0;
+  for (double x : v) sum += x;
+  return v.empty() ? 0 : sum / v.size();
+}
+
+void RunMatchTurns(benchmark::State& state, DatapathEnv* env, Summary* summary,
+                   uint32_t page_size) {
+  EngineSpec spec;
+  spec.model = "bench-match-turns";
+  spec.page_size = page_size;
+  spec.layers = 2;
+  spec.bytes_per_block = 1024;
+  spec.blocks = 64;
+  spec.key_cache_bytes = client::ClientOptions().key_cache_bytes;  // The library's default.
+  absl::StatusOr<SimEngineRank> cached = env->RegisterEngine(spec);
+  spec.key_cache_bytes = 0;
+  absl::StatusOr<SimEngineRank> uncached = env->RegisterEngine(spec);
+  if (!cached.ok() || !uncached.ok()) {
+    state.SkipWithError("cannot register the engines");
+    return;
+  }
+  Samples with_cache, without_cache;
+  uint64_t conversation = 0;
+  // One conversation, turn by turn, on both sessions; returns the cached session's total.
+  auto converse = [&](bool record) {
+    const std::vector<uint32_t> tokens =
+        PromptTokens(1000 + conversation++, size_t{kPages} * page_size);
+    double total = 0;
+    for (uint32_t pages = kTurnPages; pages <= kPages; pages += kTurnPages) {
+      client::MatchSequence turn;
+      turn.tokens = absl::MakeConstSpan(tokens).first(size_t{pages} * page_size);
+      with_cache.Time([&] { return cached->session->Match({turn}).results.size(); });
+      without_cache.Time([&] { return uncached->session->Match({turn}).results.size(); });
+      total += with_cache.us.back();
+    }
+    if (!record) {
+      with_cache.us.clear();
+      without_cache.us.clear();
+    }
+    return total;
+  };
+  for (int i = 0; i < 3; ++i) converse(false);
+  for (auto _ : state) state.SetIterationTime(converse(true) / 1e6);
+
+  const double mean_with = Mean(with_cache.us), mean_without = Mean(without_cache.us);
+  state.counters["turn_mean_us"] = mean_with;
+  state.counters["turn_mean_no_cache_us"] = mean_without;
+  state.counters["ratio"] = mean_with / mean_without;
+  const client::ClientStats stats = cached->client->stats();
+  state.counters["reused_fraction"] =
+      stats.keyed_pages == 0 ? 0 : double(stats.keyed_pages_reused) / stats.keyed_pages;
+  summary->AddLatency(
+      absl::StrCat("Match per turn, conversation to 2048 pages by ", kTurnPages,
+                   " a turn, P=", page_size, ", key cache"),
+      "the same without the key cache", with_cache.P50(), with_cache.P99(), without_cache.P50(),
+      without_cache.P99());
+}
+
 }  // namespace
 
 void RegisterMatchBenchmarks(DatapathEnv* env, Summary* summary, const BenchConfig& config) {
@@ -215,6 +283,14 @@ void RegisterMatchBenchmarks(DatapathEnv* env, Summary* summary, const BenchConf
         ->Iterations(config.match_iterations)
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
+  }
+  for (uint32_t page_size : {16u, 64u}) {
+    benchmark::RegisterBenchmark(
+        absl::StrCat("BM_MatchTurns/to_pages:2048/page_size:", page_size).c_str(),
+        [=](benchmark::State& state) { RunMatchTurns(state, env, summary, page_size); })
+        ->Iterations(std::max(1, config.match_iterations / 100))
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
   }
 }
 
