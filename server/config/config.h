@@ -50,6 +50,7 @@ struct ListenConfig {
   std::string unix_socket_group;  // "" = the process's group; a name or a numeric gid.
   std::string admin_socket;       // "" = next to unix_socket; "none" = no admin socket.
   uint32_t admin_socket_mode = 0;
+  int64_t max_connections_per_uid = 0;  // Open engine-socket connections per peer uid; 0 = any.
   std::string tcp_address;  // "" = no TCP listener; else host:port.
   bool operator==(const ListenConfig&) const = default;
 };

@@ -416,6 +416,10 @@ std::vector<KeySpec> SchemaTable() {
                 "\"none\" = no admin socket."),
       ModeKey(KVC_FIELD(listen, admin_socket_mode), "0600", CheckAdminMode,
               "Permission bits of the admin socket; must grant nothing to others."),
+      IntKey(KVC_FIELD(listen, max_connections_per_uid), "256", 0, 1'000'000,
+             "Open connections to unix_socket one user (uid) may hold; the daemon closes the "
+             "ones past it at once, so one team's runaway client cannot take the fds every "
+             "engine needs. 0 = no limit."),
       StringKey(KVC_FIELD(listen, tcp_address), "", CheckHostPort, "host:port, or \"\"",
                 "TCP listener for the engine and admin API (see tls); \"\" = none."),
       // tls

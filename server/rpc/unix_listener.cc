@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "grpcpp/server_posix.h"
 #include "platform/log.h"
 
@@ -21,12 +22,22 @@ namespace {
 constexpr mode_t kBindUmask = 0177;
 // Out of fds: how long the accept thread pauses before trying the backlog again.
 constexpr int kFdExhaustedPauseMs = 100;
+// At most one log line per uid this often about its refused connections.
+constexpr absl::Duration kRefusalLogInterval = absl::Seconds(10);
+
+// The inode of the socket on `fd`, or 0 when fd is closed.
+uint64_t InodeOf(int fd) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return 0;
+  return st.st_ino;
+}
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Start(const std::string& path,
                                                                   grpc::Server* server,
-                                                                  PeerCredentials* credentials) {
+                                                                  PeerCredentials* credentials,
+                                                                  size_t max_per_uid) {
   sockaddr_un addr{};
   if (path.size() >= sizeof(addr.sun_path)) {
     return absl::InvalidArgumentError(absl::StrCat("unix socket path '", path, "' is longer than ",
@@ -51,14 +62,19 @@ absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Start(const std::str
     ::close(fd);
     return absl::InternalError(absl::StrCat("eventfd(): ", std::strerror(errno)));
   }
-  std::unique_ptr<UnixListener> listener(new UnixListener(fd, stop_fd, server, credentials));
+  std::unique_ptr<UnixListener> listener(
+      new UnixListener(fd, stop_fd, server, credentials, max_per_uid));
   listener->thread_ = std::thread([l = listener.get()] { l->AcceptLoop(); });
   return listener;
 }
 
 UnixListener::UnixListener(int listen_fd, int stop_fd, grpc::Server* server,
-                           PeerCredentials* credentials)
-    : listen_fd_(listen_fd), stop_fd_(stop_fd), server_(server), credentials_(credentials) {}
+                           PeerCredentials* credentials, size_t max_per_uid)
+    : listen_fd_(listen_fd),
+      stop_fd_(stop_fd),
+      server_(server),
+      credentials_(credentials),
+      max_per_uid_(max_per_uid) {}
 
 UnixListener::~UnixListener() {
   Stop();
@@ -112,6 +128,22 @@ bool UnixListener::AcceptPending() {
       ::close(fd);
       continue;
     }
+    if (!AdmitUid(cred.uid)) {
+      ::close(fd);
+      refused_.fetch_add(1, std::memory_order_relaxed);
+      const absl::Time now = absl::Now();
+      absl::Time& last = logged_[cred.uid];
+      if (now - last > kRefusalLogInterval) {
+        last = now;
+        KVLOG(Warn, "unix listener: connection refused, the user holds its maximum",
+              {{"uid", cred.uid},
+               {"pid", cred.pid},
+               {"max_connections_per_uid", max_per_uid_},
+               {"refused", refused()}});
+      }
+      continue;
+    }
+    Track(fd, cred.uid);
     PeerIdentity peer;
     peer.kind = PeerIdentity::Kind::kUnix;
     peer.uid = cred.uid;
@@ -122,6 +154,30 @@ bool UnixListener::AcceptPending() {
     accepted_.fetch_add(1, std::memory_order_relaxed);
     grpc::AddInsecureChannelFromFd(server_, fd);
   }
+}
+
+bool UnixListener::AdmitUid(uint32_t uid) {
+  if (max_per_uid_ == 0) return true;
+  auto count = per_uid_.find(uid);
+  if (count == per_uid_.end() || count->second < max_per_uid_) return true;
+  // At the bound: forget this uid's connections whose fd is no longer that socket.
+  for (auto it = open_.begin(); it != open_.end();) {
+    if (it->second.uid == uid && InodeOf(it->first) != it->second.inode) {
+      --per_uid_[uid];
+      open_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+  return per_uid_[uid] < max_per_uid_;
+}
+
+void UnixListener::Track(int fd, uint32_t uid) {
+  if (max_per_uid_ == 0) return;
+  // A recorded fd that accept() returns again was closed by gRPC in between.
+  if (auto old = open_.find(fd); old != open_.end()) --per_uid_[old->second.uid];
+  open_[fd] = Open{InodeOf(fd), uid};
+  ++per_uid_[uid];
 }
 
 }  // namespace kvcellar::server

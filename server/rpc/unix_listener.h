@@ -8,6 +8,13 @@
 // the process is out of fds, the pending connection waits in the backlog and the thread retries
 // after a pause, logging once per episode.
 //
+// One user's connections are bounded (`max_per_uid`, listen.max_connections_per_uid): past it a
+// new connection of that uid is closed at once, so a runaway or hostile client of one team
+// cannot take the file descriptors the daemon needs for every other engine. gRPC closes a
+// connection's fd without telling the listener, so the count is kept honest lazily: when a uid
+// reaches its bound, the listener checks which of its recorded fds still are those sockets
+// (fstat: same inode) before refusing.
+//
 // Threads: Start and Stop from the daemon's thread; the accept thread in between.
 #ifndef KVCELLAR_SERVER_RPC_UNIX_LISTENER_H_
 #define KVCELLAR_SERVER_RPC_UNIX_LISTENER_H_
@@ -16,7 +23,9 @@
 #include <string>
 #include <thread>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "grpcpp/server.h"
 #include "server/rpc/peer_credentials.h"
 
@@ -26,9 +35,11 @@ class UnixListener {
  public:
   // Binds PATH (which PrepareUnixSocketPath made ready) and starts accepting for `server`.
   // `server` and `credentials` outlive the listener (or its Stop).
+  // `max_per_uid` 0: no bound.
   static absl::StatusOr<std::unique_ptr<UnixListener>> Start(const std::string& path,
                                                              grpc::Server* server,
-                                                             PeerCredentials* credentials);
+                                                             PeerCredentials* credentials,
+                                                             size_t max_per_uid = 0);
   ~UnixListener();
   UnixListener(const UnixListener&) = delete;
   UnixListener& operator=(const UnixListener&) = delete;
@@ -36,20 +47,36 @@ class UnixListener {
   // Stops accepting (connections already handed to gRPC stay with it). Idempotent.
   void Stop();
 
-  // Connections accepted so far.
+  // Connections accepted so far, and of those closed at once for their uid's bound.
   uint64_t accepted() const { return accepted_.load(std::memory_order_relaxed); }
+  uint64_t refused() const { return refused_.load(std::memory_order_relaxed); }
 
  private:
-  UnixListener(int listen_fd, int stop_fd, grpc::Server* server, PeerCredentials* credentials);
+  UnixListener(int listen_fd, int stop_fd, grpc::Server* server, PeerCredentials* credentials,
+               size_t max_per_uid);
   void AcceptLoop();
   // Accepts every pending connection; false when out of fds (retry after a pause).
   bool AcceptPending();
+  // Whether `uid` may open one more connection; forgets its connections that gRPC has closed.
+  bool AdmitUid(uint32_t uid);
+  void Track(int fd, uint32_t uid);
+
+  // An accepted connection as the accept thread last saw it (touched by that thread only).
+  struct Open {
+    uint64_t inode = 0;
+    uint32_t uid = 0;
+  };
 
   const int listen_fd_;
   const int stop_fd_;  // An eventfd; written by Stop.
   grpc::Server* const server_;
   PeerCredentials* const credentials_;
+  const size_t max_per_uid_;
   std::atomic<uint64_t> accepted_{0};
+  std::atomic<uint64_t> refused_{0};
+  absl::flat_hash_map<int, Open> open_;               // By fd.
+  absl::flat_hash_map<uint32_t, size_t> per_uid_;     // Entries of open_ by uid.
+  absl::flat_hash_map<uint32_t, absl::Time> logged_;  // Last refusal logged, by uid.
   std::thread thread_;
 };
 

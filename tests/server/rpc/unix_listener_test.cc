@@ -2,6 +2,7 @@
 // itself, each call carrying the kernel's credentials of the process that connected.
 #include "server/rpc/unix_listener.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -12,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -84,12 +86,12 @@ struct Served {
   std::unique_ptr<UnixListener> listener;
   std::string path = TempSocket();
 
-  Served() {
+  explicit Served(size_t max_per_uid = 0) {
     grpc::ServerBuilder builder;
     builder.RegisterService(&service);
     server = builder.BuildAndStart();
     absl::StatusOr<std::unique_ptr<UnixListener>> l =
-        UnixListener::Start(path, server.get(), &credentials);
+        UnixListener::Start(path, server.get(), &credentials, max_per_uid);
     EXPECT_TRUE(l.ok()) << l.status();
     if (l.ok()) listener = *std::move(l);
   }
@@ -114,6 +116,43 @@ TEST(UnixListenerTest, EveryCallCarriesTheKernelsCredentialsOfTheCaller) {
               absl::StrCat("uid ", ::getuid(), " gid ", ::getgid(), " pid ", ::getpid()));
   }
   EXPECT_EQ(s.listener->accepted(), 3u);
+}
+
+// True when the daemon side closed `fd` within `timeout` (the client reads end of file).
+bool ClosedByDaemon(int fd, int timeout_ms = 3000) {
+  pollfd p{fd, POLLIN, 0};
+  if (::poll(&p, 1, timeout_ms) <= 0) return false;
+  char c;
+  return ::recv(fd, &c, 1, MSG_DONTWAIT) == 0;
+}
+
+TEST(UnixListenerTest, OneUserHoldsAtMostItsConnections) {
+  Served s(/*max_per_uid=*/3);
+  ASSERT_NE(s.listener, nullptr);
+  std::vector<int> held;
+  for (int i = 0; i < 3; ++i) {
+    held.push_back(RawConnect(s.path));
+    ASSERT_GE(held.back(), 0);
+  }
+  // The fourth is accepted by the kernel and closed by the daemon at once.
+  const int fourth = RawConnect(s.path);
+  ASSERT_GE(fourth, 0);
+  EXPECT_TRUE(ClosedByDaemon(fourth));
+  ::close(fourth);
+  EXPECT_FALSE(ClosedByDaemon(held[0], 100)) << "the held ones stay open";
+  EXPECT_EQ(s.listener->refused(), 1u);
+  EXPECT_FALSE(CallHeartbeat(s.path).ok()) << "a gRPC client of the same user is refused too";
+
+  // Once the user closes one, gRPC closes its end, and the next connection is admitted.
+  ::close(held[0]);
+  held.erase(held.begin());
+  bool served = false;
+  for (int i = 0; i < 100 && !served; ++i) {
+    served = CallHeartbeat(s.path).ok();
+    if (!served) absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_TRUE(served);
+  for (int fd : held) ::close(fd);
 }
 
 TEST(UnixListenerTest, StopRefusesNewConnections) {
