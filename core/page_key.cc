@@ -18,6 +18,7 @@
 #include <bit>
 
 #include "absl/strings/str_cat.h"
+#include "core/sha256_lanes.h"
 
 namespace kvcellar::core {
 namespace {
@@ -141,6 +142,19 @@ PageKey ScopeOpaqueKey(const PageKey& ns_digest, const PageKey& engine_key) {
   SHA256_Update(&ctx, engine_key.bytes.data(), kPageKeyBytes);
   SHA256_Final(key.bytes.data(), &ctx);
   return key;
+}
+
+void ScopeOpaqueKeys(const PageKey& ns_digest, absl::Span<const PageKey> engine_keys,
+                     absl::Span<PageKey> out) {
+  const size_t n = std::min(engine_keys.size(), out.size());
+  if (n == 0) return;
+  if (sha256::HaveShaExtensions()) {  // PageKey is exactly its 32 bytes (static_assert above).
+    sha256::HashPrefixedPairs(ns_digest.bytes.data(),
+                              reinterpret_cast<const uint8_t*>(engine_keys.data()), n,
+                              reinterpret_cast<uint8_t*>(out.data()));
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) out[i] = ScopeOpaqueKey(ns_digest, engine_keys[i]);
 }
 
 }  // namespace kvcellar::core

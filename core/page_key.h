@@ -91,6 +91,12 @@ std::vector<PageKey> ComputePageKeys(const PageKey& parent, absl::Span<const uin
 // never equals a chained parent (the opaque flag is part of the namespace encoding).
 PageKey ScopeOpaqueKey(const PageKey& ns_digest, const PageKey& engine_key);
 
+// out[i] = ScopeOpaqueKey(ns_digest, engine_keys[i]) for every i (out.size() == engine_keys.size();
+// out may be engine_keys): on CPUs with the SHA extensions four keys at a time
+// (core/sha256_lanes.h), else one by one through OpenSSL.
+void ScopeOpaqueKeys(const PageKey& ns_digest, absl::Span<const PageKey> engine_keys,
+                     absl::Span<PageKey> out);
+
 }  // namespace kvcellar::core
 
 #endif  // KVCELLAR_CORE_PAGE_KEY_H_

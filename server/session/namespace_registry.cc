@@ -37,8 +37,12 @@ core::PageKey Namespace::IndexKey(const char* raw) const {
 
 void Namespace::AppendIndexKeys(absl::string_view blob, std::vector<core::PageKey>* out) const {
   const size_t n = blob.size() / core::kPageKeyBytes;
-  out->reserve(out->size() + n);
-  for (size_t i = 0; i < n; ++i) out->push_back(IndexKey(blob.data() + i * core::kPageKeyBytes));
+  const size_t first = out->size();
+  out->resize(first + n);
+  absl::Span<core::PageKey> added = absl::MakeSpan(*out).subspan(first);
+  std::memcpy(added.data(), blob.data(), n * core::kPageKeyBytes);
+  // Opaque keys are scoped in place, several at a time (core::ScopeOpaqueKeys).
+  if (spec_.opaque_keys) core::ScopeOpaqueKeys(digest_, added, added);
 }
 
 constexpr char kHeldBy[] =
@@ -46,10 +50,9 @@ constexpr char kHeldBy[] =
 
 absl::Status Namespace::CheckGeometry(const core::KvLayout& layout) const {
   if (layout.layers.size() != geometry_.layers) {
-    return GroupMismatch("layout.layers",
-                         absl::StrCat("layout.layers: ", layout.layers.size(),
-                                      " layers, but this namespace's pages have ",
-                                      geometry_.layers, kHeldBy));
+    return GroupMismatch("layout.layers", absl::StrCat("layout.layers: ", layout.layers.size(),
+                                                       " layers, but this namespace's pages have ",
+                                                       geometry_.layers, kHeldBy));
   }
   for (size_t i = 0; i < layout.layers.size(); ++i) {
     const auto& [k, v] = geometry_.buffer_bytes[i];

@@ -407,6 +407,26 @@ TEST(KeyChainTest, TokensAreHashedLittleEndian) {
   EXPECT_EQ(key.Hex(), "89899e367761418f570013b5aaa032dfecb8dfd29397abfa547fd5786cc21c46");
 }
 
+// ScopeOpaqueKeys runs four keys at a time on the SHA extensions where the CPU has them; each
+// result must be ScopeOpaqueKey's (OpenSSL), for every count (whole groups of four and short
+// last groups) and in place.
+TEST(KeyChainTest, ScopingManyOpaqueKeysEqualsScopingEachOne) {
+  std::mt19937 rng(11);
+  PageKey ns;
+  for (uint8_t& b : ns.bytes) b = static_cast<uint8_t>(rng());
+  for (size_t n : {0u, 1u, 2u, 3u, 4u, 5u, 7u, 8u, 9u, 63u, 64u, 1000u}) {
+    std::vector<PageKey> keys(n), out(n);
+    for (PageKey& k : keys) {
+      for (uint8_t& b : k.bytes) b = static_cast<uint8_t>(rng());
+    }
+    ScopeOpaqueKeys(ns, keys, absl::MakeSpan(out));
+    for (size_t i = 0; i < n; ++i) ASSERT_EQ(out[i], ScopeOpaqueKey(ns, keys[i])) << n << " " << i;
+    std::vector<PageKey> in_place = keys;
+    ScopeOpaqueKeys(ns, in_place, absl::MakeSpan(in_place));
+    EXPECT_EQ(in_place, out) << n;
+  }
+}
+
 TEST(KeyChainTest, OpaqueKeysAreScopedByNamespace) {
   const PageKey engine_key = KeyOf(std::string(64, '7'));
   PageKey ns_a = TestRoot();
