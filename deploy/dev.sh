@@ -35,7 +35,12 @@ case "$cmd" in
     ninja -C "$asan" -j "$jobs" kvcellard kvcellar-engine-sim
     export KVCELLAR_ASAN_BIN_DIR="$asan/bin"
     cd "$build"
-    exec ctest --output-on-failure -j "$jobs" "$@"
+    rm -f soak-summary.txt
+    ctest --output-on-failure -j "$jobs" "$@" && rc=0 || rc=$?
+    # The soak's one-line summary (tests/integration/test_soak.py), which ctest shows only on
+    # failure.
+    cat soak-summary.txt 2>/dev/null || true
+    exit "$rc"
     ;;
   *)
     echo "usage: deploy/dev.sh start [kvcellard args...] | test [ctest args...]" >&2

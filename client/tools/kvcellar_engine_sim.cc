@@ -87,9 +87,13 @@ commands:
       documents `random` draws from. JSON: hits (L2 pages loaded), l3_hits, prefetch_pages, prefetch_state,
       prefetch_final, loaded, verified_bytes, mismatched_bytes. Exit 1 on any mismatch.
   random --duration-s D --seed S [--tokens-seed X] [--docs U] [--max-pages N] [--rng-seed R]
-         [--think-ms T]
+         [--think-ms T] [--step-ms T] [--prefetch POLICY] [--l3-lookup-ms L]
       random Match/Load/Backup over a universe of U prompts shared by every process with the
-      same --tokens-seed; every loaded byte verified. Exit 1 on any mismatch.
+      same --tokens-seed; every loaded byte verified. Exit 1 on any mismatch. With --prefetch
+      (not none), an L3 hit is prefetched, waited for, and the landed prefix loaded too. With
+      --step-ms, steps start on wall-clock ticks of T ms and each tick's choices (prompt, length,
+      pin) come from (--rng-seed, tick), with step_id = tick: the TP ranks of one instance, given
+      the same --rng-seed, run the same steps and get one group-consistent Match answer.
   hold [--pin] --tokens-seed X --pages N [--hold-s S]
       Match (pinning the hit), print JSON, then sleep (to be killed).
 
@@ -113,7 +117,7 @@ class Flags {
         "--register-wait-ms", "--wait-ms", "--replace", "--shm-prefix", "--seed", "--tokens-seed",
         "--pages", "--first-block", "--ready", "--verify-seed", "--pin", "--expect-hits",
         "--no-layer-signals", "--duration-s", "--docs", "--max-pages", "--rng-seed",
-        "--think-ms", "--hold-s", "--write-policy", "--prefetch", "--prefetch-timeout-ms",
+        "--think-ms", "--step-ms", "--hold-s", "--write-policy", "--prefetch", "--prefetch-timeout-ms",
         "--l3-lookup-ms", "--doc"};
     // clang-format on
     for (int i = 1; i < argc; ++i) {
@@ -444,6 +448,23 @@ int CmdBackup(Engine& e, Flags& f) {
   return stored == pages ? kExitOk : kExitExpectation;
 }
 
+// The policy --prefetch names; false, after saying why on stderr, when it names none.
+bool ParsePrefetch(const std::string& name, kc::PrefetchPolicy* policy) {
+  static const std::map<std::string, kc::PrefetchPolicy> kPolicies = {
+      {"none", kc::PrefetchPolicy::kNone},
+      {"default", kc::PrefetchPolicy::kUnspecified},
+      {"best_effort", kc::PrefetchPolicy::kBestEffort},
+      {"wait_complete", kc::PrefetchPolicy::kWaitComplete},
+      {"timeout", kc::PrefetchPolicy::kTimeout}};
+  if (auto it = kPolicies.find(name); it != kPolicies.end()) {
+    *policy = it->second;
+    return true;
+  }
+  std::fprintf(stderr, "--prefetch: '%s' is not none, default, best_effort, wait_complete or "
+               "timeout\n", name.c_str());
+  return false;
+}
+
 int CmdLoad(Engine& e, Flags& f) {
   const uint64_t seed = f.U64("--verify-seed", 1);
   const uint64_t tseed = f.U64("--tokens-seed", 1);
@@ -457,20 +478,8 @@ int CmdLoad(Engine& e, Flags& f) {
   mo.pin = pin;
   mo.prefetch_timeout_ms = static_cast<uint32_t>(f.U64("--prefetch-timeout-ms", 0));
   mo.l3_lookup_timeout_ms = static_cast<uint32_t>(f.U64("--l3-lookup-ms", 0));
-  static const std::map<std::string, kc::PrefetchPolicy> kPolicies = {
-      {"none", kc::PrefetchPolicy::kNone},
-      {"default", kc::PrefetchPolicy::kUnspecified},
-      {"best_effort", kc::PrefetchPolicy::kBestEffort},
-      {"wait_complete", kc::PrefetchPolicy::kWaitComplete},
-      {"timeout", kc::PrefetchPolicy::kTimeout}};
   const uint64_t doc = f.U64("--doc", 0);
-  if (auto it = kPolicies.find(prefetch); it != kPolicies.end()) {
-    mo.prefetch_policy = it->second;
-  } else {
-    std::fprintf(stderr, "--prefetch: '%s' is not none, default, best_effort, wait_complete or "
-                 "timeout\n", prefetch.c_str());
-    return kExitUsage;
-  }
+  if (!ParsePrefetch(prefetch, &mo.prefetch_policy)) return kExitUsage;
   if (std::string p = f.Problem(); !p.empty()) {
     std::fprintf(stderr, "%s\n", p.c_str());
     return kExitUsage;
@@ -559,6 +568,16 @@ int CmdHold(Engine& e, Flags& f) {
   return kExitOk;
 }
 
+// Sleeps until the next wall-clock tick of `period` and returns its number: processes on one
+// machine agree on tick numbers, which is what keeps the ranks of a group on the same step.
+uint64_t NextTick(absl::Duration period) {
+  const int64_t period_ns = absl::ToInt64Nanoseconds(period);
+  const int64_t now = absl::ToUnixNanos(absl::Now());
+  const int64_t tick = now / period_ns + 1;
+  absl::SleepFor(absl::Nanoseconds(tick * period_ns - now));
+  return static_cast<uint64_t>(tick);
+}
+
 int CmdRandom(Engine& e, Flags& f) {
   const double duration_s = f.Double("--duration-s", 10);
   const uint64_t seed = f.U64("--seed", 1);
@@ -567,6 +586,10 @@ int CmdRandom(Engine& e, Flags& f) {
   const uint64_t max_pages = std::max<uint64_t>(1, f.U64("--max-pages", 8));
   const uint64_t rng_seed = f.U64("--rng-seed", Mix(getpid() ^ absl::ToUnixNanos(absl::Now())));
   const absl::Duration think = absl::Milliseconds(f.U64("--think-ms", 0));
+  const absl::Duration step = absl::Milliseconds(f.U64("--step-ms", 0));
+  kc::PrefetchPolicy prefetch = kc::PrefetchPolicy::kNone;
+  if (!ParsePrefetch(f.Str("--prefetch", "none"), &prefetch)) return kExitUsage;
+  const uint32_t l3_lookup_ms = static_cast<uint32_t>(f.U64("--l3-lookup-ms", 0));
   if (std::string p = f.Problem(); !p.empty()) {
     std::fprintf(stderr, "%s\n", p.c_str());
     return kExitUsage;
@@ -576,11 +599,16 @@ int CmdRandom(Engine& e, Flags& f) {
     return kExitUsage;
   }
   std::mt19937_64 rng(rng_seed);
+  // What a step does (prompt, length, pin, ready): `rng`, or in lockstep the tick's own rng, the
+  // same in every rank of the group. Which blocks it uses is each process's own (`rng`).
+  std::mt19937_64 tick_rng;
   std::vector<uint32_t> all = Range(0, e.sim->num_blocks());
   uint64_t steps = 0, hit_pages = 0, loaded_pages = 0, verified_bytes = 0, mismatched = 0;
   uint64_t backup_pages = 0, stored_pages = 0, loads_not_done = 0, backups_not_done = 0;
   uint64_t loaded_after_reconnect = 0, stored_after_reconnect = 0;
-  std::string first_mismatch;
+  uint64_t l3_hit_pages = 0, prefetch_ops = 0, prefetched_pages = 0, memoized = 0;
+  uint64_t match_errors = 0;
+  std::string first_mismatch, first_match_error;
   uint64_t quarantined = 0;
   // Blocks of ops whose outcome never became known leave the pool for good.
   auto quarantine = [&](const std::vector<uint32_t>& bad) {
@@ -590,9 +618,16 @@ int CmdRandom(Engine& e, Flags& f) {
   const absl::Time end = absl::Now() + absl::Seconds(duration_s);
   while (absl::Now() < end && all.size() >= max_pages) {
     if (think > absl::ZeroDuration()) absl::SleepFor(think);  // The forward pass, as it were.
+    std::mt19937_64* choose = &rng;
+    uint64_t step_id = 0;
+    if (step > absl::ZeroDuration()) {
+      step_id = NextTick(step);
+      tick_rng.seed(Mix(rng_seed ^ Mix(step_id)));
+      choose = &tick_rng;
+    }
     ++steps;
-    const uint64_t doc = rng() % docs;
-    const size_t n = 1 + rng() % max_pages;
+    const uint64_t doc = (*choose)() % docs;
+    const size_t n = 1 + (*choose)() % max_pages;
     const std::vector<uint32_t> tokens = Tokens(tseed, doc, n * e.page_size);
     std::shuffle(all.begin(), all.end(), rng);
     // Distinct blocks for the loaded prefix and the computed rest, as an engine allocates them.
@@ -600,15 +635,34 @@ int CmdRandom(Engine& e, Flags& f) {
     kc::MatchSequence ms;
     ms.tokens = tokens;
     kc::MatchOptions mo;
-    mo.pin = rng() % 2 == 0;
+    mo.pin = (*choose)() % 2 == 0;
+    mo.step_id = step_id;
+    mo.prefetch_policy = prefetch;
+    mo.l3_lookup_timeout_ms = l3_lookup_ms;
     const kc::MatchReply m = e.session->Match({ms}, mo);
     const kc::MatchResult& mr = m.results[0];
+    if (!m.status.ok() && ++match_errors == 1) first_match_error = m.status.ToString();
+    if (m.memoized) ++memoized;
     std::vector<core::PageKey> keys = mr.keys.empty() ? e.session->ComputeKeys(tokens) : mr.keys;
     const uint64_t gen = e.session->info().generation;
+    uint32_t hit = mr.l2_hit_pages;
+    l3_hit_pages += mr.l3_hit_pages;
+    if (mr.l3_hit_pages > 0 && m.prefetch_op.op_id != 0) {
+      // The L3 hit is being read into L2 (and joins the pin as it lands): wait, then load the
+      // landed prefix with the L2 hit, as an engine schedules the request once the op ends.
+      ++prefetch_ops;
+      kc::OpResult pf;
+      pf.ref = m.prefetch_op;
+      pf.kind = kc::OpKind::kPrefetch;
+      pf.state = kc::OpState::kPending;
+      const uint32_t landed = std::min(mr.l3_hit_pages, e.Wait(std::move(pf)).usable_pages(0));
+      prefetched_pages += landed;
+      hit += landed;
+    }
     uint32_t have = 0;
-    if (mr.l2_hit_pages > 0) {
-      hit_pages += mr.l2_hit_pages;
-      Engine::LoadOutcome lo = e.Load(keys, 0, mr.l2_hit_pages, blocks, mr.pin_id, seed);
+    if (hit > 0) {
+      hit_pages += hit;
+      Engine::LoadOutcome lo = e.Load(keys, 0, hit, blocks, mr.pin_id, seed);
       if (!lo.result.done()) ++loads_not_done;
       loaded_pages += lo.loaded;
       verified_bytes += lo.verified_bytes;
@@ -630,7 +684,7 @@ int CmdRandom(Engine& e, Flags& f) {
       // "Compute" the rest and back it up, as the engine does after the forward pass.
       const std::vector<uint32_t> bblocks(blocks.begin() + have, blocks.end());
       static const char* kReady[] = {"late", "early", "none"};
-      kc::OpResult r = e.Backup(keys, have, bblocks, seed, kReady[rng() % 3], nullptr);
+      kc::OpResult r = e.Backup(keys, have, bblocks, seed, kReady[(*choose)() % 3], nullptr);
       backup_pages += n - have;
       stored_pages += r.usable_pages(0);
       if (gen > 1) stored_after_reconnect += r.usable_pages(0);
@@ -653,6 +707,12 @@ int CmdRandom(Engine& e, Flags& f) {
       .Num("loaded_pages_after_reconnect", loaded_after_reconnect)
       .Num("stored_pages_after_reconnect", stored_after_reconnect)
       .Num("quarantined_blocks", quarantined)
+      .Num("l3_hit_pages", l3_hit_pages)
+      .Num("prefetch_ops", prefetch_ops)
+      .Num("prefetched_pages", prefetched_pages)
+      .Num("memoized_matches", memoized)
+      .Num("match_errors", match_errors)
+      .Str("first_match_error", first_match_error)
       .Obj("session", e.SessionJson())
       .Obj("stats", StatsJson(e.client->stats()));
   std::printf("%s\n", j.Dump().c_str());

@@ -7,6 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "grpc/grpc.h"
 #include "platform/log.h"
 #include "google/protobuf/stubs/logging.h"
 #include "server/rpc/grpc_status.h"
@@ -61,12 +62,39 @@ const pb::Descriptor* RequestType(absl::string_view grpc_method) {
 class MalformedRequestInterceptor : public grpc::experimental::Interceptor {
  public:
   explicit MalformedRequestInterceptor(grpc::experimental::ServerRpcInfo* info)
-      : method_(info->method()) {}
+      : info_(info), method_(info->method()) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
       std::string field = std::exchange(bad_utf8_field, std::string());
-      if (methods->GetRecvMessage() == nullptr) Reject(field);
+      if (methods->GetRecvMessage() == nullptr) {
+        if (!field.empty()) {
+          Reject(field);  // Bytes arrived: protobuf named the field they broke.
+        } else if (grpc_call_failed_before_recv_message(ServerContext()->c_call())) {
+          abandoned_ = true;  // The stream failed (the client's process died, the call was reset).
+        } else {
+          no_message_ = true;  // Bytes that do not parse, or a call cancelled in passing.
+        }
+      }
+    }
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
+      // A client that cancels (or whose deadline passes) before its request is read leaves a
+      // null message and no failed read. Such a call is no malformed request: it is answered (to
+      // nobody) CANCELLED, when the cancellation is known by now; its log line waits for the
+      // close, when it is known for certain.
+      if (no_message_ && ServerContext()->IsCancelled()) {
+        abandoned_ = true;
+      } else if (no_message_) {
+        Reject("", /*log=*/false);
+      }
+      if (abandoned_) {
+        methods->ModifySendStatus(
+            grpc::Status(grpc::StatusCode::CANCELLED, "the call ended before its request arrived"));
+      }
+    }
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_CLOSE) &&
+        no_message_ && !abandoned_ && !ServerContext()->IsCancelled()) {
+      Log();
     }
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS) &&
         !message_.empty()) {
@@ -80,8 +108,11 @@ class MalformedRequestInterceptor : public grpc::experimental::Interceptor {
   }
 
  private:
-  // The request did not parse; `utf8_field` is the string field protobuf named, if any.
-  void Reject(absl::string_view utf8_field) {
+  grpc::ServerContextBase* ServerContext() const { return info_->server_context(); }
+
+  // The request did not parse; `utf8_field` is the string field protobuf named, if any. Logs it
+  // unless `log` is false (then Log() does, once the call is known not to be cancelled).
+  void Reject(absl::string_view utf8_field, bool log = true) {
     const pb::Descriptor* type = RequestType(method_);
     const std::string type_name = type == nullptr ? "request" : type->name();
     if (!utf8_field.empty()) {
@@ -92,14 +123,24 @@ class MalformedRequestInterceptor : public grpc::experimental::Interceptor {
     } else {
       message_ = absl::StrCat("the request is not a valid ", type_name, " message");
     }
-    KVLOG(Warn, "request rejected: does not parse",
-          {{"method", method_}, {"field", field_.empty() ? std::string(utf8_field) : field_},
-           {"error", message_}});
+    log_field_ = field_.empty() ? std::string(utf8_field) : field_;
+    if (log) Log();
   }
 
+  void Log() const {
+    KVLOG(Warn, "request rejected: does not parse",
+          {{"method", method_}, {"field", log_field_}, {"error", message_}});
+  }
+
+  grpc::experimental::ServerRpcInfo* info_;  // The call's; outlives its interceptors.
+  // The request never arrived: the client cancelled the call, its deadline passed or its process
+  // died. Gets CANCELLED; nothing is logged.
+  bool abandoned_ = false;
+  bool no_message_ = false;  // Null message, no UTF-8 error, no failed read: decided at send.
   std::string method_;
-  std::string field_;    // Request path of the field at fault, or "".
-  std::string message_;  // Non-empty once the request was found malformed.
+  std::string field_;      // Request path of the field at fault, or "".
+  std::string log_field_;  // That path, else the field's name as protobuf gave it, for the log.
+  std::string message_;    // Non-empty once the request was found malformed.
 };
 
 }  // namespace

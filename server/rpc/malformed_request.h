@@ -12,6 +12,13 @@
 //    parsing) and replaces the status with INVALID_ARGUMENT (ERROR_REASON_INVALID_FIELD, and the
 //    field's request path in kvcellar-error-field when known), logging one line.
 //
+// A call whose request never arrived (the client cancelled it, its deadline passed, its process
+// died mid-call: an engine killed at random in the soak) also comes with a null message. It is
+// not a malformed request: when its read failed, or the call is known to be cancelled by the time
+// its status is sent, it is answered CANCELLED; its log line waits for the close, and is written
+// only for a call that was not cancelled. (A cancellation gRPC reports only after the status was
+// sent still counts INVALID_ARGUMENT in kvcellar_rpc_requests_total, but logs nothing.)
+//
 // Threads: the handler is process-wide (protobuf's only hook), installed once at startup before
 // any server starts; the interceptors are created and run on gRPC's threads.
 #ifndef KVCELLAR_SERVER_RPC_MALFORMED_REQUEST_H_

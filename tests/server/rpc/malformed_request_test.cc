@@ -13,7 +13,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "gmock/gmock.h"
+#include "grpcpp/completion_queue.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/security/credentials.h"
@@ -127,10 +129,47 @@ TEST_F(MalformedRequestTest, InvalidUtf8IsAnInvalidArgumentNamingTheFieldAndLogg
 }
 
 TEST_F(MalformedRequestTest, BytesThatDoNotParseAreAnInvalidArgument) {
+  ::testing::internal::CaptureStderr();
   // Field 1 claims 100 bytes and the message ends after 2.
   Reply r = Call("/kvcellar.v1.AdminService/ListEngines", std::string("\x0a\x64xy", 4));
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(r.status.error_message(), HasSubstr("not a valid ListEnginesRequest"));
+  // Logged once the call closes uncancelled, which may be just after the client has its reply.
+  absl::SleepFor(absl::Seconds(1));
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(err, HasSubstr("msg=\"request rejected: does not parse\" "
+                             "method=/kvcellar.v1.AdminService/ListEngines"));
+}
+
+// A call whose request never arrives (the client cancelled it, its process was killed: an engine
+// SIGKILLed mid-RPC in the soak) reaches the interceptor with a null message too. It is not a
+// malformed request: nothing is logged as one. (Before the fix: 20 "does not parse" lines.)
+TEST_F(MalformedRequestTest, ACallCancelledBeforeItsRequestIsNotAMalformedRequest) {
+  ::testing::internal::CaptureStderr();
+  for (int i = 0; i < 20; ++i) {
+    grpc::ClientContext ctx;
+    grpc::CompletionQueue cq;
+    std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call =
+        stub_->PrepareCall(&ctx, "/kvcellar.v1.AdminService/ListEngines", &cq);
+    void* tag = nullptr;
+    bool ok = false;
+    call->StartCall(reinterpret_cast<void*>(1));
+    ASSERT_TRUE(cq.Next(&tag, &ok));
+    ASSERT_TRUE(ok);  // The call's headers are out; its request never will be.
+    ctx.TryCancel();
+    grpc::Status status;
+    call->Finish(&status, reinterpret_cast<void*>(2));
+    ASSERT_TRUE(cq.Next(&tag, &ok));
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED);
+    cq.Shutdown();
+    while (cq.Next(&tag, &ok)) {
+    }
+  }
+  // The server has seen every call end: a call made after them is answered after them.
+  Reply good = Call("/kvcellar.v1.AdminService/ListEngines", Field1("team-a"));
+  EXPECT_EQ(good.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(err, Not(HasSubstr("does not parse"))) << err;
 }
 
 TEST(FieldPathTest, FindsTheShortestPathOfAField) {
