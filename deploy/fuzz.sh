@@ -4,7 +4,8 @@
 #                                            target for SECONDS (default 600) of wall time
 #   deploy/fuzz.sh --merge [TARGET|all] [SECONDS]
 #                                            the same, then merge what the run found into the
-#                                            tree's corpus (minimized: -merge=1)
+#                                            tree's corpus (minimized: -merge=1; inputs up to
+#                                            FUZZ_MERGE_MAX_BYTES, default 1024)
 #   deploy/fuzz.sh --ci TARGET SECONDS       ctest's entry (tests/CMakeLists.txt): uses the built
 #                                            targets in $KVCELLAR_FUZZ_BIN_DIR, exits 77 (skipped)
 #                                            when it is not set
@@ -83,8 +84,13 @@ for t in $targets; do
     echo "fuzz $t: FAILED (exit $status); the end of $log:" >&2
     grep -v -E '^#[0-9]+' "$log" | tail -60 >&2
   elif [[ $mode == merge ]]; then
-    # Minimized: only inputs that add coverage over what the tree's corpus already has.
-    "$exe" -merge=1 -rss_limit_mb=2048 "$seeds" "$out/corpus" >"$out/merge.log" 2>&1
+    # Minimized: only inputs that add coverage over what the tree's corpus already has, and of
+    # those only small ones (FUZZ_MERGE_MAX_BYTES, default 1024): the tree keeps a small corpus.
+    small=$out/merge-candidates
+    rm -rf "$small" && mkdir -p "$small"
+    find "$out/corpus" -type f -size -"$(( ${FUZZ_MERGE_MAX_BYTES:-1024} + 1 ))"c \
+      -exec cp -t "$small" {} +
+    "$exe" -merge=1 -rss_limit_mb=2048 "$seeds" "$small" >"$out/merge.log" 2>&1
     echo "fuzz $t: tree corpus now $(find "$seeds" -type f | wc -l) inputs," \
          "$(du -sk "$seeds" | cut -f1) KiB"
   fi
