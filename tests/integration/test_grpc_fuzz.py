@@ -36,7 +36,6 @@ import time
 import grpc
 import pytest
 from google.protobuf import descriptor as pb_descriptor
-from google.protobuf import symbol_database
 
 from conftest import Daemon
 from engine_sim import DAEMON_ARGS, EXIT_OK, EngineProcess, require_cache_service
@@ -362,11 +361,10 @@ class Fuzzer:
             time.sleep(0.2)
 
 
-def test_grpc_fuzz_every_rpc_under_asan(tmp_path):
+def test_grpc_fuzz_every_rpc_under_asan(tmp_path, capsys):
     asan_dir = os.environ.get("KVCELLAR_ASAN_BIN_DIR")
     if not asan_dir:
         pytest.skip("KVCELLAR_ASAN_BIN_DIR not set")
-    print(f"grpc fuzz: seed {SEED}, {DURATION_S:.0f} s")
     shm_name = f"/kvc-gf-{os.getpid()}-mem"
     with open(f"/dev/shm{shm_name}", "wb") as f:
         f.truncate(OWN_REGION_BYTES)
@@ -393,14 +391,7 @@ def test_grpc_fuzz_every_rpc_under_asan(tmp_path):
         for t in threads:
             t.join()
 
-        total = sum(fuzzer.sent.values())
-        print(f"grpc fuzz: {total} requests in {DURATION_S:.0f} s, answers by code: "
-              f"{dict(fuzzer.codes)}; the fuzzer's sessions registered "
-              f"{sessions.registrations} times")
-        for method in sorted({m for m, _ in fuzzer.sent}):
-            print(f"  {method}: " + ", ".join(f"{k} {fuzzer.sent[(method, k)]}"
-                                              for k in ("field", "bytes", "both"))
-                  + f"; {fuzzer.accepted[method]} OK")
+        report(capsys, fuzzer, sessions)
         assert not fuzzer.failures, "\n".join(fuzzer.failures[:20]) + "\n" + d.log()[-6000:]
         assert d.proc.poll() is None, d.log()[-6000:]
         methods = {m for m, _ in fuzzer.sent}
@@ -410,18 +401,30 @@ def test_grpc_fuzz_every_rpc_under_asan(tmp_path):
         for r in results:
             assert r.rc == EXIT_OK, r.describe()
             assert r["mismatched_bytes"] == 0, r.describe()
-        print("grpc fuzz: engines verified",
-              sum(r["verified_bytes"] for r in results), "bytes in",
-              sum(r["loaded_pages"] for r in results), "loaded pages")
+        with capsys.disabled():
+            print(f"grpc fuzz: engines verified {sum(r['verified_bytes'] for r in results)} bytes "
+                  f"in {sum(r['loaded_pages'] for r in results)} loaded pages")
     finally:
         for e in engines:
             e.kill()
         rc = d.stop()
         os.unlink(f"/dev/shm{shm_name}")
     log = d.log()
-    report = SANITIZER_REPORT.search(log)
-    assert report is None, log[max(0, report.start() - 2000):report.start() + 6000]
+    found = SANITIZER_REPORT.search(log)
+    assert found is None, log[max(0, found.start() - 2000):found.start() + 6000]
     assert rc == 0, log[-6000:]
+
+
+def report(capsys, fuzzer, sessions):
+    """The counts, printed past pytest's capture so that ctest's log keeps them."""
+    with capsys.disabled():
+        print(f"\ngrpc fuzz: seed {SEED}: {sum(fuzzer.sent.values())} requests in "
+              f"{DURATION_S:.0f} s, answers by code: {dict(fuzzer.codes)}; the fuzzer's sessions "
+              f"registered {sessions.registrations} times")
+        for method in sorted({m for m, _ in fuzzer.sent}):
+            print(f"  {method}: " + ", ".join(f"{k} {fuzzer.sent[(method, k)]}"
+                                              for k in ("field", "bytes", "both"))
+                  + f"; {fuzzer.accepted[method]} OK")
 
 
 def cache_service_pb2_grpc_stub(daemon):
