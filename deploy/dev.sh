@@ -3,7 +3,8 @@
 #   deploy/dev.sh start [kvcellard args...]   install deps, build, run kvcellard on embedded defaults
 #   deploy/dev.sh test  [ctest args...]       install deps, build, run every test
 # Environment: BUILD_DIR (default build), ASAN_BUILD_DIR (default build-asan-tools: the daemon
-# and engine tool under ASan+UBSan for the stress test), JOBS (default: number of cores),
+# and engine tool under ASan+UBSan for the stress test), FUZZ_BUILD_DIR (default build-fuzz: the
+# libFuzzer targets, clang-14; tests/fuzz/README.md), JOBS (default: number of cores),
 # KVCELLAR_CUDA (AUTO|ON|OFF, default AUTO: the CUDA sources compile whenever nvcc is present).
 set -euo pipefail
 
@@ -34,6 +35,14 @@ case "$cmd" in
           -DKVCELLAR_SANITIZE=ON -DKVCELLAR_CUDA=OFF -DKVCELLAR_BUILD_BENCHMARKS=OFF >/dev/null
     ninja -C "$asan" -j "$jobs" kvcellard kvcellar-engine-sim
     export KVCELLAR_ASAN_BIN_DIR="$asan/bin"
+    # The fuzz targets (tests/fuzz): clang with libFuzzer, ASan and UBSan; ctest runs each for a
+    # bounded time (fuzz.*), and tests/integration/test_grpc_fuzz.py drives the ASan daemon.
+    fuzz=${FUZZ_BUILD_DIR:-$root/build-fuzz}
+    CC=clang-14 CXX=clang++-14 cmake -S "$root" -B "$fuzz" -G Ninja \
+          -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVCELLAR_FUZZ=ON -DKVCELLAR_CUDA=OFF \
+          -DKVCELLAR_BUILD_TESTS=OFF -DKVCELLAR_BUILD_BENCHMARKS=OFF >/dev/null
+    ninja -C "$fuzz" -j "$jobs" kvcellar_fuzz
+    export KVCELLAR_FUZZ_BIN_DIR="$fuzz/bin"
     cd "$build"
     rm -f soak-summary.txt
     ctest --output-on-failure -j "$jobs" "$@" && rc=0 || rc=$?

@@ -20,8 +20,8 @@ PACKAGES=(
   libabsl-dev liburing-dev libssl-dev libyaml-cpp-dev libhiredis-dev
   # Metrics: prometheus-cpp's core library (the pull and push parts come with it, unused).
   prometheus-cpp-dev
-  # Tests and benchmarks.
-  libgtest-dev libgmock-dev libbenchmark-dev
+  # Tests and benchmarks; clang and libFuzzer for the fuzz targets (tests/fuzz).
+  libgtest-dev libgmock-dev libbenchmark-dev clang-14 libfuzzer-14-dev
   # Real components the tests drive.
   redis-server prometheus
   # Python side of the integration tests (for /usr/bin/python3).

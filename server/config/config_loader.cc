@@ -6,11 +6,14 @@
 #include <grp.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <optional>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -81,6 +84,43 @@ std::string ExpectedValue(const KeySpec& spec) {
   return "a value";
 }
 
+// Where the YAML parser stops making progress, if it does. yaml-cpp 0.7.0 (Debian 12) never
+// consumes a ',' where a document's first node should be (a file that is just ",", or ", x"): its
+// parser reports the same empty document again and again, and YAML::LoadAll collects them until
+// memory runs out (found by tests/fuzz/config_yaml_fuzz.cc). So the documents are walked first
+// with a handler that builds nothing and stops at a document starting where the previous one did.
+class StuckDocumentFinder : public YAML::EventHandler {
+ public:
+  static std::optional<YAML::Mark> Find(const std::string& content) {
+    std::istringstream in(content);
+    YAML::Parser parser(in);
+    StuckDocumentFinder finder;
+    while (!finder.stuck_ && parser.HandleNextDocument(finder)) {
+    }
+    return finder.stuck_;
+  }
+
+ private:
+  void OnDocumentStart(const YAML::Mark& mark) override {
+    if (last_start_ && last_start_->pos >= mark.pos) stuck_ = mark;
+    last_start_ = mark;
+  }
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                const std::string&) override {}
+  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                       YAML::EmitterStyle::value) override {}
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                  YAML::EmitterStyle::value) override {}
+  void OnMapEnd() override {}
+
+  std::optional<YAML::Mark> last_start_;
+  std::optional<YAML::Mark> stuck_;
+};
+
 class FileLoader {
  public:
   FileLoader(absl::string_view file, Config* config, std::vector<std::string>* errors)
@@ -89,7 +129,15 @@ class FileLoader {
   void Load(absl::string_view content) {
     std::vector<YAML::Node> documents;
     try {
-      documents = YAML::LoadAll(std::string(content));
+      const std::string text(content);
+      if (std::optional<YAML::Mark> stuck = StuckDocumentFinder::Find(text)) {
+        const size_t pos = static_cast<size_t>(stuck->pos);
+        Error(*stuck, absl::StrCat("YAML syntax error: unexpected ",
+                                   Quoted(pos < text.size() ? text.substr(pos, 1) : ""),
+                                   " where a document should start"));
+        return;
+      }
+      documents = YAML::LoadAll(text);
     } catch (const YAML::Exception& e) {
       Error(e.mark, absl::StrCat("YAML syntax error: ", e.msg, TabHint(content, e.mark)));
       return;

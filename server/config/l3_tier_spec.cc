@@ -127,12 +127,16 @@ absl::StatusOr<L3TierSpec> ParseOne(absl::string_view text) {
   } else if (kind == "redis" || kind == "redis-cluster") {
     spec.kind = kind == "redis" ? L3TierSpec::Kind::kRedis : L3TierSpec::Kind::kRedisCluster;
     for (absl::string_view a : absl::StrSplit(location, ',', absl::SkipEmpty())) {
-      const bool unix_path = absl::StartsWith(a, "unix:/");
+      // Any "unix:" address is a socket path to the backend (storage/redis_cluster.h
+      // ParseRedisAddress), so one without an absolute path is no host:port either.
+      const bool unix_address = absl::StartsWith(a, "unix:");
       const size_t port_colon = a.rfind(':');
       int port = 0;
-      if (!unix_path && (port_colon == absl::string_view::npos || port_colon == 0 ||
-                         !absl::SimpleAtoi(a.substr(port_colon + 1), &port) || port <= 0 ||
-                         port > 65535)) {
+      const bool bad = unix_address ? !absl::StartsWith(a, "unix:/")
+                                    : port_colon == absl::string_view::npos || port_colon == 0 ||
+                                          !absl::SimpleAtoi(a.substr(port_colon + 1), &port) ||
+                                          port <= 0 || port > 65535;
+      if (bad) {
         return absl::InvalidArgumentError(
             absl::StrCat("address '", a, "' must be host:port or unix:/path"));
       }

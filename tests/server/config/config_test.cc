@@ -346,6 +346,17 @@ TEST_F(ConfigTest, YamlSyntaxErrorHasLineAndColumn) {
               HasSubstr("line 2 indents with a tab"));
 }
 
+// yaml-cpp 0.7.0 loops for ever on a document that starts with ',' (tests/fuzz found it: the
+// daemon ran out of memory on a config file of one comma). Each is an error naming the place.
+TEST_F(ConfigTest, CommaWhereADocumentStartsIsASyntaxError) {
+  for (const char* yaml : {",", " ,", ",x\n", "pool:\n  capacity: 1GiB\n---\n,\n"}) {
+    std::string error = ErrorOf(LoadText(yaml));
+    EXPECT_THAT(error, HasSubstr("YAML syntax error: unexpected ','")) << yaml;
+    EXPECT_THAT(error, ::testing::ContainsRegex(R"(config\.yaml:[0-9]+:[0-9]+: )")) << yaml;
+  }
+  EXPECT_THAT(ErrorOf(LoadText("pool:\n  capacity: 1GiB\n,\n")), HasSubstr("YAML syntax error"));
+}
+
 TEST_F(ConfigTest, SectionGivenAsScalar) {
   std::string error = ErrorOf(LoadConfig(Fixture("section_scalar.yaml"), {}));
   EXPECT_THAT(error,
