@@ -160,6 +160,8 @@ def main() -> None:
     write("config_yaml", "shipped", (ROOT / "config" / "kvcellard.yaml").read_bytes())
     for f in sorted((ROOT / "tests" / "data" / "config").glob("*.yaml")):
         write("config_yaml", f.stem, f.read_bytes())
+    write("config_yaml", "tenants",
+          b"tenants:\n  allow:\n    - team-a=uid:1001\n    - team-b=gid:0\n    - =uid:root\n")
     write("config_yaml", "tiers-sequence",
           b"storage:\n  tiers:\n    - file:/var/lib/kvcellar/l3?capacity=1GiB\n"
           b"    - redis:127.0.0.1:6379?ttl_s=60\n")
@@ -170,6 +172,8 @@ def main() -> None:
         "tiers": "storage.tiers=file:/var/lib/kvcellar/l3?name=nvme&capacity=500GiB;"
                  "redis:unix:/run/redis.sock?ttl_s=3600",
         "log": "log.level=debug\nsessions.lease_ms=30000",
+        "tenants": "tenants.allow=team-a=uid:1001;team-a=gid:root;=uid:0\n"
+                   "listen.max_connections_per_uid=64",
     }
     for name, text in sets.items():
         write("config_set", name, text.encode())
