@@ -150,6 +150,12 @@ class RankSlot(threading.Thread):
         self.results, self.failures, self.kills, self.runs = [], [], 0, 0
 
     def run(self):
+        try:
+            self.run_engines()
+        except Exception as e:  # noqa: BLE001 -- a rank that stops is a failure, not a silence
+            self.failures.append(f"{self.flags['instance']} rank {self.flags['rank']}: {e!r}")
+
+    def run_engines(self):
         while True:
             left = self.deadline - time.monotonic()
             if left < 5:
