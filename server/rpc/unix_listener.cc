@@ -144,13 +144,8 @@ bool UnixListener::AcceptPending() {
       continue;
     }
     Track(fd, cred.uid);
-    PeerIdentity peer;
-    peer.kind = PeerIdentity::Kind::kUnix;
-    peer.uid = cred.uid;
-    peer.gid = cred.gid;
-    peer.pid = cred.pid;
     // Recorded before gRPC can read a byte, so the first call already finds it.
-    credentials_->Record(fd, peer);
+    credentials_->Record(fd, PeerIdentity::Unix(cred.uid, cred.gid, cred.pid));
     accepted_.fetch_add(1, std::memory_order_relaxed);
     grpc::AddInsecureChannelFromFd(server_, fd);
   }

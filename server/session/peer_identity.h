@@ -29,6 +29,16 @@ struct PeerIdentity {
   std::string subject;  // kCertificate
   std::string address;  // kNetwork
 
+  // A Unix-socket peer as the kernel describes it (SO_PEERCRED).
+  static PeerIdentity Unix(uint32_t uid, uint32_t gid, int32_t pid) {
+    PeerIdentity p;
+    p.kind = Kind::kUnix;
+    p.uid = uid;
+    p.gid = gid;
+    p.pid = pid;
+    return p;
+  }
+
   // Equal identities may use each other's sessions: the same process on the Unix socket (uid,
   // gid and pid), the same certificate subject, the same network host.
   bool operator==(const PeerIdentity&) const = default;

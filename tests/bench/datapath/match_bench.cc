@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -74,6 +75,37 @@ uint32_t RawMatch(v1::CacheService::Stub& stub, const v1::MatchRequest& req) {
   return resp.results_size() > 0 ? resp.results(0).l2_hit_pages() : 0;
 }
 
+// A rank with room for a 2048-page prompt in small page objects: the index, not the copies, is
+// measured.
+absl::StatusOr<SimEngineRank> RegisterMatchEngine(DatapathEnv* env, const std::string& model,
+                                                  uint32_t page_size, bool opaque) {
+  EngineSpec spec;
+  spec.model = model;
+  spec.page_size = page_size;
+  spec.opaque_keys = opaque;
+  spec.layers = 2;
+  spec.bytes_per_block = 1024;
+  spec.blocks = kPages;
+  return env->RegisterEngine(spec);
+}
+
+// Every page of `keys` an L2 hit (CacheAndPin), pinned until this goes.
+class PinnedPages {
+ public:
+  static absl::StatusOr<std::unique_ptr<PinnedPages>> Make(client::Session& session,
+                                                           const std::vector<core::PageKey>& keys) {
+    absl::StatusOr<uint64_t> pin = CacheAndPin(session, keys);
+    if (!pin.ok()) return pin.status();
+    return std::unique_ptr<PinnedPages>(new PinnedPages(session, *pin));
+  }
+  ~PinnedPages() { session_.Release({pin_}); }
+
+ private:
+  PinnedPages(client::Session& session, uint64_t pin) : session_(session), pin_(pin) {}
+  client::Session& session_;
+  const uint64_t pin_;
+};
+
 // Per-iteration times of one case, in microseconds.
 struct Samples {
   std::vector<double> us;
@@ -90,13 +122,7 @@ struct Samples {
 
 void RunMatch(benchmark::State& state, DatapathEnv* env, Summary* summary, uint32_t page_size) {
   const std::vector<uint32_t> tokens = PromptTokens(page_size, size_t{kPages} * page_size);
-  EngineSpec spec;
-  spec.model = "bench-match";
-  spec.page_size = page_size;
-  spec.layers = 2;
-  spec.bytes_per_block = 1024;  // Small objects: the index, not the copies, is measured.
-  spec.blocks = kPages;
-  absl::StatusOr<SimEngineRank> rank = env->RegisterEngine(spec);
+  absl::StatusOr<SimEngineRank> rank = RegisterMatchEngine(env, "bench-match", page_size, false);
   if (!rank.ok()) {
     state.SkipWithError(rank.status().ToString().c_str());
     return;
@@ -105,16 +131,11 @@ void RunMatch(benchmark::State& state, DatapathEnv* env, Summary* summary, uint3
   const std::vector<core::PageKey> keys = session.ComputeKeys(tokens);
 
   // Every page an L2 hit, pinned for the benchmark's duration.
-  absl::StatusOr<uint64_t> pin = CacheAndPin(session, keys);
-  if (!pin.ok()) {
-    state.SkipWithError(absl::StrCat("setup: ", pin.status().ToString()).c_str());
+  absl::StatusOr<std::unique_ptr<PinnedPages>> pinned = PinnedPages::Make(session, keys);
+  if (!pinned.ok()) {
+    state.SkipWithError(absl::StrCat("setup: ", pinned.status().ToString()).c_str());
     return;
   }
-  struct Unpin {
-    client::Session& s;
-    uint64_t id;
-    ~Unpin() { s.Release({id}); }
-  } unpin{session, *pin};
 
   const v1::MatchRequest req_keys = MatchRequestOf(session.info().session_id, keys, {});
   const v1::MatchRequest req_tokens = MatchRequestOf(session.info().session_id, {}, tokens);
@@ -219,13 +240,8 @@ void RunMatch(benchmark::State& state, DatapathEnv* env, Summary* summary, uint3
 }
 
 void RunMatchOpaque(benchmark::State& state, DatapathEnv* env, Summary* summary) {
-  EngineSpec spec;
-  spec.model = "bench-match-opaque";
-  spec.opaque_keys = true;
-  spec.layers = 2;
-  spec.bytes_per_block = 1024;
-  spec.blocks = kPages;
-  absl::StatusOr<SimEngineRank> rank = env->RegisterEngine(spec);
+  absl::StatusOr<SimEngineRank> rank =
+      RegisterMatchEngine(env, "bench-match-opaque", /*page_size=*/16, /*opaque=*/true);
   if (!rank.ok()) {
     state.SkipWithError(rank.status().ToString().c_str());
     return;
@@ -235,16 +251,11 @@ void RunMatchOpaque(benchmark::State& state, DatapathEnv* env, Summary* summary)
   std::vector<core::PageKey> keys(kPages);
   const std::vector<uint32_t> words = PromptTokens(77, size_t{kPages} * 8);
   std::memcpy(keys.data(), words.data(), keys.size() * sizeof(core::PageKey));
-  absl::StatusOr<uint64_t> pin = CacheAndPin(session, keys);
-  if (!pin.ok()) {
-    state.SkipWithError(absl::StrCat("setup: ", pin.status().ToString()).c_str());
+  absl::StatusOr<std::unique_ptr<PinnedPages>> pinned = PinnedPages::Make(session, keys);
+  if (!pinned.ok()) {
+    state.SkipWithError(absl::StrCat("setup: ", pinned.status().ToString()).c_str());
     return;
   }
-  struct Unpin {
-    client::Session& s;
-    uint64_t id;
-    ~Unpin() { s.Release({id}); }
-  } unpin{session, *pin};
   client::ChannelOptions channel_options;
   channel_options.private_subchannel = true;
   auto noop_channel = client::MakeChannel(env->noop_socket(), channel_options);
@@ -338,11 +349,10 @@ void RunMatchTurns(benchmark::State& state, DatapathEnv* env, Summary* summary,
   const client::ClientStats stats = cached->client->stats();
   state.counters["reused_fraction"] =
       stats.keyed_pages == 0 ? 0 : double(stats.keyed_pages_reused) / stats.keyed_pages;
-  summary->AddLatency(
-      absl::StrCat("Match per turn, conversation to 2048 pages by ", kTurnPages,
-                   " a turn, P=", page_size, ", key cache"),
-      "the same without the key cache", with_cache.P50(), with_cache.P99(), without_cache.P50(),
-      without_cache.P99());
+  summary->AddLatency(absl::StrCat("Match per turn, conversation to 2048 pages by ", kTurnPages,
+                                   " a turn, P=", page_size, ", key cache"),
+                      "the same without the key cache", with_cache.P50(), with_cache.P99(),
+                      without_cache.P50(), without_cache.P99());
 }
 
 }  // namespace
@@ -356,8 +366,9 @@ void RegisterMatchBenchmarks(DatapathEnv* env, Summary* summary, const BenchConf
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
   }
-  benchmark::RegisterBenchmark("BM_MatchOpaque/pages:2048",
-                               [=](benchmark::State& state) { RunMatchOpaque(state, env, summary); })
+  benchmark::RegisterBenchmark(
+      "BM_MatchOpaque/pages:2048",
+      [=](benchmark::State& state) { RunMatchOpaque(state, env, summary); })
       ->Iterations(config.match_iterations)
       ->UseManualTime()
       ->Unit(benchmark::kMicrosecond);

@@ -270,27 +270,18 @@ TEST_F(SessionRegistryTest, SecondLiveSessionOfASeatIsRefusedUnlessReplacing) {
   EXPECT_TRUE(registry_.HasInstance("inst")) << "the instance lives through the replacement";
 }
 
-PeerIdentity UnixPeer(uint32_t uid, uint32_t gid, int32_t pid) {
-  PeerIdentity p;
-  p.kind = PeerIdentity::Kind::kUnix;
-  p.uid = uid;
-  p.gid = gid;
-  p.pid = pid;
-  return p;
-}
-
 TEST_F(SessionRegistryTest, AnInstanceBelongsToOnePrincipal) {
   const auto worker = v1::SESSION_ROLE_WORKER;
   std::shared_ptr<Session> victim =
-      Make("inst", 0, NsSpec(2), absl::Seconds(10), worker, UnixPeer(1000, 1000, 41));
+      Make("inst", 0, NsSpec(2), absl::Seconds(10), worker, PeerIdentity::Unix(1000, 1000, 41));
   ASSERT_TRUE(Add(victim).ok());
   // Another user can neither replace the victim's seat nor join its instance as another rank;
   // nor does it learn the instance's namespace from a GROUP_MISMATCH first.
   for (const std::shared_ptr<Session>& intruder :
-       {Make("inst", 0, NsSpec(2), absl::Seconds(10), worker, UnixPeer(1001, 1000, 42)),
-        Make("inst", 1, NsSpec(2), absl::Seconds(10), worker, UnixPeer(1000, 1001, 42)),
+       {Make("inst", 0, NsSpec(2), absl::Seconds(10), worker, PeerIdentity::Unix(1001, 1000, 42)),
+        Make("inst", 1, NsSpec(2), absl::Seconds(10), worker, PeerIdentity::Unix(1000, 1001, 42)),
         Make("inst", 1, NsSpec(2, false, "other-model"), absl::Seconds(10), worker,
-             UnixPeer(1001, 1001, 42))}) {
+             PeerIdentity::Unix(1001, 1001, 42))}) {
     absl::Status s = Add(intruder, /*replace=*/true);
     EXPECT_TRUE(IsCacheError(s, absl::StatusCode::kPermissionDenied,
                              v1::ERROR_REASON_NOT_SESSION_OWNER, "instance_id"))
@@ -301,18 +292,21 @@ TEST_F(SessionRegistryTest, AnInstanceBelongsToOnePrincipal) {
   EXPECT_EQ(registry_.Find(victim->id(), absl::Now()), victim);
   // The same user in another process (the engine restarted, another rank) may.
   std::shared_ptr<Session> restarted =
-      Make("inst", 0, NsSpec(2), absl::Seconds(10), worker, UnixPeer(1000, 1000, 43));
+      Make("inst", 0, NsSpec(2), absl::Seconds(10), worker, PeerIdentity::Unix(1000, 1000, 43));
   std::shared_ptr<Session> replaced;
   ASSERT_TRUE(Add(restarted, /*replace=*/true, &replaced).ok());
   EXPECT_EQ(replaced, victim);
   EXPECT_TRUE(
-      Add(Make("inst", 1, NsSpec(2), absl::Seconds(10), worker, UnixPeer(1000, 1000, 44))).ok());
+      Add(Make("inst", 1, NsSpec(2), absl::Seconds(10), worker, PeerIdentity::Unix(1000, 1000, 44)))
+          .ok());
   // Once the instance's sessions have lapsed, its name is free for anyone.
-  std::shared_ptr<Session> brief =
-      Make("brief", 0, NsSpec(2), absl::Milliseconds(1), worker, UnixPeer(1000, 1000, 45));
+  std::shared_ptr<Session> brief = Make("brief", 0, NsSpec(2), absl::Milliseconds(1), worker,
+                                        PeerIdentity::Unix(1000, 1000, 45));
   ASSERT_TRUE(Add(brief).ok());
   absl::SleepFor(absl::Milliseconds(5));
-  EXPECT_TRUE(Add(Make("brief", 1, NsSpec(2), absl::Seconds(10), worker, UnixPeer(7, 7, 46))).ok());
+  EXPECT_TRUE(
+      Add(Make("brief", 1, NsSpec(2), absl::Seconds(10), worker, PeerIdentity::Unix(7, 7, 46)))
+          .ok());
 }
 
 TEST_F(SessionRegistryTest, LapsedHolderIsReplacedWithoutAsking) {

@@ -9,14 +9,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-PeerIdentity Unix(uint32_t uid, uint32_t gid, int32_t pid = 100) {
-  PeerIdentity p;
-  p.kind = PeerIdentity::Kind::kUnix;
-  p.uid = uid;
-  p.gid = gid;
-  p.pid = pid;
-  return p;
-}
+PeerIdentity Unix(uint32_t uid, uint32_t gid) { return PeerIdentity::Unix(uid, gid, 100); }
 
 PeerIdentity Certificate(const std::string& subject) {
   PeerIdentity p;
