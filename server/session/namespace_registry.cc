@@ -37,6 +37,7 @@ core::PageKey Namespace::IndexKey(const char* raw) const {
 
 void Namespace::AppendIndexKeys(absl::string_view blob, std::vector<core::PageKey>* out) const {
   const size_t n = blob.size() / core::kPageKeyBytes;
+  if (n == 0) return;  // (memcpy must not see the null data() of an empty vector.)
   const size_t first = out->size();
   out->resize(first + n);
   absl::Span<core::PageKey> added = absl::MakeSpan(*out).subspan(first);

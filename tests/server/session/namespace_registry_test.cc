@@ -94,6 +94,14 @@ TEST(NamespaceTest, ChainedKeysAreIndexedAsSentOpaqueOnesScopedToTheNamespace) {
   opaque->AppendIndexKeys(blob, &out);
   ASSERT_EQ(out.size(), 3u);
   EXPECT_EQ(out[1], core::ScopeOpaqueKey(opaque->digest(), keys[1]));
+  // No keys into an empty vector (a sequence without pages): nothing, and no memcpy to the
+  // empty vector's null data() (UBSan in the gRPC fuzzer found it).
+  for (const auto& ns : {chained, opaque}) {
+    std::vector<core::PageKey> none;
+    ns->AppendIndexKeys("", &none);
+    ns->AppendIndexKeys(blob.substr(0, 31), &none);
+    EXPECT_TRUE(none.empty());
+  }
 }
 
 TEST(NamespaceTest, FirstWorkerFixesTheGeometryAndCreatesTheIndex) {
