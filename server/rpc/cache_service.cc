@@ -120,22 +120,10 @@ absl::Status CacheServiceImpl::DoRegister(grpc::CallbackServerContext* context,
   if (absl::Status s = tenants_.Check(reg->spec.tenant, caller); !s.ok()) return s;
 
   std::shared_ptr<Namespace> ns = namespaces_.GetOrCreate(reg->spec);
-  const bool mla = reg->spec.layout == core::LayoutKind::kMla;
   SessionInfo info;
   info.id = sessions_.NewSessionId();
-  info.instance_id = request.instance_id();
-  info.rank = reg->worker ? request.rank() : 0;
-  info.role = reg->worker ? v1::SESSION_ROLE_WORKER : v1::SESSION_ROLE_SCHEDULER;
+  FillSessionGeometry(request, *reg, &info);
   info.ns = ns;
-  info.shard = static_cast<uint16_t>(reg->worker && !mla ? request.rank() : 0);
-  info.shard_writer = reg->worker && (!mla || request.rank() == 0);
-  info.tp_size = reg->spec.tp_size;
-  info.device_kind = reg->device_kind;
-  info.num_blocks = reg->engine.layout.num_blocks;
-  info.num_layers = static_cast<uint32_t>(reg->engine.layout.layers.size());
-  info.num_load_slots = reg->num_load_slots;
-  info.num_ready_slots = reg->num_ready_slots;
-  info.cuda_ready_events = std::move(reg->cuda_ready_events);
   info.pid = request.pid();
   info.engine_name = request.engine_name();
   info.client_version = request.client_version();

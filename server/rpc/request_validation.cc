@@ -311,6 +311,23 @@ absl::Status ParseCompletion(const v1::RegisterEngineRequest& request, v1::Devic
 
 }  // namespace
 
+void FillSessionGeometry(const v1::RegisterEngineRequest& request, const Registration& reg,
+                         SessionInfo* info) {
+  const bool mla = reg.spec.layout == core::LayoutKind::kMla;
+  info->instance_id = request.instance_id();
+  info->rank = reg.worker ? request.rank() : 0;
+  info->role = reg.worker ? v1::SESSION_ROLE_WORKER : v1::SESSION_ROLE_SCHEDULER;
+  info->shard = static_cast<uint16_t>(reg.worker && !mla ? request.rank() : 0);
+  info->shard_writer = reg.worker && (!mla || request.rank() == 0);
+  info->tp_size = reg.spec.tp_size;
+  info->device_kind = reg.device_kind;
+  info->num_blocks = reg.engine.layout.num_blocks;
+  info->num_layers = static_cast<uint32_t>(reg.engine.layout.layers.size());
+  info->num_load_slots = reg.num_load_slots;
+  info->num_ready_slots = reg.num_ready_slots;
+  info->cuda_ready_events = reg.cuda_ready_events;
+}
+
 absl::StatusOr<core::NamespaceSpec> ParseNamespaceSpec(const v1::NamespaceSpec& in) {
   core::NamespaceSpec spec;
   spec.tenant = in.tenant();
@@ -351,8 +368,8 @@ absl::StatusOr<core::NamespaceSpec> ParseNamespaceSpec(const v1::NamespaceSpec& 
   // that no session is accepted into a namespace whose index cannot exist.
   if (spec.ShardsPerPage() > static_cast<uint32_t>(core::kMaxShardsPerPage)) {
     return InvalidField("namespace_spec.tp_size",
-                        absl::StrCat("namespace_spec.tp_size (", spec.tp_size,
-                                     ") is more than ", core::kMaxShardsPerPage,
+                        absl::StrCat("namespace_spec.tp_size (", spec.tp_size, ") is more than ",
+                                     core::kMaxShardsPerPage,
                                      ", the most shards an MHA/GQA page can have (one per rank)"));
   }
   return spec;

@@ -53,6 +53,12 @@ absl::StatusOr<Registration> ParseRegistration(const v1::RegisterEngineRequest& 
                                                const CacheLimits& limits,
                                                absl::Span<const v1::DeviceKind> served);
 
+// The session fields an accepted registration fixes: instance, rank and role, shard and shard
+// writer, TP size, device kind, blocks, layers, completion slots and CUDA ready events.
+// (CacheServiceImpl::DoRegister adds the id, namespace, owner, mapping and listing fields.)
+void FillSessionGeometry(const v1::RegisterEngineRequest& request, const Registration& reg,
+                         SessionInfo* info);
+
 // Converts a NamespaceSpec message (fields are checked by core::NamespaceSpec::Validate; errors
 // name `namespace_spec.<field>`).
 absl::StatusOr<core::NamespaceSpec> ParseNamespaceSpec(const v1::NamespaceSpec& spec);
@@ -69,7 +75,6 @@ absl::Status ValidateLoad(const v1::LoadRequest& request, const SessionInfo& ses
                           const CacheLimits& limits);
 absl::Status ValidateBackup(const v1::BackupRequest& request, const SessionInfo& session,
                             const CacheLimits& limits);
-
 
 }  // namespace kvcellar::server
 

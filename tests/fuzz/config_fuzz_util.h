@@ -49,6 +49,17 @@ inline void CheckRoundTrip(const server::Config& config, MemoryConfigFile* file)
   FUZZ_CHECK(server::ConfigDigest(*again) == server::ConfigDigest(config));
 }
 
+// What every config target checks of LoadConfig's answer: a refusal is INVALID_ARGUMENT with a
+// message; an accepted config round-trips through its canonical YAML.
+inline void CheckLoaded(const absl::StatusOr<server::Config>& config, MemoryConfigFile* file) {
+  if (!config.ok()) {
+    FUZZ_CHECK(config.status().code() == absl::StatusCode::kInvalidArgument);
+    FUZZ_CHECK(!config.status().message().empty());
+    return;
+  }
+  CheckRoundTrip(*config, file);
+}
+
 }  // namespace kvcellar::fuzz
 
 #endif  // KVCELLAR_TESTS_FUZZ_CONFIG_FUZZ_UTIL_H_

@@ -111,26 +111,12 @@ v1::RegisterEngineRequest OpaqueScheduler() {
 // As CacheServiceImpl::DoRegister fills a session's info from an accepted registration.
 RegisteredSession Register(uint64_t id, const v1::RegisterEngineRequest& request) {
   static constexpr v1::DeviceKind kServed[] = {v1::DEVICE_KIND_SIM, v1::DEVICE_KIND_CUDA};
-  absl::StatusOr<server::Registration> reg =
-      server::ParseRegistration(request, Limits(), kServed);
+  absl::StatusOr<server::Registration> reg = server::ParseRegistration(request, Limits(), kServed);
   FUZZ_CHECK(reg.ok());
-  const bool mla = reg->spec.layout == core::LayoutKind::kMla;
   RegisteredSession s;
   s.spec = reg->spec;
-  server::SessionInfo& info = s.info;
-  info.id = id;
-  info.instance_id = request.instance_id();
-  info.rank = reg->worker ? request.rank() : 0;
-  info.role = reg->worker ? v1::SESSION_ROLE_WORKER : v1::SESSION_ROLE_SCHEDULER;
-  info.shard = static_cast<uint16_t>(reg->worker && !mla ? request.rank() : 0);
-  info.shard_writer = reg->worker && (!mla || request.rank() == 0);
-  info.tp_size = reg->spec.tp_size;
-  info.device_kind = reg->device_kind;
-  info.num_blocks = reg->engine.layout.num_blocks;
-  info.num_layers = static_cast<uint32_t>(reg->engine.layout.layers.size());
-  info.num_load_slots = reg->num_load_slots;
-  info.num_ready_slots = reg->num_ready_slots;
-  info.cuda_ready_events = reg->cuda_ready_events;
+  s.info.id = id;
+  server::FillSessionGeometry(request, *reg, &s.info);
   return s;
 }
 
