@@ -129,8 +129,8 @@ bool UnixListener::AcceptPending() {
       continue;
     }
     if (!AdmitUid(cred.uid)) {
+      refused_.fetch_add(1, std::memory_order_relaxed);  // Counted before the peer can see it.
       ::close(fd);
-      refused_.fetch_add(1, std::memory_order_relaxed);
       const absl::Time now = absl::Now();
       absl::Time& last = logged_[cred.uid];
       if (now - last > kRefusalLogInterval) {

@@ -157,7 +157,7 @@ TEST(RealDaemonTest, StoppedDaemonIsAMissWithinTheDeadline) {
   if (!(*session)->WaitUntilActive(absl::Seconds(3))) {
     GTEST_SKIP() << "kvcellard's CacheService is not implemented yet";
   }
-  daemon.Signal(SIGSTOP);  // Alive, accepting connections, answering nothing.
+  daemon.StopAndWait();  // Alive, accepting connections, answering nothing.
   const std::vector<uint32_t> tokens = Tokens(3, 16);
   MatchSequence ms;
   ms.tokens = tokens;

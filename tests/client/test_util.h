@@ -132,6 +132,15 @@ class DaemonProcess {
     if (pid_ > 0) kill(pid_, sig);
   }
 
+  // SIGSTOP, and returns once the daemon is stopped: kill() returns before a busy process on a
+  // loaded machine has stopped, and it may answer a few more calls meanwhile.
+  void StopAndWait() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGSTOP);
+    int status;
+    waitpid(pid_, &status, WUNTRACED);
+  }
+
   // Sends `sig` and reaps the process.
   void Kill(int sig) {
     if (pid_ <= 0) return;

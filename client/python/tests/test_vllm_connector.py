@@ -216,7 +216,7 @@ class Engine:
             self.free.extend(ids)
         return delay
 
-    def drain(self, timeout=10.0):
+    def drain(self, timeout=30.0):  # A hang guard; loaded CI machines need the room.
         deadline = time.monotonic() + timeout
         while self.delayed or self.finished_ids:
             assert time.monotonic() < deadline, f"still delayed: {self.delayed}"
