@@ -148,7 +148,8 @@ absl::Status CacheAdmin::ListEngines(const v1::ListEnginesRequest& request,
     out->set_pid(info.pid);
     out->set_engine_name(info.engine_name);
     out->set_client_version(info.client_version);
-    out->set_peer(info.peer);
+    // Who registered it, as the transport proved it (in-process test sessions have no peer).
+    if (info.owner.kind != PeerIdentity::Kind::kInProcess) out->set_peer(info.owner.Describe());
     out->set_connected_since_unix_ms(absl::ToUnixMillis(info.registered));
     out->set_lease_deadline_unix_ms(absl::ToUnixMillis(session->lease_deadline()));
     out->set_ops_in_flight(session->inflight_ops());

@@ -127,7 +127,6 @@ absl::Status CacheServiceImpl::DoRegister(grpc::CallbackServerContext* context,
   info.pid = request.pid();
   info.engine_name = request.engine_name();
   info.client_version = request.client_version();
-  info.peer = caller.kind == PeerIdentity::Kind::kInProcess ? "" : caller.Describe();
   info.owner = std::move(caller);
   info.registered = absl::Now();
   if (absl::Status s = sessions_.CheckAdd(info, request.replace_existing()); !s.ok()) return s;

@@ -71,7 +71,6 @@ struct SessionInfo {
   uint32_t pid = 0;
   std::string engine_name;
   std::string client_version;
-  std::string peer;
   absl::Time registered;
 
   bool is_worker() const { return role != v1::SESSION_ROLE_SCHEDULER; }
