@@ -1,4 +1,4 @@
-// NamespaceSpec validation and the canonical "kvcellar-ns-v1" encoding (spec: docs/keys.md).
+// NamespaceSpec validation and the canonical "kvcellar-ns-v2" encoding (spec: docs/keys.md).
 #include "core/namespace_spec.h"
 
 #include <openssl/sha.h>
@@ -13,7 +13,7 @@ namespace {
 
 // Version tag, the first field of every encoding. A change to the field list or to any field's
 // meaning takes a new tag, so old and new digests can never be confused.
-constexpr absl::string_view kEncodingTag = "kvcellar-ns-v1";
+constexpr absl::string_view kEncodingTag = "kvcellar-ns-v2";
 
 constexpr std::array<absl::string_view, 8> kKvDtypes = {
     "fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "nvfp4", "mxfp4",

@@ -62,7 +62,7 @@ struct NamespaceSpec {
   // Objects stored per page: tp_size for MHA/GQA, 1 for MLA.
   uint32_t ShardsPerPage() const { return layout == LayoutKind::kMla ? 1 : tp_size; }
 
-  // The canonical "kvcellar-ns-v1" encoding (docs/keys.md): length-prefixed strings and u32 LE
+  // The canonical "kvcellar-ns-v2" encoding (docs/keys.md): length-prefixed strings and u32 LE
   // integers in a fixed order. It encodes ShardsPerPage(), not tp_size, so MLA groups of any TP
   // size share pages (their objects are byte-identical). Meaningful only for a spec that passes
   // Validate().

@@ -28,6 +28,10 @@ static_assert(sizeof(PageKey) == kPageKeyBytes, "PageKey must be exactly its 32 
 
 constexpr char kHexDigits[] = "0123456789abcdef";
 
+// The last byte of an opaque key's scoping message (docs/keys.md): it makes the message 65 bytes,
+// a length no chained page's message has.
+constexpr uint8_t kOpaqueScopeTag = 0x01;
+
 int HexValue(char c) {
   if (c >= '0' && c <= '9') return c - '0';
   if (c >= 'a' && c <= 'f') return c - 'a' + 10;
@@ -105,8 +109,8 @@ PageKey ChainPageKey(const PageKey& parent, absl::Span<const uint32_t> page_toke
   PageKey key;
   SHA256_CTX ctx;
   SHA256_Init(&ctx);
-  SHA256_Update(&ctx, parent.bytes.data(), kPageKeyBytes);
   UpdateTokensLE(&ctx, page_tokens);
+  SHA256_Update(&ctx, parent.bytes.data(), kPageKeyBytes);
   SHA256_Final(key.bytes.data(), &ctx);
   return key;
 }
@@ -114,13 +118,21 @@ PageKey ChainPageKey(const PageKey& parent, absl::Span<const uint32_t> page_toke
 size_t ComputePageKeys(const PageKey& parent, absl::Span<const uint32_t> tokens, uint32_t page_size,
                        absl::Span<PageKey> out) {
   const size_t n = std::min(FullPages(tokens.size(), page_size), out.size());
+  if (n == 0) return 0;
+  if (std::endian::native == std::endian::little && sha256::HaveShaExtensions()) {
+    // The tokens' memory already is their wire form; PageKey is exactly its 32 bytes.
+    sha256::ChainSuffixed(parent.bytes.data(), reinterpret_cast<const uint8_t*>(tokens.data()),
+                          size_t{page_size} * sizeof(uint32_t), n,
+                          reinterpret_cast<uint8_t*>(out.data()));
+    return n;
+  }
   const PageKey* prev = &parent;
   SHA256_CTX ctx;
   for (size_t i = 0; i < n; ++i) {
     // Each digest is written straight into out[i], which is then the next page's parent.
     SHA256_Init(&ctx);
-    SHA256_Update(&ctx, prev->bytes.data(), kPageKeyBytes);
     UpdateTokensLE(&ctx, tokens.subspan(i * page_size, page_size));
+    SHA256_Update(&ctx, prev->bytes.data(), kPageKeyBytes);
     SHA256_Final(out[i].bytes.data(), &ctx);
     prev = &out[i];
   }
@@ -140,6 +152,7 @@ PageKey ScopeOpaqueKey(const PageKey& ns_digest, const PageKey& engine_key) {
   SHA256_Init(&ctx);
   SHA256_Update(&ctx, ns_digest.bytes.data(), kPageKeyBytes);
   SHA256_Update(&ctx, engine_key.bytes.data(), kPageKeyBytes);
+  SHA256_Update(&ctx, &kOpaqueScopeTag, 1);
   SHA256_Final(key.bytes.data(), &ctx);
   return key;
 }
@@ -151,7 +164,7 @@ void ScopeOpaqueKeys(const PageKey& ns_digest, absl::Span<const PageKey> engine_
   if (sha256::HaveShaExtensions()) {  // PageKey is exactly its 32 bytes (static_assert above).
     sha256::HashPrefixedPairs(ns_digest.bytes.data(),
                               reinterpret_cast<const uint8_t*>(engine_keys.data()), n,
-                              reinterpret_cast<uint8_t*>(out.data()));
+                              kOpaqueScopeTag, reinterpret_cast<uint8_t*>(out.data()));
     return;
   }
   for (size_t i = 0; i < n; ++i) out[i] = ScopeOpaqueKey(ns_digest, engine_keys[i]);

@@ -58,7 +58,7 @@ struct PageKeyHash {
 
 // ---- Key chain (docs/keys.md) ----------------------------------------------------------------
 //
-// k_i = SHA-256(k_{i-1} || tokens[iP, (i+1)P) as uint32 little-endian), k_{-1} = ns_digest.
+// k_i = SHA-256(tokens[iP, (i+1)P) as uint32 little-endian || k_{i-1}), k_{-1} = ns_digest.
 // Only full pages are keyed; a trailing partial page has no key. The functions below never
 // allocate (except the std::vector convenience) and are safe to call from any thread.
 
@@ -67,7 +67,7 @@ inline size_t FullPages(size_t num_tokens, uint32_t page_size) {
   return page_size == 0 ? 0 : num_tokens / page_size;
 }
 
-// The key of one page: SHA-256(parent || page_tokens as uint32 LE). `page_tokens` is the whole
+// The key of one page: SHA-256(page_tokens as uint32 LE || parent). `page_tokens` is the whole
 // page (page_size tokens); `parent` is the previous page's key, or ns_digest for page 0.
 PageKey ChainPageKey(const PageKey& parent, absl::Span<const uint32_t> page_tokens);
 
@@ -86,9 +86,9 @@ std::vector<PageKey> ComputePageKeys(const PageKey& parent, absl::Span<const uin
 
 // Opaque namespaces: the engine supplies its own 32-byte page keys, which are unique only within
 // that engine's own scheme (two models hashed by the same engine code can produce the same
-// value). The daemon therefore indexes SHA-256(ns_digest || engine_key), which puts opaque keys in
-// the same global key space as chained keys without collisions: ns_digest of an opaque namespace
-// never equals a chained parent (the opaque flag is part of the namespace encoding).
+// value). The daemon therefore indexes SHA-256(ns_digest || engine_key || 0x01), which puts opaque
+// keys in the same global key space as chained keys without collisions: that message is 65 bytes
+// long, and a chained page's message (4P + 32 bytes) never is.
 PageKey ScopeOpaqueKey(const PageKey& ns_digest, const PageKey& engine_key);
 
 // out[i] = ScopeOpaqueKey(ns_digest, engine_keys[i]) for every i (out.size() == engine_keys.size();

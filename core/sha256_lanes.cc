@@ -29,14 +29,15 @@ constexpr int kLanes = 4;
 
 constexpr uint32_t Rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
 
-// W(t) + K(t) of the padding block of a 64-byte message (0x80, zeros, the length 512 as a
-// 64-bit big-endian integer): the same for every message, so computed once.
+// W(t) + K(t) of the last block of a 65-byte message: its last byte `tag`, then the padding
+// (0x80, zeros, the length 520 as a 64-bit big-endian integer). The same for every message of a
+// call, so computed once.
 struct PaddingSchedule {
   alignas(16) uint32_t wk[64];
-  PaddingSchedule() {
+  explicit PaddingSchedule(uint8_t tag) {
     uint32_t w[64] = {};
-    w[0] = 0x80000000u;
-    w[15] = 512;
+    w[0] = (uint32_t{tag} << 24) | 0x800000u;
+    w[15] = 65 * 8;
     for (int t = 16; t < 64; ++t) {
       const uint32_t s0 = Rotr(w[t - 15], 7) ^ Rotr(w[t - 15], 18) ^ (w[t - 15] >> 3);
       const uint32_t s1 = Rotr(w[t - 2], 17) ^ Rotr(w[t - 2], 19) ^ (w[t - 2] >> 10);
@@ -65,25 +66,92 @@ KVC_SHA_TARGET inline void FourRounds(__m128i& abef, __m128i& cdgh, __m128i wk) 
   abef = _mm_sha256rnds2_epu32(abef, cdgh, _mm_shuffle_epi32(wk, 0x0E));
 }
 
-// Compresses kLanes messages of one block each (blocks[l]) and then the shared padding block,
-// from H(0); writes each digest's 32 bytes to out[l].
-KVC_SHA_TARGET void HashLanes(const uint8_t* const blocks[kLanes], uint8_t* const out[kLanes],
-                              const PaddingSchedule& padding) {
-  const __m128i byte_swap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
-  // H(0) as ABEF / CDGH.
+// H(0) as the ABEF / CDGH pair sha256rnds2 works on.
+KVC_SHA_TARGET inline void InitialState(__m128i& abef, __m128i& cdgh) {
   const __m128i dcba = _mm_load_si128(reinterpret_cast<const __m128i*>(&kInitial[0]));
   const __m128i hgfe = _mm_load_si128(reinterpret_cast<const __m128i*>(&kInitial[4]));
   const __m128i cdab = _mm_shuffle_epi32(dcba, 0xB1);
   const __m128i efgh = _mm_shuffle_epi32(hgfe, 0x1B);
-  const __m128i abef0 = _mm_alignr_epi8(cdab, efgh, 8);
-  const __m128i cdgh0 = _mm_blend_epi16(efgh, cdab, 0xF0);
+  abef = _mm_alignr_epi8(cdab, efgh, 8);
+  cdgh = _mm_blend_epi16(efgh, cdab, 0xF0);
+}
 
-  __m128i abef[kLanes], cdgh[kLanes], w[kLanes][4];
-  for (int l = 0; l < kLanes; ++l) abef[l] = abef0, cdgh[l] = cdgh0;
-  // The message block, the lanes interleaved round group by round group.
+KVC_SHA_TARGET inline __m128i ByteSwapWords() {
+  return _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+}
+
+// Words a..h of a final state, each written big-endian: the digest's 32 bytes.
+KVC_SHA_TARGET inline void StoreDigest(__m128i abef, __m128i cdgh, uint8_t* out) {
+  const __m128i byte_swap = ByteSwapWords();
+  const __m128i feba = _mm_shuffle_epi32(abef, 0x1B);
+  const __m128i dchg = _mm_shuffle_epi32(cdgh, 0xB1);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                   _mm_shuffle_epi8(_mm_blend_epi16(feba, dchg, 0xF0), byte_swap));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16),
+                   _mm_shuffle_epi8(_mm_alignr_epi8(dchg, feba, 8), byte_swap));
+}
+
+// The 16 message words of a 64-byte block, big-endian in memory, as four registers.
+KVC_SHA_TARGET inline void LoadBlock(const uint8_t* block, __m128i m[4]) {
+  const __m128i byte_swap = ByteSwapWords();
+  for (int q = 0; q < 4; ++q) {
+    m[q] = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * q)),
+                            byte_swap);
+  }
+}
+
+// Words a..d and e..h of a final state: the digest as message words, without a trip through
+// memory (StoreDigest writes the same words big-endian).
+KVC_SHA_TARGET inline void DigestWords(__m128i abef, __m128i cdgh, __m128i& abcd, __m128i& efgh) {
+  const __m128i feba = _mm_shuffle_epi32(abef, 0x1B);
+  const __m128i dchg = _mm_shuffle_epi32(cdgh, 0xB1);
+  abcd = _mm_blend_epi16(feba, dchg, 0xF0);
+  efgh = _mm_alignr_epi8(dchg, feba, 8);
+}
+
+// Compresses one block per lane, given as its message words m[l], into every lane's state, the
+// lanes interleaved round group by round group so that each hides the others' latency.
+template <int Lanes>
+KVC_SHA_TARGET inline void CompressWords(__m128i abef[Lanes], __m128i cdgh[Lanes],
+                                         __m128i m[Lanes][4]) {
+  __m128i abef_in[Lanes], cdgh_in[Lanes];
+  for (int l = 0; l < Lanes; ++l) abef_in[l] = abef[l], cdgh_in[l] = cdgh[l];
+    // Unrolled, so that the words' ring (index g % 4) lives in registers, not on the stack.
+#pragma GCC unroll 16
   for (int g = 0; g < 16; ++g) {
     const __m128i k = _mm_load_si128(reinterpret_cast<const __m128i*>(&kRound[4 * g]));
-    for (int l = 0; l < kLanes; ++l) {
+    for (int l = 0; l < Lanes; ++l) {
+      __m128i* w = m[l];
+      __m128i& cur = w[g % 4];
+      if (g >= 4) {
+        const __m128i prev1 = w[(g + 3) % 4], prev2 = w[(g + 2) % 4];
+        const __m128i next = _mm_add_epi32(_mm_sha256msg1_epu32(cur, w[(g + 1) % 4]),
+                                           _mm_alignr_epi8(prev1, prev2, 4));
+        cur = _mm_sha256msg2_epu32(next, prev1);
+      }
+      FourRounds(abef[l], cdgh[l], _mm_add_epi32(cur, k));
+    }
+  }
+  for (int l = 0; l < Lanes; ++l) {
+    abef[l] = _mm_add_epi32(abef[l], abef_in[l]);
+    cdgh[l] = _mm_add_epi32(cdgh[l], cdgh_in[l]);
+  }
+}
+
+// Compresses the 64-byte block at blocks[l] into every lane's state. Each lane's words are
+// loaded as its first rounds need them, not all up front: four lanes' words, states and inputs
+// do not fit in the sixteen XMM registers.
+template <int Lanes>
+KVC_SHA_TARGET inline void CompressBlock(__m128i abef[Lanes], __m128i cdgh[Lanes],
+                                         const uint8_t* const blocks[Lanes]) {
+  const __m128i byte_swap = ByteSwapWords();
+  __m128i abef_in[Lanes], cdgh_in[Lanes], w[Lanes][4];
+  for (int l = 0; l < Lanes; ++l) abef_in[l] = abef[l], cdgh_in[l] = cdgh[l];
+    // Unrolled, so that the words' ring (index g % 4) lives in registers, not on the stack.
+#pragma GCC unroll 16
+  for (int g = 0; g < 16; ++g) {
+    const __m128i k = _mm_load_si128(reinterpret_cast<const __m128i*>(&kRound[4 * g]));
+    for (int l = 0; l < Lanes; ++l) {
       __m128i& cur = w[l][g % 4];
       if (g < 4) {
         cur = _mm_shuffle_epi8(
@@ -97,24 +165,86 @@ KVC_SHA_TARGET void HashLanes(const uint8_t* const blocks[kLanes], uint8_t* cons
       FourRounds(abef[l], cdgh[l], _mm_add_epi32(cur, k));
     }
   }
-  __m128i abef1[kLanes], cdgh1[kLanes];
-  for (int l = 0; l < kLanes; ++l) {
-    abef[l] = abef1[l] = _mm_add_epi32(abef[l], abef0);
-    cdgh[l] = cdgh1[l] = _mm_add_epi32(cdgh[l], cdgh0);
+  for (int l = 0; l < Lanes; ++l) {
+    abef[l] = _mm_add_epi32(abef[l], abef_in[l]);
+    cdgh[l] = _mm_add_epi32(cdgh[l], cdgh_in[l]);
   }
+}
+
+// Compresses kLanes messages of one block each (blocks[l]) and then the shared last block,
+// from H(0); writes each digest's 32 bytes to out[l].
+KVC_SHA_TARGET void HashLanes(const uint8_t* const blocks[kLanes], uint8_t* const out[kLanes],
+                              const PaddingSchedule& padding) {
+  __m128i abef[kLanes], cdgh[kLanes];
+  for (int l = 0; l < kLanes; ++l) InitialState(abef[l], cdgh[l]);
+  CompressBlock<kLanes>(abef, cdgh, blocks);
   // The padding block: its W+K are constants.
+  __m128i abef1[kLanes], cdgh1[kLanes];
+  for (int l = 0; l < kLanes; ++l) abef1[l] = abef[l], cdgh1[l] = cdgh[l];
   for (int g = 0; g < 16; ++g) {
     const __m128i wk = _mm_load_si128(reinterpret_cast<const __m128i*>(&padding.wk[4 * g]));
     for (int l = 0; l < kLanes; ++l) FourRounds(abef[l], cdgh[l], wk);
   }
   for (int l = 0; l < kLanes; ++l) {
-    const __m128i feba = _mm_shuffle_epi32(_mm_add_epi32(abef[l], abef1[l]), 0x1B);
-    const __m128i dchg = _mm_shuffle_epi32(_mm_add_epi32(cdgh[l], cdgh1[l]), 0xB1);
-    // Words a..h, each written big-endian: the digest's bytes.
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out[l]),
-                     _mm_shuffle_epi8(_mm_blend_epi16(feba, dchg, 0xF0), byte_swap));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out[l] + 16),
-                     _mm_shuffle_epi8(_mm_alignr_epi8(dchg, feba, 8), byte_swap));
+    StoreDigest(_mm_add_epi32(abef[l], abef1[l]), _mm_add_epi32(cdgh[l], cdgh1[l]), out[l]);
+  }
+}
+
+// The midstates of the chain's pages: out + 32*i holds the raw ABEF / CDGH registers after the
+// `full` whole blocks of page i that precede its parent key, four pages at a time.
+KVC_SHA_TARGET void PageMidstates(const uint8_t* pages, size_t page_bytes, size_t full, size_t n,
+                                  uint8_t* out) {
+  for (size_t i = 0; i < n; i += kLanes) {
+    const size_t lanes = n - i < kLanes ? n - i : kLanes;
+    // A short last group repeats its last page in the idle lanes; their states are dropped.
+    const uint8_t* block[kLanes];
+    for (size_t l = 0; l < kLanes; ++l)
+      block[l] = pages + page_bytes * (i + (l < lanes ? l : lanes - 1));
+    __m128i abef[kLanes], cdgh[kLanes];
+    for (int l = 0; l < kLanes; ++l) InitialState(abef[l], cdgh[l]);
+    for (size_t b = 0; b < full; ++b) {
+      CompressBlock<kLanes>(abef, cdgh, block);
+      for (int l = 0; l < kLanes; ++l) block[l] += 64;
+    }
+    for (size_t l = 0; l < lanes; ++l) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 * (i + l)), abef[l]);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 * (i + l) + 16), cdgh[l]);
+    }
+  }
+}
+
+// Each page's last block or two, in order: its remaining token bytes, the previous key and the
+// padding, from the page's midstate (or H(0) when the page has no whole block before its parent).
+KVC_SHA_TARGET void ChainTails(const uint8_t* parent, const uint8_t* pages, size_t page_bytes,
+                               size_t full, size_t n, uint8_t* out) {
+  const size_t rest = page_bytes - 64 * full;  // Token bytes in the tail, 0..63.
+  const size_t tail_blocks = rest + 32 + 9 <= 64 ? 1 : 2;
+  alignas(16) uint8_t tail[128] = {};
+  tail[rest + 32] = 0x80;
+  const uint64_t bits = uint64_t{page_bytes + 32} * 8;
+  for (int b = 0; b < 8; ++b)
+    tail[64 * tail_blocks - 1 - b] = static_cast<uint8_t>(bits >> (8 * b));
+  const uint8_t* blocks[1] = {tail};
+  const uint8_t* prev = parent;
+  for (size_t i = 0; i < n; ++i) {
+    uint8_t* key = out + 32 * i;
+    __m128i abef[1], cdgh[1];
+    if (full == 0) {
+      InitialState(abef[0], cdgh[0]);
+    } else {
+      abef[0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(key));
+      cdgh[0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(key + 16));
+    }
+    std::memcpy(tail, pages + page_bytes * i + 64 * full, rest);
+    std::memcpy(tail + rest, prev, 32);
+    blocks[0] = tail;
+    CompressBlock<1>(abef, cdgh, blocks);
+    if (tail_blocks == 2) {
+      blocks[0] = tail + 64;
+      CompressBlock<1>(abef, cdgh, blocks);
+    }
+    StoreDigest(abef[0], cdgh[0], key);
+    prev = key;
   }
 }
 
@@ -125,8 +255,9 @@ bool HaveShaExtensions() {
   return have;
 }
 
-void HashPrefixedPairs(const uint8_t* prefix, const uint8_t* suffixes, size_t n, uint8_t* out) {
-  static const PaddingSchedule padding;
+void HashPrefixedPairs(const uint8_t* prefix, const uint8_t* suffixes, size_t n, uint8_t tag,
+                       uint8_t* out) {
+  const PaddingSchedule padding(tag);
   alignas(16) uint8_t block[kLanes][64];
   alignas(16) uint8_t digest[kLanes][32];
   for (int l = 0; l < kLanes; ++l) std::memcpy(block[l], prefix, 32);
@@ -143,10 +274,57 @@ void HashPrefixedPairs(const uint8_t* prefix, const uint8_t* suffixes, size_t n,
   }
 }
 
+// The chain for pages of exactly one block (16 tokens): each page's second block is its parent
+// key and constant padding, so its message words come straight from the previous digest's
+// registers; and it is compressed in lockstep with the next page's token block, which does not
+// depend on it. The chain then costs about one block's latency per page.
+KVC_SHA_TARGET void ChainBlockPages(const uint8_t* parent, const uint8_t* pages, size_t n,
+                                    uint8_t* out) {
+  // The second block's words 8..15: 0x80, zeros, the message length (96 bytes) in bits.
+  const __m128i pad_lo = _mm_set_epi32(0, 0, 0, static_cast<int>(0x80000000u));
+  const __m128i pad_hi = _mm_set_epi32(96 * 8, 0, 0, 0);
+  __m128i parent_words[4];
+  alignas(16) uint8_t parent_block[64] = {};
+  std::memcpy(parent_block, parent, 32);
+  LoadBlock(parent_block, parent_words);
+  __m128i abcd = parent_words[0], efgh = parent_words[1];
+
+  __m128i abef[2], cdgh[2], m[2][4];
+  // Page 0's token block alone; then page i's second block beside page i+1's first.
+  InitialState(abef[1], cdgh[1]);
+  LoadBlock(pages, m[1]);
+  CompressWords<1>(&abef[1], &cdgh[1], &m[1]);
+  for (size_t i = 0; i < n; ++i) {
+    abef[0] = abef[1], cdgh[0] = cdgh[1];
+    m[0][0] = abcd, m[0][1] = efgh, m[0][2] = pad_lo, m[0][3] = pad_hi;
+    if (i + 1 < n) {
+      InitialState(abef[1], cdgh[1]);
+      LoadBlock(pages + 64 * (i + 1), m[1]);
+      CompressWords<2>(abef, cdgh, m);
+    } else {
+      CompressWords<1>(abef, cdgh, m);
+    }
+    StoreDigest(abef[0], cdgh[0], out + 32 * i);
+    DigestWords(abef[0], cdgh[0], abcd, efgh);
+  }
+}
+
+void ChainSuffixed(const uint8_t* parent, const uint8_t* pages, size_t page_bytes, size_t n,
+                   uint8_t* out) {
+  if (page_bytes == 64) {
+    ChainBlockPages(parent, pages, n, out);
+    return;
+  }
+  const size_t full = page_bytes / 64;
+  if (full > 0) PageMidstates(pages, page_bytes, full, n, out);
+  ChainTails(parent, pages, page_bytes, full, n, out);
+}
+
 #else  // Not x86-64: no SHA extensions; the callers use OpenSSL.
 
 bool HaveShaExtensions() { return false; }
-void HashPrefixedPairs(const uint8_t*, const uint8_t*, size_t, uint8_t*) {}
+void HashPrefixedPairs(const uint8_t*, const uint8_t*, size_t, uint8_t, uint8_t*) {}
+void ChainSuffixed(const uint8_t*, const uint8_t*, size_t, size_t, uint8_t*) {}
 
 #endif
 

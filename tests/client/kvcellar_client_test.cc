@@ -37,9 +37,9 @@ TEST(ClientKeysTest, MatchesDocsWorkedExample) {
   const std::vector<uint32_t> tokens = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
   const std::vector<core::PageKey> keys = ComputePageKeys(ns, tokens);
   ASSERT_EQ(keys.size(), 2u);
-  EXPECT_EQ(ns.Digest().Hex(), "f46d8b0c90e9c6edef9ab4ebb87174c6167d2d2055348e7e77857137d767b8b5");
-  EXPECT_EQ(keys[0].Hex(), "ecd1307d3ec40ffd60ece4ac6ed077544189b749f568c7415bb6533bf59e724e");
-  EXPECT_EQ(keys[1].Hex(), "787aa887dd55adf32bb4f9a6e0790b3ec1f8b8e527aae01e00283f8ec5b8e06b");
+  EXPECT_EQ(ns.Digest().Hex(), "2eb43a1b297bf3a7e7001fd032c23ee2944a4069f05c73eef4790c49c6475337");
+  EXPECT_EQ(keys[0].Hex(), "534bdcdf6b10c50653fb787a2d12602ca43a75cdc5f603a403cfac745ae379a3");
+  EXPECT_EQ(keys[1].Hex(), "851048f8af9a397f4ee6cbe6ffaba5b89e4af4f8a6a70ee3f9cb6ad4308dcd81");
 }
 
 TEST(ClientKeysTest, SessionKeysAndMatchKeysEqualCore) {

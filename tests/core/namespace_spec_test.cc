@@ -157,7 +157,7 @@ TEST(NamespaceSpecTest, EncodingLayout) {
                          .tp_size = 8,
                          .opaque_keys = true};
   const std::string enc = ns.CanonicalEncoding();
-  const std::string want = std::string("\x0e\0\0\0kvcellar-ns-v1", 18) +  //
+  const std::string want = std::string("\x0e\0\0\0kvcellar-ns-v2", 18) +  //
                            std::string("\x01\0\0\0t", 5) +                // tenant
                            std::string("\x01\0\0\0m", 5) +                // model_id
                            std::string("\x01\0\0\0r", 5) +                // model_revision
@@ -167,7 +167,7 @@ TEST(NamespaceSpecTest, EncodingLayout) {
                            std::string("\x01\0\0\0", 4) +                 // shards: 1
                            std::string("\x01\0\0\0", 4);                  // opaque
   EXPECT_EQ(enc, want);
-  EXPECT_THAT(enc, StartsWith(std::string("\x0e\0\0\0kvcellar-ns-v1", 18)));
+  EXPECT_THAT(enc, StartsWith(std::string("\x0e\0\0\0kvcellar-ns-v2", 18)));
 }
 
 TEST(NamespaceSpecTest, LayoutNames) {

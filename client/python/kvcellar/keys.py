@@ -1,7 +1,7 @@
 """Namespaces and page keys (docs/keys.md), computed by the native library.
 
-A page key names a page of KV and every token before it: ``k_i = SHA-256(k_{i-1} || tokens of
-page i as uint32 LE)``, rooted at the namespace digest. Keys travel as NumPy arrays of shape
+A page key names a page of KV and every token before it: ``k_i = SHA-256(tokens of
+page i as uint32 LE || k_{i-1})``, rooted at the namespace digest. Keys travel as NumPy arrays of shape
 ``(n, 32)`` and dtype uint8; token ids as uint32 arrays. No Python loop runs per page.
 """
 
@@ -69,7 +69,7 @@ class Namespace:
         return 1 if self.layout == "mla" else self.tp_size
 
     def digest(self) -> bytes:
-        """ns_digest: SHA-256 of the canonical "kvcellar-ns-v1" encoding."""
+        """ns_digest: SHA-256 of the canonical "kvcellar-ns-v2" encoding."""
         return self._digest  # type: ignore[attr-defined]
 
     def to_c(self) -> N.Namespace:

@@ -1,18 +1,19 @@
 // Page-key hashing throughput, in bytes of token ids hashed per second.
 //
-// BM_ComputePageKeys is the production path (core/page_key.cc, low-level SHA256_Init/Update/
-// Final). Beside it: SHA-256 of one contiguous buffer of the same token bytes, and of as many
-// bytes as the chain's messages (parent key + tokens per page: BM_Sha256ChainBytesContiguous,
-// issue #14's baseline, compared through the chain's `message_bytes/s` counter), and the two
-// other OpenSSL interfaces the key chain could use, so that the choice in page_key.cc can be
-// re-measured on new hardware.
+// BM_ComputePageKeys is the production path (core/page_key.cc): on CPUs with the SHA extensions,
+// core/sha256_lanes.h, which compresses the token blocks of four pages (or, at 16 tokens a page,
+// of the next page beside the current page's parent block) at once. Beside it: SHA-256 of one
+// contiguous buffer of the same token bytes (BM_Sha256Contiguous, the Match baseline's hashing),
+// and of as many bytes as the chain's messages (tokens + parent key per page:
+// BM_Sha256ChainBytesContiguous, compared through the chain's `message_bytes/s` counter); and the
+// chain one page at a time through the three OpenSSL interfaces, the path of CPUs without the
+// SHA extensions (page_key.cc uses the low-level one), so that both choices can be re-measured on
+// new hardware.
 //
-// Every chained page hashes 32 + 4P bytes plus SHA-256 padding, which rounds up to whole 64-byte
-// blocks: at P = 16 that is 128 bytes compressed per 64 token bytes, so the chain can reach at
-// most half the contiguous rate of the tokens there, and at most 96/128 = 0.75x the rate over
-// its own message bytes. Larger pages approach both. (A direct SHA-NI compression path, tried
-// in #14, ran at 0.96-1.0x of OpenSSL's low-level interface, which already uses SHA-NI: the
-// per-page cost is the padding block, not the interface.)
+// Every chained page hashes 4P + 32 bytes plus SHA-256 padding, in whole 64-byte blocks: at
+// P = 16, 128 bytes compressed per 64 token bytes. One page at a time, every block waits for the
+// one before, so the chain cannot beat half the contiguous rate of its tokens there; with the
+// token blocks of several pages in lockstep only the parent block is serial.
 //
 // This file holds the BENCHMARK_MAIN of kvcellar_bench_core; other files in this folder must not.
 #include <openssl/evp.h>
@@ -112,8 +113,8 @@ void BM_ChainEvpReusedContext(benchmark::State& state) {
     for (size_t i = 0; i < kPages; ++i) {
       unsigned int len = 0;
       EVP_DigestInit_ex(ctx, md, nullptr);
-      EVP_DigestUpdate(ctx, prev->bytes.data(), kPageKeyBytes);
       EVP_DigestUpdate(ctx, &tokens[i * page_size], page_size * sizeof(uint32_t));
+      EVP_DigestUpdate(ctx, prev->bytes.data(), kPageKeyBytes);
       EVP_DigestFinal_ex(ctx, out[i].bytes.data(), &len);
       prev = &out[i];
     }
@@ -125,7 +126,7 @@ void BM_ChainEvpReusedContext(benchmark::State& state) {
 }
 BENCHMARK(BM_ChainEvpReusedContext)->Arg(16)->Arg(64)->Arg(256);
 
-// The chain through the one-shot SHA256(), which needs the page copied behind its parent.
+// The chain through the one-shot SHA256(), which needs the parent copied behind the page.
 void BM_ChainOneShot(benchmark::State& state) {
   const uint32_t page_size = static_cast<uint32_t>(state.range(0));
   const std::vector<uint32_t> tokens = Tokens(kPages * page_size);
@@ -135,8 +136,8 @@ void BM_ChainOneShot(benchmark::State& state) {
   for (auto _ : state) {
     const PageKey* prev = &root;
     for (size_t i = 0; i < kPages; ++i) {
-      std::memcpy(buf.data(), prev->bytes.data(), kPageKeyBytes);
-      std::memcpy(buf.data() + kPageKeyBytes, &tokens[i * page_size], page_size * sizeof(uint32_t));
+      std::memcpy(buf.data(), &tokens[i * page_size], page_size * sizeof(uint32_t));
+      std::memcpy(buf.data() + page_size * sizeof(uint32_t), prev->bytes.data(), kPageKeyBytes);
       SHA256(buf.data(), buf.size(), out[i].bytes.data());
       prev = &out[i];
     }
@@ -145,6 +146,25 @@ void BM_ChainOneShot(benchmark::State& state) {
   state.SetBytesProcessed(int64_t(state.iterations()) * tokens.size() * sizeof(uint32_t));
 }
 BENCHMARK(BM_ChainOneShot)->Arg(16)->Arg(64)->Arg(256);
+
+// The chain one page at a time through OpenSSL's low-level interface (ChainPageKey): what
+// ComputePageKeys does on CPUs without the SHA extensions.
+void BM_ChainOpenSslLowLevel(benchmark::State& state) {
+  const uint32_t page_size = static_cast<uint32_t>(state.range(0));
+  const std::vector<uint32_t> tokens = Tokens(kPages * page_size);
+  std::vector<PageKey> out(kPages);
+  const PageKey root = Root();
+  for (auto _ : state) {
+    const PageKey* prev = &root;
+    for (size_t i = 0; i < kPages; ++i) {
+      out[i] = ChainPageKey(*prev, absl::MakeConstSpan(tokens).subspan(i * page_size, page_size));
+      prev = &out[i];
+    }
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(int64_t(state.iterations()) * tokens.size() * sizeof(uint32_t));
+}
+BENCHMARK(BM_ChainOpenSslLowLevel)->Arg(16)->Arg(64)->Arg(256);
 
 // Opaque keys scoped by their namespace (the daemon, for every opaque Match/Backup/Load key):
 // ScopeOpaqueKeys (four at a time on the SHA extensions) against one ScopeOpaqueKey per key
