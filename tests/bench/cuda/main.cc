@@ -59,12 +59,6 @@ struct Flags {
   double pool_mib = 0;
 };
 
-std::string SelfPath() {
-  std::error_code ec;
-  std::filesystem::path p = std::filesystem::read_symlink("/proc/self/exe", ec);
-  return ec ? std::string() : p.string();
-}
-
 // Takes this binary's own flags out of argv (Google Benchmark rejects unknown ones). False with
 // *error on a bad one.
 bool ParseFlags(int* argc, char** argv, Flags* flags, std::string* error) {
@@ -105,6 +99,12 @@ bool ParseFlags(int* argc, char** argv, Flags* flags, std::string* error) {
 #if KVCELLAR_HAVE_CUDA
 
 namespace kb = ::kvcellar::bench;
+
+std::string SelfPath() {
+  std::error_code ec;
+  std::filesystem::path p = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string() : p.string();
+}
 
 kb::CudaBenchConfig MakeConfig(const Flags& f) {
   kb::CudaBenchConfig c;
