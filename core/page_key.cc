@@ -15,7 +15,9 @@
 #include <openssl/sha.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "core/sha256_lanes.h"
@@ -28,9 +30,16 @@ static_assert(sizeof(PageKey) == kPageKeyBytes, "PageKey must be exactly its 32 
 
 constexpr char kHexDigits[] = "0123456789abcdef";
 
-// The last byte of an opaque key's scoping message (docs/keys.md): it makes the message 65 bytes,
-// a length no chained page's message has.
+// The last byte of an opaque key's scoping message (docs/keys.md): it makes the message 97 bytes,
+// a length no chained page's message (4P + 32) has.
 constexpr uint8_t kOpaqueScopeTag = 0x01;
+
+// The scoping message's first block: the namespace digest and 32 zero bytes.
+std::array<uint8_t, 64> ScopeBlock(const PageKey& ns_digest) {
+  std::array<uint8_t, 64> block{};
+  std::memcpy(block.data(), ns_digest.bytes.data(), kPageKeyBytes);
+  return block;
+}
 
 int HexValue(char c) {
   if (c >= '0' && c <= '9') return c - '0';
@@ -147,10 +156,11 @@ std::vector<PageKey> ComputePageKeys(const PageKey& parent, absl::Span<const uin
 }
 
 PageKey ScopeOpaqueKey(const PageKey& ns_digest, const PageKey& engine_key) {
+  const std::array<uint8_t, 64> first = ScopeBlock(ns_digest);
   PageKey key;
   SHA256_CTX ctx;
   SHA256_Init(&ctx);
-  SHA256_Update(&ctx, ns_digest.bytes.data(), kPageKeyBytes);
+  SHA256_Update(&ctx, first.data(), first.size());
   SHA256_Update(&ctx, engine_key.bytes.data(), kPageKeyBytes);
   SHA256_Update(&ctx, &kOpaqueScopeTag, 1);
   SHA256_Final(key.bytes.data(), &ctx);
@@ -161,13 +171,22 @@ void ScopeOpaqueKeys(const PageKey& ns_digest, absl::Span<const PageKey> engine_
                      absl::Span<PageKey> out) {
   const size_t n = std::min(engine_keys.size(), out.size());
   if (n == 0) return;
+  const std::array<uint8_t, 64> first = ScopeBlock(ns_digest);
   if (sha256::HaveShaExtensions()) {  // PageKey is exactly its 32 bytes (static_assert above).
-    sha256::HashPrefixedPairs(ns_digest.bytes.data(),
-                              reinterpret_cast<const uint8_t*>(engine_keys.data()), n,
-                              kOpaqueScopeTag, reinterpret_cast<uint8_t*>(out.data()));
+    sha256::HashAfterBlock(first.data(), reinterpret_cast<const uint8_t*>(engine_keys.data()), n,
+                           kOpaqueScopeTag, reinterpret_cast<uint8_t*>(out.data()));
     return;
   }
-  for (size_t i = 0; i < n; ++i) out[i] = ScopeOpaqueKey(ns_digest, engine_keys[i]);
+  // The first block once; each key continues a copy of that state.
+  SHA256_CTX after_first;
+  SHA256_Init(&after_first);
+  SHA256_Update(&after_first, first.data(), first.size());
+  for (size_t i = 0; i < n; ++i) {
+    SHA256_CTX ctx = after_first;
+    SHA256_Update(&ctx, engine_keys[i].bytes.data(), kPageKeyBytes);
+    SHA256_Update(&ctx, &kOpaqueScopeTag, 1);
+    SHA256_Final(out[i].bytes.data(), &ctx);
+  }
 }
 
 }  // namespace kvcellar::core

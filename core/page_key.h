@@ -86,9 +86,10 @@ std::vector<PageKey> ComputePageKeys(const PageKey& parent, absl::Span<const uin
 
 // Opaque namespaces: the engine supplies its own 32-byte page keys, which are unique only within
 // that engine's own scheme (two models hashed by the same engine code can produce the same
-// value). The daemon therefore indexes SHA-256(ns_digest || engine_key || 0x01), which puts opaque
-// keys in the same global key space as chained keys without collisions: that message is 65 bytes
-// long, and a chained page's message (4P + 32 bytes) never is.
+// value). The daemon therefore indexes SHA-256(ns_digest || 32 zero bytes || engine_key || 0x01),
+// which puts opaque keys in the same global key space as chained keys without collisions: that
+// message is 97 bytes long, and a chained page's message (4P + 32 bytes) never is. Its first
+// block is the same for every key of a namespace, so a key costs one block.
 PageKey ScopeOpaqueKey(const PageKey& ns_digest, const PageKey& engine_key);
 
 // out[i] = ScopeOpaqueKey(ns_digest, engine_keys[i]) for every i (out.size() == engine_keys.size();

@@ -29,24 +29,6 @@ constexpr int kLanes = 4;
 
 constexpr uint32_t Rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
 
-// W(t) + K(t) of the last block of a 65-byte message: its last byte `tag`, then the padding
-// (0x80, zeros, the length 520 as a 64-bit big-endian integer). The same for every message of a
-// call, so computed once.
-struct PaddingSchedule {
-  alignas(16) uint32_t wk[64];
-  explicit PaddingSchedule(uint8_t tag) {
-    uint32_t w[64] = {};
-    w[0] = (uint32_t{tag} << 24) | 0x800000u;
-    w[15] = 65 * 8;
-    for (int t = 16; t < 64; ++t) {
-      const uint32_t s0 = Rotr(w[t - 15], 7) ^ Rotr(w[t - 15], 18) ^ (w[t - 15] >> 3);
-      const uint32_t s1 = Rotr(w[t - 2], 17) ^ Rotr(w[t - 2], 19) ^ (w[t - 2] >> 10);
-      w[t] = w[t - 16] + s0 + w[t - 7] + s1;
-    }
-    for (int t = 0; t < 64; ++t) wk[t] = w[t] + kRound[t];
-  }
-};
-
 bool DetectShaExtensions() {
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
@@ -171,25 +153,6 @@ KVC_SHA_TARGET inline void CompressBlock(__m128i abef[Lanes], __m128i cdgh[Lanes
   }
 }
 
-// Compresses kLanes messages of one block each (blocks[l]) and then the shared last block,
-// from H(0); writes each digest's 32 bytes to out[l].
-KVC_SHA_TARGET void HashLanes(const uint8_t* const blocks[kLanes], uint8_t* const out[kLanes],
-                              const PaddingSchedule& padding) {
-  __m128i abef[kLanes], cdgh[kLanes];
-  for (int l = 0; l < kLanes; ++l) InitialState(abef[l], cdgh[l]);
-  CompressBlock<kLanes>(abef, cdgh, blocks);
-  // The padding block: its W+K are constants.
-  __m128i abef1[kLanes], cdgh1[kLanes];
-  for (int l = 0; l < kLanes; ++l) abef1[l] = abef[l], cdgh1[l] = cdgh[l];
-  for (int g = 0; g < 16; ++g) {
-    const __m128i wk = _mm_load_si128(reinterpret_cast<const __m128i*>(&padding.wk[4 * g]));
-    for (int l = 0; l < kLanes; ++l) FourRounds(abef[l], cdgh[l], wk);
-  }
-  for (int l = 0; l < kLanes; ++l) {
-    StoreDigest(_mm_add_epi32(abef[l], abef1[l]), _mm_add_epi32(cdgh[l], cdgh1[l]), out[l]);
-  }
-}
-
 // The midstates of the chain's pages: out + 32*i holds the raw ABEF / CDGH registers after the
 // `full` whole blocks of page i that precede its parent key, four pages at a time.
 KVC_SHA_TARGET void PageMidstates(const uint8_t* pages, size_t page_bytes, size_t full, size_t n,
@@ -248,6 +211,38 @@ KVC_SHA_TARGET void ChainTails(const uint8_t* parent, const uint8_t* pages, size
   }
 }
 
+// SHA-256(first_block || suffixes[i] || tag) for every i: the shared first block is compressed
+// once, then each message's one remaining block (its 32 bytes, the tag, the padding), four
+// messages in lockstep.
+KVC_SHA_TARGET void PrefixedSuffixes(const uint8_t* first_block, const uint8_t* suffixes, size_t n,
+                                     uint8_t tag, uint8_t* out) {
+  __m128i mid_abef[1], mid_cdgh[1];
+  InitialState(mid_abef[0], mid_cdgh[0]);
+  const uint8_t* first[1] = {first_block};
+  CompressBlock<1>(mid_abef, mid_cdgh, first);
+  // The last block: 32 bytes of suffix, the tag, 0x80, zeros, the message length in bits.
+  alignas(16) uint8_t block[kLanes][64] = {};
+  const uint64_t bits = uint64_t{64 + 32 + 1} * 8;
+  for (int l = 0; l < kLanes; ++l) {
+    block[l][32] = tag;
+    block[l][33] = 0x80;
+    for (int b = 0; b < 8; ++b) block[l][63 - b] = static_cast<uint8_t>(bits >> (8 * b));
+  }
+  const uint8_t* blocks[kLanes] = {block[0], block[1], block[2], block[3]};
+  for (size_t i = 0; i < n; i += kLanes) {
+    const size_t lanes = n - i < kLanes ? n - i : kLanes;
+    // A short last group repeats its last message in the idle lanes; their digests are dropped.
+    for (size_t l = 0; l < kLanes; ++l) {
+      std::memcpy(block[l], suffixes + 32 * (i + (l < lanes ? l : lanes - 1)), 32);
+    }
+    __m128i abef[kLanes], cdgh[kLanes];
+    for (int l = 0; l < kLanes; ++l) abef[l] = mid_abef[0], cdgh[l] = mid_cdgh[0];
+    CompressBlock<kLanes>(abef, cdgh, blocks);
+    // Written after the group is read, so that `out` may be `suffixes`.
+    for (size_t l = 0; l < lanes; ++l) StoreDigest(abef[l], cdgh[l], out + 32 * (i + l));
+  }
+}
+
 }  // namespace
 
 bool HaveShaExtensions() {
@@ -255,23 +250,9 @@ bool HaveShaExtensions() {
   return have;
 }
 
-void HashPrefixedPairs(const uint8_t* prefix, const uint8_t* suffixes, size_t n, uint8_t tag,
-                       uint8_t* out) {
-  const PaddingSchedule padding(tag);
-  alignas(16) uint8_t block[kLanes][64];
-  alignas(16) uint8_t digest[kLanes][32];
-  for (int l = 0; l < kLanes; ++l) std::memcpy(block[l], prefix, 32);
-  const uint8_t* blocks[kLanes] = {block[0], block[1], block[2], block[3]};
-  uint8_t* digests[kLanes] = {digest[0], digest[1], digest[2], digest[3]};
-  for (size_t i = 0; i < n; i += kLanes) {
-    const size_t lanes = n - i < kLanes ? n - i : kLanes;
-    // A short last group repeats its last message in the idle lanes; their digests are dropped.
-    for (size_t l = 0; l < kLanes; ++l) {
-      std::memcpy(block[l] + 32, suffixes + 32 * (i + (l < lanes ? l : lanes - 1)), 32);
-    }
-    HashLanes(blocks, digests, padding);
-    for (size_t l = 0; l < lanes; ++l) std::memcpy(out + 32 * (i + l), digest[l], 32);
-  }
+void HashAfterBlock(const uint8_t* first_block, const uint8_t* suffixes, size_t n, uint8_t tag,
+                    uint8_t* out) {
+  PrefixedSuffixes(first_block, suffixes, n, tag, out);
 }
 
 // The chain for pages of exactly one block (16 tokens): each page's second block is its parent
@@ -323,7 +304,7 @@ void ChainSuffixed(const uint8_t* parent, const uint8_t* pages, size_t page_byte
 #else  // Not x86-64: no SHA extensions; the callers use OpenSSL.
 
 bool HaveShaExtensions() { return false; }
-void HashPrefixedPairs(const uint8_t*, const uint8_t*, size_t, uint8_t, uint8_t*) {}
+void HashAfterBlock(const uint8_t*, const uint8_t*, size_t, uint8_t, uint8_t*) {}
 void ChainSuffixed(const uint8_t*, const uint8_t*, size_t, size_t, uint8_t*) {}
 
 #endif

@@ -172,7 +172,7 @@ BENCHMARK(BM_ChainOpenSslLowLevel)->Arg(16)->Arg(64)->Arg(256);
 std::vector<PageKey> EngineKeys() {
   std::vector<PageKey> keys(kPages);
   const std::vector<uint32_t> words = Tokens(kPages * 8);
-  std::memcpy(keys.data(), words.data(), kPages * sizeof(PageKey));
+  std::memcpy(static_cast<void*>(keys.data()), words.data(), kPages * sizeof(PageKey));
   return keys;
 }
 

@@ -250,7 +250,7 @@ void RunMatchOpaque(benchmark::State& state, DatapathEnv* env, Summary* summary)
   // The engine's own hashes: 32 bytes per page, from its scheme, not ours.
   std::vector<core::PageKey> keys(kPages);
   const std::vector<uint32_t> words = PromptTokens(77, size_t{kPages} * 8);
-  std::memcpy(keys.data(), words.data(), keys.size() * sizeof(core::PageKey));
+  std::memcpy(static_cast<void*>(keys.data()), words.data(), keys.size() * sizeof(core::PageKey));
   absl::StatusOr<std::unique_ptr<PinnedPages>> pinned = PinnedPages::Make(session, keys);
   if (!pinned.ok()) {
     state.SkipWithError(absl::StrCat("setup: ", pinned.status().ToString()).c_str());
