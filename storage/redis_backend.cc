@@ -96,9 +96,7 @@ class RedisBackendImpl final : public RedisBackend {
     std::atomic<int64_t> retry_after_ns{0};
     std::vector<std::thread> workers;
 
-    bool HasWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-      return head != nullptr || stopping;
-    }
+    bool HasWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return head != nullptr || stopping; }
   };
 
   struct Redirected {
@@ -437,7 +435,10 @@ RedisBackendImpl::Node* RedisBackendImpl::EnsureNode(int id) {
 void RedisBackendImpl::Enqueue(Node* node, Chunk* c) {
   absl::MutexLock lock(&node->mu);
   c->next = nullptr;
-  if (node->tail == nullptr) node->head = c; else node->tail->next = c;
+  if (node->tail == nullptr)
+    node->head = c;
+  else
+    node->tail->next = c;
   node->tail = c;
 }
 
@@ -466,15 +467,31 @@ void RedisBackendImpl::RunChunk(Node* node, RedisConnection* conn, Chunk* c) {
   Batch* b = c->batch;
   const absl::Time now = absl::Now();
   if (now >= b->deadline) return FailItems(b, c->items, /*timeout=*/true);
+  const bool pooled = conn->connected();
   if (!EnsureConnected(node, conn, b, now)) return FailItems(b, c->items, /*timeout=*/false);
 
-  BuildPipeline(conn, c);
   FollowUp follow;
   absl::Status status;
-  const size_t got =
-      conn->Run(b->deadline, &status, [&](const RedisConnection::Expect& e, const RedisReply& r) {
-        OnReply(b, e, r, &follow);
-      });
+  auto run = [&] {
+    BuildPipeline(conn, c);
+    return conn->Run(
+        b->deadline, &status,
+        [&](const RedisConnection::Expect& e, const RedisReply& r) { OnReply(b, e, r, &follow); });
+  };
+  size_t got = run();
+  if (!status.ok() && got == 0 && pooled && !absl::IsDeadlineExceeded(status)) {
+    // A pooled connection that failed before any reply was most likely closed while it sat idle
+    // (the server restarted, or dropped idle clients): the other end never saw the pipeline, or
+    // saw commands that are safe to repeat (SET of the same bytes, GET, EXISTS, UNLINK). One fresh
+    // connection runs it again; without this every pooled connection would fail one chunk after
+    // a server restart.
+    conn->Close();
+    if (!EnsureConnected(node, conn, b, absl::Now())) {
+      return FailItems(b, c->items, /*timeout=*/false);
+    }
+    status = absl::OkStatus();
+    got = run();
+  }
   if (!status.ok()) FailUnanswered(node, conn, b, got, status);
   if (!follow.corrupt.empty()) RemoveCorrupt(conn, b, follow.corrupt);
   if (!follow.redirected.empty()) Resend(b, &follow.redirected);
@@ -543,10 +560,9 @@ void RedisBackendImpl::OnReply(Batch* b, const RedisConnection::Expect& e, const
     case RedisCommand::kGet:
       return OnGetReply(b, i, r, follow);
     case RedisCommand::kSet:
-      return Resolve(b, i,
-                     r.type == RedisReplyType::kStatus ? ObjectStatus::kOk
-                                                       : ObjectStatus::kDeviceError,
-                     b->items[i].len);
+      return Resolve(
+          b, i, r.type == RedisReplyType::kStatus ? ObjectStatus::kOk : ObjectStatus::kDeviceError,
+          b->items[i].len);
     case RedisCommand::kExists:
       return ResolveExists(b, i,
                            r.type == RedisReplyType::kInteger
@@ -665,9 +681,9 @@ void RedisBackendImpl::ResolveExists(Batch* b, uint32_t item, Presence p) {
 
 void RedisBackendImpl::ResolveFailed(Batch* b, uint32_t item, ObjectStatus status) {
   if (b->kind != OpKind::kExists) return Resolve(b, item, status, 0);
-  ResolveExists(b, item,
-                status == ObjectStatus::kRetry ? Presence::kUnknownTransient
-                                               : Presence::kUnknownError);
+  ResolveExists(
+      b, item,
+      status == ObjectStatus::kRetry ? Presence::kUnknownTransient : Presence::kUnknownError);
 }
 
 // Every object in `items` failed transiently; `timeout` marks the batch as past its deadline.

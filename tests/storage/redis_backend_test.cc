@@ -113,8 +113,8 @@ TEST_F(RedisBackendTest, ExistsPrefixAndDelete) {
   // The same object twice in one batch: one removes it, the other finds it gone (the two may run
   // on different connections, in either order).
   ASSERT_EQ(d.items.size(), 2u);
-  EXPECT_EQ(int(d.items[0].status == ObjectStatus::kOk) + int(d.items[1].status == ObjectStatus::kOk),
-            1);
+  EXPECT_EQ(
+      int(d.items[0].status == ObjectStatus::kOk) + int(d.items[1].status == ObjectStatus::kOk), 1);
   EXPECT_EQ(int(d.items[0].status == ObjectStatus::kNotFound) +
                 int(d.items[1].status == ObjectStatus::kNotFound),
             1);
@@ -207,8 +207,8 @@ TEST_F(RedisBackendTest, ServerDownFailsFastThenRecovers) {
     EXPECT_EQ(PutOne(*b, ns_, TestKey(2), 0, 8192), ObjectStatus::kRetry);
     const core::PageKey k = TestKey(1);
     const uint32_t s0 = 0;
-    ExistsResult e = testing::ExistsSync(*b, {ns_, absl::MakeConstSpan(&k, 1),
-                                              absl::MakeConstSpan(&s0, 1)});
+    ExistsResult e =
+        testing::ExistsSync(*b, {ns_, absl::MakeConstSpan(&k, 1), absl::MakeConstSpan(&s0, 1)});
     EXPECT_EQ(e.present_prefix, 0u);
     EXPECT_EQ(e.status, ObjectStatus::kRetry);
     EXPECT_LT(absl::Now() - start, absl::Milliseconds(500));
@@ -233,6 +233,29 @@ TEST_F(RedisBackendTest, ServerDownFailsFastThenRecovers) {
   EXPECT_GE(b->Stats().reconnects, 2u);
 }
 
+// A server that restarts while the pooled connections sit idle: each connection fails its next
+// pipeline before any reply, reconnects at once and runs it again, so no op fails.
+TEST_F(RedisBackendTest, RestartWhileIdleLosesNoOp) {
+  RedisBackendOptions o = Options();
+  o.connections_per_node = 4;
+  auto b = Create(o);
+  ASSERT_NE(b, nullptr);
+  // A batch of 8 spreads over all four connections, connecting each.
+  std::vector<core::PageKey> keys;
+  for (int i = 0; i < 8; ++i) keys.push_back(TestKey(100 + i));
+  for (const core::PageKey& k : keys) ASSERT_EQ(PutOne(*b, ns_, k, 0, 4096), ObjectStatus::kOk);
+  const uint64_t reconnects = b->Stats().reconnects;
+  server_->Kill();
+  ASSERT_TRUE(server_->Start());  // Empty: no persistence.
+  for (int round = 0; round < 3; ++round) {
+    for (const core::PageKey& k : keys) {
+      EXPECT_EQ(PutOne(*b, ns_, k, 0, 4096), ObjectStatus::kOk) << "round " << round;
+      EXPECT_EQ(GetOne(*b, ns_, k, 0, 4096, 4096), ObjectStatus::kOk) << "round " << round;
+    }
+  }
+  EXPECT_GE(b->Stats().reconnects, reconnects + 1);
+}
+
 TEST_F(RedisBackendTest, StalledServerFailsAtTheDeadline) {
   auto b = Create(Options());
   ASSERT_NE(b, nullptr);
@@ -241,7 +264,8 @@ TEST_F(RedisBackendTest, StalledServerFailsAtTheDeadline) {
   AlignedBuffer buf(8192);
   GetItem item{TestKey(1), 0, buf.get(), 8192};
   const absl::Time start = absl::Now();
-  BatchResult r = testing::GetSync(*b, {ns_, absl::MakeConstSpan(&item, 1), absl::Milliseconds(200)});
+  BatchResult r =
+      testing::GetSync(*b, {ns_, absl::MakeConstSpan(&item, 1), absl::Milliseconds(200)});
   const absl::Duration took = absl::Now() - start;
   server_->Resume();
   ASSERT_EQ(r.items.size(), 1u);
