@@ -202,6 +202,11 @@ class Engine {
         }
       }
     }
+    // A cudaMemcpy from pageable memory may return once the bytes are staged, before they reach
+    // the pool; the daemon reads them from another process, which no stream order covers.
+    if (absl::Status s = Cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize(fill)"); !s.ok()) {
+      return s;
+    }
     cudaIpcMemHandle_t h;
     if (absl::Status s = Cuda(cudaIpcGetMemHandle(&h, pool_), "cudaIpcGetMemHandle"); !s.ok()) {
       return s;
