@@ -390,6 +390,12 @@ std::optional<int> MaybeRunCudaEngineProcess() {
 absl::StatusOr<std::unique_ptr<CudaEngineProcess>> CudaEngineProcess::Spawn(
     const std::vector<std::string>& argv, absl::Duration start_timeout) {
   if (argv.empty()) return absl::InvalidArgumentError("argv: empty");
+  // A write to an engine that has died must fail (EPIPE) rather than kill this process with
+  // SIGPIPE; a handler the caller installed is left alone.
+  struct sigaction old_pipe;
+  if (::sigaction(SIGPIPE, nullptr, &old_pipe) == 0 && old_pipe.sa_handler == SIG_DFL) {
+    ::signal(SIGPIPE, SIG_IGN);
+  }
   int to_child[2], to_parent[2];
   if (::pipe2(to_child, O_CLOEXEC) != 0) return absl::InternalError("pipe2 failed");
   if (::pipe2(to_parent, O_CLOEXEC) != 0) {

@@ -84,7 +84,8 @@ struct GemmTiming {
 class CudaEngineProcess {
  public:
   // Starts `argv` (argv[0] a path: this binary, with whatever arguments make it call
-  // MaybeRunCudaEngineProcess) and reads its hello line.
+  // MaybeRunCudaEngineProcess) and reads its hello line. Sets SIGPIPE to SIG_IGN in this process
+  // if it was SIG_DFL, so that a command to a dead engine fails instead of killing the caller.
   static absl::StatusOr<std::unique_ptr<CudaEngineProcess>> Spawn(
       const std::vector<std::string>& argv, absl::Duration start_timeout = absl::Seconds(60));
   ~CudaEngineProcess();  // Finish(), bounded.
