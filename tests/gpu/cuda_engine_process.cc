@@ -462,7 +462,8 @@ absl::StatusOr<std::string> CudaEngineProcess::Reply(absl::Duration timeout) {
     if (from_engine_ < 0) return absl::UnavailableError("engine process: not running");
     const absl::Duration left = deadline - absl::Now();
     if (left <= absl::ZeroDuration()) {
-      return absl::DeadlineExceededError("engine process: no answer in time");
+      Finish(absl::ZeroDuration());
+      return absl::DeadlineExceededError("engine process: no answer in time; killed it");
     }
     pollfd pfd{from_engine_, POLLIN, 0};
     const int ready = ::poll(&pfd, 1, static_cast<int>(absl::ToInt64Milliseconds(left)) + 1);
@@ -471,7 +472,10 @@ absl::StatusOr<std::string> CudaEngineProcess::Reply(absl::Duration timeout) {
     char chunk[4096];
     const ssize_t n = ::read(from_engine_, chunk, sizeof(chunk));
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return absl::UnavailableError("engine process: exited");
+    if (n <= 0) {
+      Finish(absl::Seconds(5));  // Reaped now, not at destruction.
+      return absl::UnavailableError("engine process: exited");
+    }
     buffer_.append(chunk, static_cast<size_t>(n));
   }
   const size_t nl = buffer_.find('\n');

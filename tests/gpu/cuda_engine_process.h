@@ -116,8 +116,12 @@ class CudaEngineProcess {
   absl::StatusOr<GemmTiming> FinishGemm();
 
   // Closes the command pipe and waits for the engine to exit (SIGKILL after `grace`); its wait
-  // status, or -1 when it was not running. Idempotent.
+  // status, or -1 when it was not running. Idempotent. A command whose answer does not come in
+  // time, or finds the engine gone, ends it this way too: a late answer could no longer be told
+  // from the next command's.
   int Finish(absl::Duration grace = absl::Seconds(30));
+  // Whether the engine process is still there to take commands.
+  bool running() const { return pid_ > 0; }
 
  private:
   CudaEngineProcess() = default;
