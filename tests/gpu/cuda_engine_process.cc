@@ -202,6 +202,11 @@ class Engine {
         }
       }
     }
+    // A cudaMemcpy from pageable memory may return once the bytes are staged, before they reach
+    // the pool; the daemon reads them from another process, which no stream order covers.
+    if (absl::Status s = Cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize(fill)"); !s.ok()) {
+      return s;
+    }
     cudaIpcMemHandle_t h;
     if (absl::Status s = Cuda(cudaIpcGetMemHandle(&h, pool_), "cudaIpcGetMemHandle"); !s.ok()) {
       return s;
@@ -385,6 +390,12 @@ std::optional<int> MaybeRunCudaEngineProcess() {
 absl::StatusOr<std::unique_ptr<CudaEngineProcess>> CudaEngineProcess::Spawn(
     const std::vector<std::string>& argv, absl::Duration start_timeout) {
   if (argv.empty()) return absl::InvalidArgumentError("argv: empty");
+  // A write to an engine that has died must fail (EPIPE) rather than kill this process with
+  // SIGPIPE; a handler the caller installed is left alone.
+  struct sigaction old_pipe;
+  if (::sigaction(SIGPIPE, nullptr, &old_pipe) == 0 && old_pipe.sa_handler == SIG_DFL) {
+    ::signal(SIGPIPE, SIG_IGN);
+  }
   int to_child[2], to_parent[2];
   if (::pipe2(to_child, O_CLOEXEC) != 0) return absl::InternalError("pipe2 failed");
   if (::pipe2(to_parent, O_CLOEXEC) != 0) {
@@ -451,7 +462,8 @@ absl::StatusOr<std::string> CudaEngineProcess::Reply(absl::Duration timeout) {
     if (from_engine_ < 0) return absl::UnavailableError("engine process: not running");
     const absl::Duration left = deadline - absl::Now();
     if (left <= absl::ZeroDuration()) {
-      return absl::DeadlineExceededError("engine process: no answer in time");
+      Finish(absl::ZeroDuration());
+      return absl::DeadlineExceededError("engine process: no answer in time; killed it");
     }
     pollfd pfd{from_engine_, POLLIN, 0};
     const int ready = ::poll(&pfd, 1, static_cast<int>(absl::ToInt64Milliseconds(left)) + 1);
@@ -460,7 +472,10 @@ absl::StatusOr<std::string> CudaEngineProcess::Reply(absl::Duration timeout) {
     char chunk[4096];
     const ssize_t n = ::read(from_engine_, chunk, sizeof(chunk));
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return absl::UnavailableError("engine process: exited");
+    if (n <= 0) {
+      Finish(absl::Seconds(5));  // Reaped now, not at destruction.
+      return absl::UnavailableError("engine process: exited");
+    }
     buffer_.append(chunk, static_cast<size_t>(n));
   }
   const size_t nl = buffer_.find('\n');

@@ -84,7 +84,8 @@ struct GemmTiming {
 class CudaEngineProcess {
  public:
   // Starts `argv` (argv[0] a path: this binary, with whatever arguments make it call
-  // MaybeRunCudaEngineProcess) and reads its hello line.
+  // MaybeRunCudaEngineProcess) and reads its hello line. Sets SIGPIPE to SIG_IGN in this process
+  // if it was SIG_DFL, so that a command to a dead engine fails instead of killing the caller.
   static absl::StatusOr<std::unique_ptr<CudaEngineProcess>> Spawn(
       const std::vector<std::string>& argv, absl::Duration start_timeout = absl::Seconds(60));
   ~CudaEngineProcess();  // Finish(), bounded.
@@ -115,8 +116,12 @@ class CudaEngineProcess {
   absl::StatusOr<GemmTiming> FinishGemm();
 
   // Closes the command pipe and waits for the engine to exit (SIGKILL after `grace`); its wait
-  // status, or -1 when it was not running. Idempotent.
+  // status, or -1 when it was not running. Idempotent. A command whose answer does not come in
+  // time, or finds the engine gone, ends it this way too: a late answer could no longer be told
+  // from the next command's.
   int Finish(absl::Duration grace = absl::Seconds(30));
+  // Whether the engine process is still there to take commands.
+  bool running() const { return pid_ > 0; }
 
  private:
   CudaEngineProcess() = default;

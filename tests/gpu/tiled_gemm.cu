@@ -18,8 +18,9 @@ static_assert(kTile * kStep == kThreads * 4, "each thread loads one float4 of A 
 __global__ void __launch_bounds__(kThreads)
     TiledGemmKernel(const float* __restrict__ a, const float* __restrict__ b,
                     float* __restrict__ c, int n) {
-  __shared__ float as[kStep][kTile];  // as[k][m] = A[row0 + m][k0 + k].
-  __shared__ float bs[kStep][kTile];  // bs[k][j] = B[k0 + k][col0 + j].
+  // 16-byte aligned: bs takes float4 stores, and a float array's own alignment is only 4.
+  __shared__ __align__(16) float as[kStep][kTile];  // as[k][m] = A[row0 + m][k0 + k].
+  __shared__ __align__(16) float bs[kStep][kTile];  // bs[k][j] = B[k0 + k][col0 + j].
   const int t = threadIdx.x;
   const int tx = t % (kTile / kPerThread);
   const int ty = t / (kTile / kPerThread);

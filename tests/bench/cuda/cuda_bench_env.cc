@@ -80,7 +80,10 @@ absl::StatusOr<gpu::testing::CudaEngineProcess*> CudaBenchEnv::Engine(
     engines_.resize(i + 1);
     layouts_.resize(i + 1);
   }
-  if (engines_[i] == nullptr) {
+  if (engines_[i] == nullptr || !engines_[i]->running()) {
+    // First use, or the engine died or was ended for not answering: a fresh one.
+    ReleaseEngine(i);
+    engines_[i].reset();
     absl::StatusOr<std::unique_ptr<gpu::testing::CudaEngineProcess>> e =
         gpu::testing::CudaEngineProcess::Spawn({options_.self});
     if (!e.ok()) return e.status();

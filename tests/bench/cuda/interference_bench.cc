@@ -16,6 +16,9 @@ namespace {
 using gpu::testing::PoolShape;
 
 constexpr absl::Duration kOpWait = absl::Seconds(60);
+// How long past its length a GEMM phase may run before the engine counts as stuck (the engine's own
+// answer timeout, CudaEngineProcess::FinishGemm).
+constexpr absl::Duration kGemmGrace = absl::Seconds(300);
 
 absl::Status Op(Backend& b, gpu::EngineMapping& m, const std::vector<gpu::CopyItem>& items,
                 bool load) {
@@ -60,18 +63,33 @@ void RunInterference(benchmark::State& state, CudaBenchEnv* env, CudaSummary* su
     return;
   }
   for (auto _ : state) {
-    // Copies run from before the GEMM phase starts until its answer arrives.
+    // One copy before the GEMM phase starts, then copies back to back until its answer arrives.
     st = Op(b, **mapping, items, load);
-    if (st.ok()) st = (*engine)->StartGemm(config.gemm_n, config.gemm_ms);
+    if (!st.ok()) {
+      state.SkipWithError(st.ToString().c_str());
+      return;
+    }
+    if (absl::Status s = (*engine)->StartGemm(config.gemm_n, config.gemm_ms); !s.ok()) {
+      state.SkipWithError(s.ToString().c_str());
+      return;
+    }
     int ops = 0;
     const absl::Time t0 = absl::Now();
+    const absl::Time give_up = t0 + absl::Milliseconds(config.gemm_ms) + kGemmGrace;
     while (st.ok() && !(*engine)->GemmDone()) {
+      if (absl::Now() > give_up) {
+        (*engine)->Finish(absl::ZeroDuration());  // Stuck: its answer would come to a later case.
+        st = absl::DeadlineExceededError("engine process: GEMM phase did not end; killed it");
+        break;
+      }
       st = Op(b, **mapping, items, load);
       ++ops;
     }
     const absl::Duration window = absl::Now() - t0;
-    absl::StatusOr<gpu::testing::GemmTiming> during =
-        st.ok() ? (*engine)->FinishGemm() : st;
+    // Read even after a failed copy: an answer left in the pipe would be taken as the next
+    // case's GEMM timing. (An engine ended above answers "not running" at once.)
+    absl::StatusOr<gpu::testing::GemmTiming> during = (*engine)->FinishGemm();
+    if (during.ok() && !st.ok()) during = st;
     if (!during.ok()) {
       state.SkipWithError(during.status().ToString().c_str());
       return;

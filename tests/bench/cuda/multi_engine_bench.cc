@@ -43,6 +43,8 @@ absl::Status WaitUsable(client::Session& s, client::OpResult r, size_t pages) {
     w.timeout = absl::Seconds(1);
     w.omit_page_status = true;
     r = s.WaitOps({r.ref}, w)[0];
+    // A daemon that cannot answer makes WaitOps return at once: no busy loop until the deadline.
+    if (!r.terminal() && !r.status.ok()) absl::SleepFor(absl::Milliseconds(20));
   }
   if (r.usable_pages(0) != pages) {
     return absl::InternalError(absl::StrCat("op ", client::OpStateName(r.state), ", ",
