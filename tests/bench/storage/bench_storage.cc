@@ -544,7 +544,7 @@ void RedisBench(benchmark::State& state, bool put) {
       } else {
         std::vector<GetItem> items;
         for (size_t i = 0; i < m; ++i) {
-          items.push_back({Key(base + i), 0, bufs[slot * kQueueDepth + i].p, size, {}});
+          items.push_back({Key(base + i), 0, bufs[slot * kQueueDepth + i].p, size});
         }
         inflight[slot] = *(*b)->GetAsync({kNs, items});
       }
