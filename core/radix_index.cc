@@ -1136,6 +1136,21 @@ size_t RadixIndex::GetL2Slots(absl::Span<const PageKey> keys, uint16_t shard,
   return found;
 }
 
+size_t RadixIndex::GetParents(absl::Span<const PageKey> keys,
+                              absl::Span<std::optional<PageKey>> parents) const {
+  size_t found = 0;
+  absl::ReaderMutexLock lock(&mu_);
+  Cursor cursor;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const Node* n = Seek(cursor, keys[i]);
+    parents[i] = std::nullopt;
+    if (n == nullptr) continue;
+    ++found;
+    if (n->parent != nullptr) parents[i] = n->parent->key;
+  }
+  return found;
+}
+
 std::optional<PageInfo> RadixIndex::Inspect(const PageKey& key) const {
   absl::ReaderMutexLock lock(&mu_);
   const Node* n = Find(key);

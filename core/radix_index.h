@@ -375,6 +375,11 @@ class RadixIndex {
   // Returns the number of valid slots.
   size_t GetL2Slots(absl::Span<const PageKey> keys, uint16_t shard, absl::Span<SlotRef> slots) const
       ABSL_LOCKS_EXCLUDED(mu_);
+  // The parent of each key: its key, or nullopt for the first page of its sequences and for a key
+  // that is not indexed (a caller that holds the pages, e.g. pinned, knows they are). What an L3
+  // write records in the object's header. Returns the number of keys indexed.
+  size_t GetParents(absl::Span<const PageKey> keys,
+                    absl::Span<std::optional<PageKey>> parents) const ABSL_LOCKS_EXCLUDED(mu_);
   std::optional<PageInfo> Inspect(const PageKey& key) const ABSL_LOCKS_EXCLUDED(mu_);
   RadixIndexStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
 

@@ -47,6 +47,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "core/page_key.h"
+#include "storage/object_format.h"
 
 namespace kvcellar::storage {
 
@@ -96,11 +97,15 @@ struct GetItem {
 // One object to write from a host slot: src[0, size). Direct I/O needs src 4 KiB-aligned and size a
 // multiple of 4 KiB; other objects are written buffered. Overwriting an existing object is allowed
 // (objects are content-addressed: same key, same bytes); the last complete write wins.
+// `parent` is recorded in the object's header so that a tier scanned after a restart can put the
+// page back in the index under its parent (storage/object_format.h); kUnknown when the writer does
+// not know it (the object is then found only by lookups).
 struct PutItem {
   PageKey key;
   uint32_t shard = 0;
   const uint8_t* src = nullptr;
   uint64_t size = 0;
+  ParentLink parent;
 };
 
 // One object named, for Delete.

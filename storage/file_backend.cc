@@ -9,14 +9,17 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "platform/log.h"
@@ -68,6 +71,7 @@ class FileBackendImpl final : public FileBackend, private FileObjectIo::Listener
   absl::Status Delete(const DeleteRequest& request, BatchCallback done) override;
   BackendStats Stats() const override;
   bool WaitForIndex(absl::Duration timeout) const override;
+  void SetScanSink(FileScanSink sink) override;
   absl::string_view io_engine_name() const override { return engine_->name(); }
 
  private:
@@ -162,6 +166,15 @@ class FileBackendImpl final : public FileBackend, private FileObjectIo::Listener
   // Owned by Init's thread, then by the scanner thread alone.
   std::unique_ptr<FileStartupScan> scan_;
   InFlightBatches in_flight_{"file backend"};
+  absl::Time opened_at_;
+
+  // The scan's result until a sink takes it. Its own mutex, held while the sink runs (which
+  // inserts into the daemon's index), so that SetScanSink(nullptr) can wait it out without
+  // stalling I/O on mu_.
+  absl::Mutex sink_mu_;
+  FileScanSink sink_ ABSL_GUARDED_BY(sink_mu_);
+  std::optional<FileScanResult> scan_result_ ABSL_GUARDED_BY(sink_mu_);
+  bool scan_taken_ ABSL_GUARDED_BY(sink_mu_) = false;
 
   mutable absl::Mutex mu_;
   FileCapacity capacity_ ABSL_GUARDED_BY(mu_);
@@ -176,6 +189,7 @@ class FileBackendImpl final : public FileBackend, private FileObjectIo::Listener
 // ---- Open and close ---------------------------------------------------------------------------
 
 absl::Status FileBackendImpl::Init() {
+  opened_at_ = absl::Now();
   if (options_.root.empty()) return absl::InvalidArgumentError("root: empty");
   if (options_.max_inflight_objects == 0) {
     return absl::InvalidArgumentError("max_inflight_objects: must be at least 1");
@@ -375,6 +389,7 @@ ObjectStatus FileBackendImpl::AdmitLocked(Task* t, const GetItem& item, FileVict
 ObjectStatus FileBackendImpl::AdmitLocked(Task* t, const PutItem& item, FileVictims* victims) {
   t->buf = const_cast<uint8_t*>(item.src);  // Only ever written from.
   t->len = item.size;
+  t->parent = item.parent;
   const uint64_t bytes = FileFootprint(item.size);
   if (item.size > options_.max_object_bytes || !capacity_.Reserve(bytes, victims)) {
     return ObjectStatus::kRejected;
@@ -602,17 +617,20 @@ void FileBackendImpl::OnEvicted(IoOp* op) {
 
 // ---- Startup scan -----------------------------------------------------------------------------
 
-// Indexes what the scan found, oldest coldest, then enforces the capacity.
+// Indexes what the scan found, oldest coldest, then enforces the capacity, and hands what it
+// indexed to the sink (the daemon's radix index).
 void FileBackendImpl::PublishScan() {
-  const std::vector<FileStartupScan::Found> found = scan_->TakeFoundNewestFirst();
-  size_t indexed = 0;
+  std::vector<FileStartupScan::Found> found = scan_->TakeFoundNewestFirst();
+  std::vector<bool> indexed(found.size());
+  size_t nindexed = 0;
   for (size_t i = 0; i < found.size(); i += kScanInsertChunk) {
     absl::MutexLock lock(&mu_);
     const size_t end = std::min(found.size(), i + kScanInsertChunk);
     for (size_t j = i; j < end; ++j) {
       // Newest first, each to the cold end: the oldest ends up coldest. Skips what this process
       // wrote (newer) or removed since the scan listed it.
-      if (capacity_.AddScanned(found[j].id, found[j].bytes)) ++indexed;
+      indexed[j] = capacity_.AddScanned(found[j].id, found[j].bytes);
+      if (indexed[j]) ++nindexed;
     }
   }
   FileVictims victims;
@@ -621,11 +639,53 @@ void FileBackendImpl::PublishScan() {
     capacity_.CompleteScan(&victims);
   }
   UnlinkVictims(victims);
+
+  FileScanResult r;
+  r.namespaces = scan_->namespaces();
+  r.entries = scan_->entries_seen();
+  r.found = scan_->objects_found();
+  r.legacy = scan_->objects_legacy();
+  r.dropped = scan_->objects_dropped();
+  r.temps_removed = scan_->temps_removed();
+  r.evicted = victims.size();
+  r.payload_bytes = scan_->payload_bytes();
+  const absl::flat_hash_set<FileObjectId> evicted(victims.begin(), victims.end());
+  r.objects.reserve(nindexed);
+  for (size_t j = found.size(); j-- > 0;) {  // Oldest first.
+    if (indexed[j] && !evicted.contains(found[j].id)) r.objects.push_back(found[j]);
+  }
+  r.elapsed = absl::Now() - opened_at_;
   KVLOG(Info, "file backend index rebuilt",
         {{"root", options_.root},
-         {"objects", indexed},
-         {"temps_removed", scan_->temps_removed()},
-         {"evicted", victims.size()}});
+         {"objects", nindexed},
+         {"found", r.found},
+         {"legacy", r.legacy},
+         {"dropped", r.dropped},
+         {"temps_removed", r.temps_removed},
+         {"evicted", victims.size()},
+         {"bytes", r.payload_bytes},
+         {"seconds", absl::StrFormat("%.3f", absl::ToDoubleSeconds(r.elapsed))}});
+  absl::MutexLock lock(&sink_mu_);
+  if (sink_ != nullptr) {
+    scan_taken_ = true;
+    sink_(std::move(r));
+    sink_ = nullptr;
+  } else {
+    scan_result_ = std::move(r);
+  }
+}
+
+void FileBackendImpl::SetScanSink(FileScanSink sink) {
+  absl::MutexLock lock(&sink_mu_);
+  if (scan_taken_) return;
+  if (scan_result_.has_value() && sink != nullptr) {
+    scan_taken_ = true;
+    FileScanResult r = *std::move(scan_result_);
+    scan_result_.reset();
+    sink(std::move(r));
+    return;
+  }
+  sink_ = std::move(sink);
 }
 
 void FileBackendImpl::ScanThread() {

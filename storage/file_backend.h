@@ -57,11 +57,14 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "absl/functional/any_invocable.h"
 #include "storage/backend.h"
+#include "storage/file_startup_scan.h"
 #include "storage/file_object_io.h"
 #include "storage/io_engine.h"
 
@@ -91,6 +94,23 @@ struct FileBackendOptions {
   std::string host_id;
 };
 
+// What the startup scan found, for the daemon's index (server/l3/l3_recovery.h): every object
+// with a good header that the tier's own index took (so not evicted to fit the capacity, nor
+// removed or rewritten since it was listed), with its parent link, and the scan's counts.
+struct FileScanResult {
+  std::vector<core::PageKey> namespaces;        // Digests; Found::ns indexes it.
+  std::vector<FileStartupScan::Found> objects;  // Oldest first.
+  uint64_t entries = 0;        // Object and temp names looked at.
+  uint64_t found = 0;          // Objects with a good header.
+  uint64_t legacy = 0;         // Of those, version 1 objects (no parent link).
+  uint64_t dropped = 0;        // Torn or foreign objects unlinked.
+  uint64_t temps_removed = 0;  // Temps of dead writers unlinked.
+  uint64_t evicted = 0;        // Objects found but over the tier's capacity, unlinked.
+  uint64_t payload_bytes = 0;  // Of the objects found.
+  absl::Duration elapsed;      // From Open to the end of the scan.
+};
+using FileScanSink = absl::AnyInvocable<void(FileScanResult result)>;
+
 // Open returns the implementation (file_backend.cc); this class adds what only the file tier
 // answers. Destroying it stops accepting work and waits for every batch in flight to complete
 // (callbacks included).
@@ -100,6 +120,11 @@ class FileBackend : public Backend {
 
   // True once the startup scan has finished (waits up to `timeout`).
   virtual bool WaitForIndex(absl::Duration timeout) const = 0;
+  // Hands the startup scan's result to `sink`, once: at once on this thread when the scan has
+  // finished (later calls get nothing), else on the scanner thread when it finishes. nullptr
+  // removes a sink that has not run; once that call returns, the old sink is not running and
+  // never will. The result waits in the backend until a sink takes it.
+  virtual void SetScanSink(FileScanSink sink) = 0;
   // "io_uring" or "thread_pool".
   virtual absl::string_view io_engine_name() const = 0;
   // Where an object lives, relative to root (tests and tools).

@@ -294,7 +294,7 @@ void FileObjectIo::PutOpened(FileIoTask* t, int64_t res) {
   modes_.FixObject(t->fd);
   std::memset(t->block, 0, kBlock);
   EncodeObjectHeader(MakeObjectHeader(*t->ns, t->id.key, t->id.shard, t->buf, t->len,
-                                      static_cast<uint64_t>(absl::ToUnixMillis(absl::Now()))),
+                                      static_cast<uint64_t>(absl::ToUnixMillis(absl::Now())), t->parent),
                      t->block);
   t->stage = FileIoTask::kWrite;
   t->io_done = 0;

@@ -93,6 +93,7 @@ struct FileIoTask {
   FileObjectId id;
   uint8_t* buf = nullptr;  // Get: destination; Put: source.
   uint64_t len = 0;        // Get: capacity; Put: size.
+  ParentLink parent;       // Put: recorded in the header.
   // An I/O slot of kFileIoSlotBytes, 4 KiB-aligned, held while the I/O runs: the header block,
   // then the Get's tail probe.
   uint8_t* block = nullptr;

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "platform/log.h"
 
 namespace kvcellar::storage {
 namespace {
@@ -22,6 +23,10 @@ DIR* OpenDir(int dirfd, const char* rel) {
   if (d == nullptr && fd >= 0) ::close(fd);
   return d;
 }
+
+// Objects dropped at scan are logged one line each up to this many per scan, then only counted:
+// a crash can leave many torn files, and the end-of-scan line gives the total.
+constexpr uint64_t kMaxDropLogs = 16;
 
 }  // namespace
 
@@ -69,13 +74,13 @@ void FileStartupScan::ScanLeaf(const NamespaceDir& ns, const std::string& leaf) 
     absl::string_view n = de->d_name;
     if (!MayBeObjectFile(n)) continue;
     ++entries_seen_;
-    struct stat st;
-    if (::fstatat(dfd, de->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode)) {
-      continue;
-    }
-    const int64_t mtime_ns = int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec;
     absl::string_view temp_suffix;
     if (TempSuffix(n, &temp_suffix)) {
+      struct stat st;
+      if (::fstatat(dfd, de->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode)) {
+        continue;
+      }
+      const int64_t mtime_ns = int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec;
       if (IsStaleTemp(temp_suffix, mtime_ns) && ::unlinkat(dfd, de->d_name, 0) == 0) {
         ++temps_removed_;
       }
@@ -84,11 +89,71 @@ void FileStartupScan::ScanLeaf(const NamespaceDir& ns, const std::string& leaf) 
     Found f;
     f.id.ns_prefix = ns.ns_prefix;
     if (!ParseObjectFile(n, &f.id.key, &f.id.shard)) continue;
-    f.bytes = RoundUpToBlock(static_cast<uint64_t>(st.st_size));
-    f.mtime_ns = mtime_ns;
-    found_.push_back(f);
+    ino_t ino = 0;
+    const ObjectDefect defect = ReadHeader(dfd, de->d_name, f.id, &f, &ino);
+    if (defect == ObjectDefect::kNone) {
+      ++objects_found_;
+      if (f.version == kObjectFormatVersionV1) ++objects_legacy_;
+      payload_bytes_ += f.payload_bytes;
+      found_.push_back(f);
+    } else if (ino != 0) {
+      Drop(dfd, de->d_name, ino, rel, defect);
+    }
   }
   ::closedir(d);
+}
+
+ObjectDefect FileStartupScan::ReadHeader(int dfd, const char* name, const FileObjectId& id,
+                                         Found* found, ino_t* ino) {
+  // O_NONBLOCK: a FIFO planted under an object's name must not stall the scan.
+  const int fd = ::openat(dfd, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0) return ObjectDefect::kTruncated;  // Gone since listed, or not ours: skipped.
+  struct stat st;
+  ObjectDefect defect = ObjectDefect::kNone;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return ObjectDefect::kTruncated;  // Not a regular file: skipped, never unlinked.
+  }
+  *ino = st.st_ino;
+  uint8_t buf[kObjectHeaderBytes];
+  const ssize_t got = ::pread(fd, buf, sizeof(buf), 0);
+  ::close(fd);
+  ObjectHeader h;
+  defect = DecodeObjectHeader(buf, got > 0 ? static_cast<size_t>(got) : 0, &h);
+  if (defect != ObjectDefect::kNone) return defect;
+  if (h.key != id.key) return ObjectDefect::kForeignKey;
+  if (h.shard != id.shard) return ObjectDefect::kForeignShard;
+  if (NamespacePrefix(h.ns) != id.ns_prefix) return ObjectDefect::kForeignNamespace;
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size < kFileHeaderBlockBytes + h.payload_bytes) return ObjectDefect::kTruncated;
+  if (size > kFileHeaderBlockBytes + h.payload_bytes) return ObjectDefect::kSizeMismatch;
+  found->bytes = RoundUpToBlock(size);
+  found->mtime_ns = int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec;
+  found->ns = NamespaceSlot(h.ns);
+  found->version = h.version;
+  found->parent = h.parent;
+  found->payload_bytes = h.payload_bytes;
+  return ObjectDefect::kNone;
+}
+
+void FileStartupScan::Drop(int dfd, const char* name, ino_t ino, const std::string& rel,
+                           ObjectDefect defect) {
+  struct stat st;
+  if (::fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) != 0 || st.st_ino != ino) return;
+  ::unlinkat(dfd, name, 0);
+  ++objects_dropped_;
+  if (objects_dropped_ <= kMaxDropLogs) {
+    KVLOG(Warn, "l3 object torn or foreign at scan, removed",
+          {{"path", absl::StrCat(rel, "/", name)}, {"defect", ObjectDefectName(defect)}});
+  }
+}
+
+uint32_t FileStartupScan::NamespaceSlot(const core::PageKey& digest) {
+  for (size_t i = namespaces_.size(); i-- > 0;) {
+    if (namespaces_[i] == digest) return static_cast<uint32_t>(i);
+  }
+  namespaces_.push_back(digest);
+  return static_cast<uint32_t>(namespaces_.size() - 1);
 }
 
 bool FileStartupScan::IsStaleTemp(absl::string_view suffix, int64_t mtime_ns) const {

@@ -17,8 +17,14 @@ constexpr size_t kOffShard = 80;
 constexpr size_t kOffPayloadCrc = 84;
 constexpr size_t kOffPayloadBytes = 88;
 constexpr size_t kOffCreated = 96;
-constexpr size_t kOffHeaderCrc = 124;
+constexpr size_t kOffParent = 104;
+constexpr size_t kOffHeaderCrc = 156;
+constexpr size_t kOffHeaderCrcV1 = 124;
 static_assert(kOffHeaderCrc + 4 == kObjectHeaderBytes);
+static_assert(kOffHeaderCrcV1 + 4 == kObjectHeaderBytesV1);
+static_assert(kOffParent + core::kPageKeyBytes <= kOffHeaderCrc);
+constexpr uint32_t kFlagParentKey = 1u << 0;
+constexpr uint32_t kFlagFirstPage = 1u << 1;
 
 // Explicit little-endian stores and loads: the format is the same on every host.
 template <typename T>
@@ -50,25 +56,52 @@ absl::string_view ObjectDefectName(ObjectDefect d) {
   return "unknown";
 }
 
-void EncodeObjectHeader(const ObjectHeader& h, uint8_t* out) {
-  std::memset(out, 0, kObjectHeaderBytes);
+// The fields both versions share, at the same offsets.
+void EncodeCommon(const ObjectHeader& h, uint16_t version, size_t bytes, uint32_t flags,
+                  uint8_t* out) {
+  std::memset(out, 0, bytes);
   std::memcpy(out, kMagic, sizeof(kMagic));
-  Store<uint16_t>(out + kOffVersion, kObjectFormatVersion);
-  Store<uint16_t>(out + kOffHeaderSize, static_cast<uint16_t>(kObjectHeaderBytes));
-  Store<uint32_t>(out + kOffFlags, 0);
+  Store<uint16_t>(out + kOffVersion, version);
+  Store<uint16_t>(out + kOffHeaderSize, static_cast<uint16_t>(bytes));
+  Store<uint32_t>(out + kOffFlags, flags);
   std::memcpy(out + kOffNs, h.ns.bytes.data(), core::kPageKeyBytes);
   std::memcpy(out + kOffKey, h.key.bytes.data(), core::kPageKeyBytes);
   Store<uint32_t>(out + kOffShard, h.shard);
   Store<uint32_t>(out + kOffPayloadCrc, h.payload_crc);
   Store<uint64_t>(out + kOffPayloadBytes, h.payload_bytes);
   Store<uint64_t>(out + kOffCreated, h.created_unix_ms);
+}
+
+void EncodeObjectHeader(const ObjectHeader& h, uint8_t* out) {
+  uint32_t flags = 0;
+  if (h.parent.kind == ParentLink::Kind::kKey) flags |= kFlagParentKey;
+  if (h.parent.kind == ParentLink::Kind::kFirst) flags |= kFlagFirstPage;
+  EncodeCommon(h, kObjectFormatVersion, kObjectHeaderBytes, flags, out);
+  if (h.parent.kind == ParentLink::Kind::kKey) {
+    std::memcpy(out + kOffParent, h.parent.key.bytes.data(), core::kPageKeyBytes);
+  }
   Store<uint32_t>(out + kOffHeaderCrc, Crc32c(out, kOffHeaderCrc));
+}
+
+void EncodeObjectHeaderV1(const ObjectHeader& h, uint8_t* out) {
+  EncodeCommon(h, kObjectFormatVersionV1, kObjectHeaderBytesV1, 0, out);
+  Store<uint32_t>(out + kOffHeaderCrcV1, Crc32c(out, kOffHeaderCrcV1));
+}
+
+size_t DeclaredHeaderBytes(const uint8_t* in, size_t available) {
+  if (available >= kOffHeaderSize + 2 && std::memcmp(in, kMagic, sizeof(kMagic)) == 0 &&
+      Load<uint16_t>(in + kOffVersion) == kObjectFormatVersionV1 &&
+      Load<uint16_t>(in + kOffHeaderSize) == kObjectHeaderBytesV1) {
+    return kObjectHeaderBytesV1;
+  }
+  return kObjectHeaderBytes;
 }
 
 ObjectHeader MakeObjectHeader(const core::PageKey& ns, const core::PageKey& key, uint32_t shard,
                               const uint8_t* payload, uint64_t payload_bytes,
-                              uint64_t created_unix_ms) {
+                              uint64_t created_unix_ms, const ParentLink& parent) {
   ObjectHeader h;
+  h.parent = parent;
   h.ns = ns;
   h.key = key;
   h.shard = shard;
@@ -79,14 +112,32 @@ ObjectHeader MakeObjectHeader(const core::PageKey& ns, const core::PageKey& key,
 }
 
 ObjectDefect DecodeObjectHeader(const uint8_t* in, size_t available, ObjectHeader* out) {
-  if (available < kObjectHeaderBytes) return ObjectDefect::kTruncated;
+  if (available < kObjectHeaderBytesV1) return ObjectDefect::kTruncated;
   if (std::memcmp(in, kMagic, sizeof(kMagic)) != 0) return ObjectDefect::kBadMagic;
   // Version before CRC: a newer format may lay out (and checksum) its header differently.
-  if (Load<uint16_t>(in + kOffVersion) != kObjectFormatVersion) return ObjectDefect::kBadVersion;
-  if (Load<uint32_t>(in + kOffHeaderCrc) != Crc32c(in, kOffHeaderCrc)) {
-    return ObjectDefect::kBadHeaderCrc;
+  const uint16_t version = Load<uint16_t>(in + kOffVersion);
+  if (version != kObjectFormatVersion && version != kObjectFormatVersionV1) {
+    return ObjectDefect::kBadVersion;
   }
-  if (Load<uint16_t>(in + kOffHeaderSize) != kObjectHeaderBytes) return ObjectDefect::kBadVersion;
+  const bool v1 = version == kObjectFormatVersionV1;
+  const size_t bytes = v1 ? kObjectHeaderBytesV1 : kObjectHeaderBytes;
+  if (available < bytes) return ObjectDefect::kTruncated;
+  const size_t crc_at = v1 ? kOffHeaderCrcV1 : kOffHeaderCrc;
+  if (Load<uint32_t>(in + crc_at) != Crc32c(in, crc_at)) return ObjectDefect::kBadHeaderCrc;
+  if (Load<uint16_t>(in + kOffHeaderSize) != bytes) return ObjectDefect::kBadVersion;
+  const uint32_t flags = v1 ? 0 : Load<uint32_t>(in + kOffFlags);
+  // Both links at once, or a bit this version does not know: not a header it wrote.
+  if ((flags & ~(kFlagParentKey | kFlagFirstPage)) != 0 ||
+      flags == (kFlagParentKey | kFlagFirstPage)) {
+    return ObjectDefect::kBadVersion;
+  }
+  out->version = version;
+  out->parent = ParentLink{};
+  if ((flags & kFlagFirstPage) != 0) out->parent = ParentLink::First();
+  if ((flags & kFlagParentKey) != 0) {
+    out->parent.kind = ParentLink::Kind::kKey;
+    std::memcpy(out->parent.key.bytes.data(), in + kOffParent, core::kPageKeyBytes);
+  }
   std::memcpy(out->ns.bytes.data(), in + kOffNs, core::kPageKeyBytes);
   std::memcpy(out->key.bytes.data(), in + kOffKey, core::kPageKeyBytes);
   out->shard = Load<uint32_t>(in + kOffShard);

@@ -8,19 +8,31 @@
 // size field is never trusted. Any mismatch is an ObjectDefect: the backend reports kChecksumError,
 // removes the object and counts it (DESIGN.md "Failure semantics").
 //
-// Encoded header (kObjectHeaderBytes = 128, little-endian):
+// Encoded header (kObjectHeaderBytes = 160, format version 2, little-endian):
 //   0   magic "KVCELLAR"                 8 bytes
-//   8   format version (1)               u16
-//   10  encoded header size (128)        u16   lets a later version grow the header
-//   12  flags (0)                        u32
+//   8   format version (2)               u16
+//   10  encoded header size (160)        u16   lets a later version grow the header
+//   12  flags                            u32   bit 0: parent key recorded; bit 1: first page
 //   16  namespace digest                 32 bytes
 //   48  page key                         32 bytes
 //   80  shard                            u32
 //   84  payload CRC-32C                  u32
 //   88  payload size                     u64
 //   96  created, Unix milliseconds       u64   informational (age, debugging)
-//   104 reserved, zero                   20 bytes
-//   124 header CRC-32C of bytes [0,124)  u32
+//   104 parent page key                  32 bytes   zero unless flags bit 0
+//   136 reserved, zero                   20 bytes
+//   156 header CRC-32C of bytes [0,156)  u32
+// The parent link says where the page sits in its chain (DESIGN.md "Restart and fleet"): the key
+// of the previous page (bit 0), or "first page of its sequence" (bit 1), or neither (a writer
+// that did not know it). A tier scanned at start puts pages back in the radix index with it,
+// parents before children; a page with neither bit cannot be placed and is found only by the
+// per-page lookups at Match time.
+//
+// Version 1 (written before the parent link existed) is still read: the same fields at the same
+// offsets up to 104, then 20 reserved bytes and the header CRC at 124 (kObjectHeaderBytesV1 =
+// 128); it decodes with ParentLink::kUnknown. Readers learn which from the version field and check
+// the header size against it (DeclaredHeaderBytes), so a Redis value's payload starts at the
+// right offset either way.
 //
 // Layout per backend:
 //   file:  [header, zero-padded to kFileHeaderBlockBytes = 4 KiB][payload]. The padding keeps the
@@ -30,7 +42,8 @@
 //          a probe buffer, so a longer file is caught). (Header at the end would save the 4 KiB
 //          - 1.6% of a 256 KiB object, 0.1% of 4 MiB - but a reader would have to learn the
 //          payload size before it could find the header: a stat, or a second read.)
-//   redis: [header (128 bytes)][payload] as one string value; no alignment to keep.
+//   redis: [header (160 bytes; 128 for version 1)][payload] as one string value; no alignment to
+//          keep.
 //
 // Threads: pure functions, any thread.
 #ifndef KVCELLAR_STORAGE_OBJECT_FORMAT_H_
@@ -44,19 +57,40 @@
 
 namespace kvcellar::storage {
 
-inline constexpr size_t kObjectHeaderBytes = 128;
-inline constexpr uint16_t kObjectFormatVersion = 1;
+// The header this build writes (version 2), and the largest it reads.
+inline constexpr size_t kObjectHeaderBytes = 160;
+inline constexpr uint16_t kObjectFormatVersion = 2;
+// Version 1's header, still read (no parent link).
+inline constexpr size_t kObjectHeaderBytesV1 = 128;
+inline constexpr uint16_t kObjectFormatVersionV1 = 1;
 // The file backend's header block: one 4 KiB page, the O_DIRECT alignment of every device in use
 // (and the host pool's slot alignment, core/host_pool.h kSlotAlignment).
 inline constexpr size_t kFileHeaderBlockBytes = 4096;
 
+// Where a page sits in its chain: what the header records of its parent.
+struct ParentLink {
+  enum class Kind : uint8_t {
+    kUnknown = 0,  // Not recorded (a version 1 object, or a writer that did not know it).
+    kFirst,        // The first page of its sequence: its parent is the namespace root.
+    kKey,          // `key` is the previous page's key.
+  };
+  Kind kind = Kind::kUnknown;
+  core::PageKey key;  // Meaningful for kKey only; zero otherwise.
+
+  static ParentLink First() { return {Kind::kFirst, {}}; }
+  static ParentLink Of(const core::PageKey& parent) { return {Kind::kKey, parent}; }
+  bool operator==(const ParentLink&) const = default;
+};
+
 struct ObjectHeader {
+  uint16_t version = kObjectFormatVersion;  // Decoded: the version the object was written in.
   core::PageKey ns;
   core::PageKey key;
   uint32_t shard = 0;
   uint32_t payload_crc = 0;
   uint64_t payload_bytes = 0;
   uint64_t created_unix_ms = 0;
+  ParentLink parent;
 };
 
 // Why an object was refused. kNone: it is good.
@@ -75,17 +109,26 @@ enum class ObjectDefect : uint8_t {
 inline constexpr size_t kObjectDefectCount = 10;
 absl::string_view ObjectDefectName(ObjectDefect d);
 
-// Writes the 128-byte encoding of `h` (with both CRCs: h.payload_crc must already be set).
+// Writes the kObjectHeaderBytes encoding of `h` in the current version (with both CRCs:
+// h.payload_crc must already be set; h.version is ignored).
 void EncodeObjectHeader(const ObjectHeader& h, uint8_t* out);
+// Writes a version 1 header (kObjectHeaderBytesV1 bytes; no parent link): what daemons before the
+// parent link wrote. For tests and benchmarks of the upgrade path only.
+void EncodeObjectHeaderV1(const ObjectHeader& h, uint8_t* out);
 
 // Header for a payload: computes the payload CRC.
 ObjectHeader MakeObjectHeader(const core::PageKey& ns, const core::PageKey& key, uint32_t shard,
                               const uint8_t* payload, uint64_t payload_bytes,
-                              uint64_t created_unix_ms);
+                              uint64_t created_unix_ms, const ParentLink& parent = {});
 
-// Decodes a header and checks its own integrity (length, magic, version, header CRC). Identity and
-// payload are not checked.
+// Decodes a header of either version and checks its own integrity (length, magic, version, header
+// size, header CRC). Identity and payload are not checked.
 ObjectDefect DecodeObjectHeader(const uint8_t* in, size_t available, ObjectHeader* out);
+
+// The encoded header size the bytes at `in` declare: kObjectHeaderBytesV1 for a version 1 header,
+// kObjectHeaderBytes otherwise (also when too short or not a header: decoding then finds what is
+// wrong). Where the payload starts in a Redis value.
+size_t DeclaredHeaderBytes(const uint8_t* in, size_t available);
 
 // What a reader expected to get.
 struct ExpectedObject {

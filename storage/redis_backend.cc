@@ -65,6 +65,7 @@ class RedisBackendImpl final : public RedisBackend {
     uint16_t slot = 0;
     uint8_t redirects = 0;
     bool header_ready = false;
+    ParentLink parent;  // Put: recorded in the header.
     uint8_t key_len = 0;
     char rkey[kMaxKeyBytes];
     uint8_t header[kObjectHeaderBytes];  // Put: encoded once, resent as is after a redirect.
@@ -349,6 +350,7 @@ bool RedisBackendImpl::AdmitItem(Batch* b, uint32_t i, const GetItem& item) {
 bool RedisBackendImpl::AdmitItem(Batch* b, uint32_t i, const PutItem& item) {
   b->items[i].buf = const_cast<uint8_t*>(item.src);  // Only ever sent from.
   b->items[i].len = item.size;
+  b->items[i].parent = item.parent;
   if (item.size <= options_.max_object_bytes) return true;
   Resolve(b, i, ObjectStatus::kRejected, 0);
   return false;
@@ -535,7 +537,7 @@ void RedisBackendImpl::BuildPipeline(RedisConnection* conn, const Chunk* c) {
         if (!it.header_ready) {
           EncodeObjectHeader(
               MakeObjectHeader(b->ns, it.key, it.shard, it.buf, it.len,
-                               static_cast<uint64_t>(absl::ToUnixMillis(absl::Now()))),
+                               static_cast<uint64_t>(absl::ToUnixMillis(absl::Now())), it.parent),
               it.header);
           it.header_ready = true;
         }

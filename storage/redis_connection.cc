@@ -42,12 +42,15 @@ void* SinkString(const redisReadTask* task, char* str, size_t len) {
   if (task->parent != nullptr) return sink;  // Inside an array: no data command replies so.
   sink->type = ReplyType(task->type);
   if (task->type == REDIS_REPLY_STRING && sink->dst != nullptr) {
-    sink->header_len = std::min(len, kObjectHeaderBytes);
+    // A version 1 object's payload starts after its shorter header (storage/object_format.h).
+    const size_t header_bytes =
+        DeclaredHeaderBytes(reinterpret_cast<const uint8_t*>(str), len);
+    sink->header_len = std::min(len, header_bytes);
     std::memcpy(sink->header, str, sink->header_len);
-    if (len > kObjectHeaderBytes) {
-      sink->payload_len = len - kObjectHeaderBytes;
+    if (len > header_bytes) {
+      sink->payload_len = len - header_bytes;
       if (sink->payload_len <= sink->capacity) {
-        std::memcpy(sink->dst, str + kObjectHeaderBytes, sink->payload_len);
+        std::memcpy(sink->dst, str + header_bytes, sink->payload_len);
       } else {
         sink->oversize = true;
       }

@@ -37,6 +37,7 @@ Cache::Cache(CacheOptions options)
       l3_(options.l3 != nullptr ? options.l3 : no_l3_.get()),
       writer_(l3_, &l2_, [this] { return ops_.NextId(); }, &metrics_, config_.storage),
       prefetcher_(l3_, &l2_, &ops_, &pins_, &metrics_, &limits_, config_.storage),
+      recovery_(l3_, &namespaces_),
       mover_(&devices_, &l2_, &pins_, &ops_, &pump_, &metrics_, &limits_, &writer_),
       matcher_(&pins_, &ops_, &metrics_, &limits_,
                MatcherL3{l3_, &prefetcher_, &writer_,
@@ -44,7 +45,12 @@ Cache::Cache(CacheOptions options)
       admin_(&namespaces_, &sessions_, &pins_, &l2_, &metrics_, absl::Now()) {
   metrics_.SetL3Tiers(l3_->names());
   l2_.set_eviction_observer(&writer_);
-  if (!l3_->empty()) metrics_.AddCollector([this](MetricWriter& out) { l3_->Collect(out); });
+  if (!l3_->empty()) {
+    metrics_.AddCollector([this](MetricWriter& out) {
+      l3_->Collect(out);
+      recovery_.Collect(out);
+    });
+  }
   AddCollectors();
   housekeeper_ = std::make_unique<Housekeeper>(
       HousekeeperParts{&sessions_, &pins_, &namespaces_, &ops_, &matcher_, &l2_, &metrics_,

@@ -10,6 +10,7 @@
 //   SimSignalPump      SIM engines' layer and ready counters             datapath/sim_signal_pump.h
 //   L3Writer           L2 -> L3 writes under the write policies          l3/l3_writer.h
 //   L3Prefetcher       L3 -> L2 prefetch ops                             l3/l3_prefetcher.h
+//   L3Recovery         file tiers' startup scans back into the index     l3/l3_recovery.h
 //   DeviceMover        Load and Backup as batched device ops             datapath/device_mover.h
 //   Matcher            group-consistent lookups and the step memo        datapath/matcher.h
 //   CacheAdmin         AdminService listings, stats, Evict and Clear     admin/cache_admin.h
@@ -42,6 +43,7 @@
 #include "server/cache/housekeeper.h"
 #include "server/l2/l2_space.h"
 #include "server/l3/l3_prefetcher.h"
+#include "server/l3/l3_recovery.h"
 #include "server/l3/l3_tiers.h"
 #include "server/l3/l3_writer.h"
 #include "server/metrics/cache_metrics.h"
@@ -138,6 +140,7 @@ class Cache {
   L3Tiers& l3() { return *l3_; }
   L3Writer& l3_writer() { return writer_; }
   L3Prefetcher& l3_prefetcher() { return prefetcher_; }
+  L3Recovery& l3_recovery() { return recovery_; }
   DeviceMover& mover() { return mover_; }
   Matcher& matcher() { return matcher_; }
   // The AdminService's view of the cache (listings, statistics, Evict, Clear).
@@ -165,6 +168,7 @@ class Cache {
   L3Tiers* const l3_;
   L3Writer writer_;
   L3Prefetcher prefetcher_;
+  L3Recovery recovery_;
   DeviceMover mover_;
   Matcher matcher_;
   CacheAdmin admin_;

@@ -23,12 +23,15 @@
 #include "server/config/l3_tier_spec.h"
 #include "server/metrics/metrics.h"
 #include "storage/backend.h"
+#include "storage/file_backend.h"
 
 namespace kvcellar::server {
 
 struct L3Tier {
   L3TierSpec spec;
   std::unique_ptr<storage::Backend> backend;
+  // The same backend when it is a file tier (its startup scan, l3_recovery.h); else nullptr.
+  storage::FileBackend* file = nullptr;
   // Other nodes write to this tier too: the index never knows all of it (lookups ask it).
   bool shared = false;
 };

@@ -52,7 +52,8 @@ struct L3Writer::Job {
   std::vector<core::PageKey> pinned;  // Pages pinned under `owner`.
   std::vector<core::ObjectId> objects;
   std::vector<core::SlotRef> slots;  // Per object.
-  std::vector<std::optional<core::PageKey>> parents;  // Per object; write-back only.
+  std::vector<storage::ParentLink> parents;  // Per object: recorded in the header.
+  bool write_back = false;  // The pages left the index: their copies are indexed anew.
   uint8_t tiers = 0;
   uint64_t bytes = 0;  // Reserved in pending_bytes_.
   std::atomic<int> tiers_left{0};
@@ -112,7 +113,7 @@ void L3Writer::OnCommitted(Namespace& ns, absl::Span<const core::ObjectId> objec
     (Threshold(policy, t) == 0 ? now : later) |= static_cast<uint8_t>(1u << t);
   }
   if (later != 0) {
-    std::vector<std::optional<core::PageKey>> parents(objects.size());
+    std::vector<storage::ParentLink> parents(objects.size());
     if (policy == v1::WRITE_POLICY_WRITE_BACK) {
       for (size_t i = 0; i < objects.size(); ++i) {
         if (i > 0 && objects[i].key == objects[i - 1].key) {
@@ -120,7 +121,9 @@ void L3Writer::OnCommitted(Namespace& ns, absl::Span<const core::ObjectId> objec
           continue;
         }
         std::optional<core::PageInfo> info = ns.index()->Inspect(objects[i].key);
-        if (info.has_value()) parents[i] = info->parent;
+        if (!info.has_value()) continue;  // Gone already: kUnknown.
+        parents[i] = info->parent.has_value() ? storage::ParentLink::Of(*info->parent)
+                                              : storage::ParentLink::First();
       }
     }
     absl::MutexLock lock(&mu_);
@@ -183,6 +186,7 @@ void L3Writer::OnEvicted(Namespace& ns, absl::Span<core::ReleasedObject> release
   if (tracked_count_.load(std::memory_order_relaxed) == 0 || released.empty()) return;
   auto job = std::make_shared<Job>();
   job->ns = &ns;
+  job->write_back = true;
   uint8_t tiers = 0;
   {
     absl::MutexLock lock(&mu_);
@@ -244,8 +248,14 @@ void L3Writer::WriteResident(Namespace& ns, std::vector<core::ObjectId> objects,
   // Pinned without a deadline: a lease lapsing under a running write would let eviction reuse the
   // slot the backend is reading. Finish unpins.
   index->Pin(job->owner, job->pinned, absl::InfiniteFuture());
+  // Pinned, so indexed: nullopt is a first page (a page that left before the pin has no slot
+  // below and is not written).
+  std::vector<std::optional<core::PageKey>> page_parents(job->pinned.size());
+  index->GetParents(job->pinned, absl::MakeSpan(page_parents));
   uint64_t missing = 0;
+  size_t page = 0;
   for (const core::ObjectId& o : objects) {
+    while (job->pinned[page] != o.key) ++page;  // Objects come in page order, as pinned.
     core::SlotRef slot;
     index->GetL2Slots(absl::MakeConstSpan(&o.key, 1), o.shard, absl::MakeSpan(&slot, 1));
     if (!slot.valid()) {
@@ -254,6 +264,9 @@ void L3Writer::WriteResident(Namespace& ns, std::vector<core::ObjectId> objects,
     }
     job->objects.push_back(o);
     job->slots.push_back(slot);
+    job->parents.push_back(page_parents[page].has_value()
+                               ? storage::ParentLink::Of(*page_parents[page])
+                               : storage::ParentLink::First());
   }
   for (size_t t = 0; t < tiers_->size(); ++t) {
     if ((tiers >> t & 1) != 0) {
@@ -279,7 +292,7 @@ void L3Writer::Submit(std::shared_ptr<Job> job) {
   items.reserve(job->objects.size());
   for (size_t i = 0; i < job->objects.size(); ++i) {
     items.push_back({job->objects[i].key, job->objects[i].shard,
-                     l2_->pool()->Address(job->slots[i]), object_bytes});
+                     l2_->pool()->Address(job->slots[i]), object_bytes, job->parents[i]});
   }
   job->tiers_left.store(std::popcount(job->tiers), std::memory_order_relaxed);
   for (size_t t = 0; t < tiers_->size(); ++t) {
@@ -295,9 +308,14 @@ void L3Writer::Submit(std::shared_ptr<Job> job) {
             if (result.items[i].status != storage::ObjectStatus::kOk) continue;
             ++ok;
             bytes += result.items[i].bytes;
-            updates.push_back({job->objects[i].key,
-                               job->parents.empty() ? std::nullopt : job->parents[i],
-                               job->objects[i].shard, static_cast<uint8_t>(t), true});
+            // A write-back page left the tree: its copy comes back under its parent, unless
+            // that is unknown (a Match lookup finds it). Other pages are indexed already.
+            const storage::ParentLink& link = job->parents[i];
+            if (job->write_back && link.kind == storage::ParentLink::Kind::kUnknown) continue;
+            std::optional<core::PageKey> parent;
+            if (link.kind == storage::ParentLink::Kind::kKey) parent = link.key;
+            updates.push_back({job->objects[i].key, parent, job->objects[i].shard,
+                               static_cast<uint8_t>(t), true});
           }
           RecordL3Copies(*job->ns->index(), std::move(updates));
           metrics_->CountL3Writes(t, CacheMetrics::L3WriteResult::kOk, ok);

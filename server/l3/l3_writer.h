@@ -18,6 +18,10 @@
 // dropped and counted, never queued without bound and never waited for. No engine RPC waits on
 // a write: Backup completes when the page is in L2.
 //
+// Every object written records its page's parent link in its header (the parent's key, or "first
+// page"), read from the index while the page is pinned (write-back: when it was committed), so
+// that a file tier scanned after a restart puts it back in the tree (storage/object_format.h).
+//
 // Pages held back (selective, admission, write_back) are remembered in a bounded table (key ->
 // policy, hits, tiers written, parent); when it is full new pages are not tracked (counted).
 //
@@ -88,7 +92,8 @@ class L3Writer final : public L2EvictionObserver {
     v1::WritePolicy policy = v1::WRITE_POLICY_UNSPECIFIED;
     uint32_t hits = 0;
     uint8_t written = 0;  // Tiers already written (or being written).
-    std::optional<core::PageKey> parent;  // write_back: to index the L3 copy after eviction.
+    // write_back: recorded in the object's header, and to index the L3 copy after eviction.
+    storage::ParentLink parent;
   };
   struct Job;
 

@@ -150,6 +150,8 @@ absl::Status CacheServiceImpl::DoRegister(grpc::CallbackServerContext* context,
     if (!opened.ok()) return OpenEngineError(opened.status());
     mapping = *std::move(opened);
     if (absl::Status s = ns->AdoptLayout(reg->engine.layout); !s.ok()) return s;
+    // The namespace has an index now: pages a file tier's startup scan found enter it.
+    cache_->l3_recovery().OnIndexed(*ns);
   }
 
   const absl::Time deadline = absl::Now() + absl::Milliseconds(limits_.lease_ms);

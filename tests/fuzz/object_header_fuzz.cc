@@ -1,5 +1,5 @@
-// Fuzz target: an L3 object as a backend reads it back (storage/object_format.h): the 128-byte
-// header, then whatever payload bytes the read found. The object's bytes are untrusted: a shared
+// Fuzz target: an L3 object as a backend reads it back (storage/object_format.h): the header (160
+// bytes, or 128 for format version 1), then whatever payload bytes the read found. The object's bytes are untrusted: a shared
 // directory, another daemon's version, a torn write or bit rot.
 //
 // Input: a flags byte, then the object. The checksums would stop a mutator at the header CRC, so
@@ -24,11 +24,11 @@ using storage::kObjectHeaderBytes;
 namespace {
 
 // Offsets of the encoding (object_format.h): the fields from the namespace digest to the creation
-// time, [16, 104), are what a decode reads; the payload CRC and the header CRC are re-sealed.
+// time, [16, 104), are what a decode of either version reads (version 2 adds the parent link);
+// the payload CRC and the header CRC (the header's last 4 bytes) are re-sealed.
 constexpr size_t kOffFields = 16;
 constexpr size_t kOffReserved = 104;
 constexpr size_t kOffPayloadCrc = 84;
-constexpr size_t kOffHeaderCrc = 124;
 
 void Store32(uint8_t* p, uint32_t v) {
   for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
@@ -40,14 +40,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return -1;
   const uint8_t flags = data[0];
   std::vector<uint8_t> object(data + 1, data + size);
-  const bool whole_header = object.size() >= kObjectHeaderBytes;
-  const uint8_t* payload = whole_header ? object.data() + kObjectHeaderBytes : nullptr;
-  const uint64_t payload_available = whole_header ? object.size() - kObjectHeaderBytes : 0;
+  const size_t header_bytes = storage::DeclaredHeaderBytes(object.data(), object.size());
+  const size_t header_crc_at = header_bytes - 4;
+  const bool whole_header = object.size() >= header_bytes;
+  const uint8_t* payload = whole_header ? object.data() + header_bytes : nullptr;
+  const uint64_t payload_available = whole_header ? object.size() - header_bytes : 0;
   if (whole_header && (flags & 2)) {
     Store32(object.data() + kOffPayloadCrc, storage::Crc32c(payload, payload_available));
   }
   if (whole_header && (flags & 3)) {
-    Store32(object.data() + kOffHeaderCrc, storage::Crc32c(object.data(), kOffHeaderCrc));
+    Store32(object.data() + header_crc_at, storage::Crc32c(object.data(), header_crc_at));
   }
   FUZZ_CHECK(storage::Crc32c(object.data(), object.size()) ==
              storage::Crc32cSoftware(object.data(), object.size()));
@@ -67,6 +69,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
              storage::ObjectDefect::kNone);
   FUZZ_CHECK(std::memcmp(again + kOffFields, object.data() + kOffFields,
                          kOffReserved - kOffFields) == 0);
+  FUZZ_CHECK(redecoded.parent == decoded.parent);
 
   kvcellar::core::PageKey other_key = decoded.key;
   other_key.bytes[0] ^= 1;
@@ -82,8 +85,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::vector<uint8_t> slot(expected.capacity + 1);
   std::copy_n(payload, std::min<uint64_t>(payload_available, expected.capacity), slot.begin());
   storage::ObjectHeader verified;
-  const storage::ObjectDefect v = storage::VerifyObject(object.data(), object.size(), expected,
-                                                        slot.data(), payload_available, &verified);
+  const storage::ObjectDefect v =
+      storage::VerifyObject(object.data(), std::min(object.size(), header_bytes), expected,
+                            slot.data(), payload_available, &verified);
   if (v != storage::ObjectDefect::kNone) return 0;
   FUZZ_CHECK(!(flags & 4));
   FUZZ_CHECK(verified.payload_bytes == payload_available);

@@ -104,7 +104,8 @@ void Interpret(const storage::RedisConnection::Expect& e, const storage::RedisRe
   if (e.cmd != storage::RedisCommand::kGet || r.type != storage::RedisReplyType::kString) return;
   FUZZ_CHECK(r.header_len <= storage::kObjectHeaderBytes);
   FUZZ_CHECK(r.oversize || r.payload_len <= e.capacity);
-  FUZZ_CHECK(r.payload_len == 0 || r.header_len == storage::kObjectHeaderBytes);
+  FUZZ_CHECK(r.payload_len == 0 || r.header_len == storage::kObjectHeaderBytes ||
+             r.header_len == storage::kObjectHeaderBytesV1);
   storage::ExpectedObject expected;
   expected.ns = &ns;
   expected.key = &key;

@@ -26,7 +26,7 @@ TEST(BackendBatchTest, ChecksNameTheFieldBuffersFirst) {
   s = CheckRequest(GetRequest{ns, absl::MakeConstSpan(gets, 1)}, 0);
   EXPECT_EQ(s.message(), "items: 1 exceeds max_batch_items 0");
 
-  const PutItem puts[] = {{testing::TestKey(1), 0, nullptr, 1}};
+  const PutItem puts[] = {{testing::TestKey(1), 0, nullptr, 1, {}}};
   s = CheckRequest(PutRequest{ns, puts}, 8);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(s.message(), "items[0]: empty source buffer");

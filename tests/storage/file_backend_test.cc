@@ -97,7 +97,7 @@ TEST_P(FileBackendTest, PutGetRoundTripIsByteExact) {
   // Unaligned host buffers.
   std::vector<uint8_t> src(5000 + 3), dst(5000 + 3);
   FillPayload(TestKey(99), 2, src.data() + 3, 5000);
-  PutItem put{TestKey(99), 2, src.data() + 3, 5000};
+  PutItem put{TestKey(99), 2, src.data() + 3, 5000, {}};
   BatchResult pr = testing::PutSync(*b, {ns_, absl::MakeConstSpan(&put, 1)});
   ASSERT_EQ(pr.items[0].status, ObjectStatus::kOk);
   GetItem get{TestKey(99), 2, dst.data() + 3, 5000};
@@ -123,7 +123,7 @@ TEST_P(FileBackendTest, BatchOfManyShardsAndMisses) {
     bufs.emplace_back(kSize);
     FillPayload(TestKey(i / 4), i % 4, bufs.back().get(), kSize);
   }
-  for (int i = 0; i < kN; ++i) puts.push_back({TestKey(i / 4), uint32_t(i % 4), bufs[i].get(), kSize});
+  for (int i = 0; i < kN; ++i) puts.push_back({TestKey(i / 4), uint32_t(i % 4), bufs[i].get(), kSize, {}});
   BatchResult pr = testing::PutSync(*b, {ns_, puts});
   ASSERT_EQ(pr.items.size(), size_t{kN});
   for (const ItemResult& r : pr.items) ASSERT_EQ(r.status, ObjectStatus::kOk);
@@ -369,12 +369,23 @@ TEST_P(FileBackendCorruptionTest, ForeignKeyShardAndNamespace) {
   // Another object's bytes under this name.
   fs::copy_file(PathOf(TestKey(2), 0), PathOf(TestKey(1), 0), fs::copy_options::overwrite_existing);
   ExpectCaught(ns_, TestKey(1), 0);
-  // Shard 0's bytes as shard 1, planted behind the daemon's back: a restart finds it.
+  // Shard 0's bytes as shard 1, planted behind the daemon's back: the restart's scan reads its
+  // header, drops it and counts it; it is never indexed nor served.
   fs::copy_file(PathOf(TestKey(2), 0), PathOf(TestKey(2), 1));
   b_.reset();
   b_ = Open(Options());
   ASSERT_NE(b_, nullptr);
-  ExpectCaught(ns_, TestKey(2), 1);
+  ASSERT_TRUE(b_->WaitForIndex(absl::Seconds(10)));
+  uint64_t dropped = 0;
+  absl::Notification scanned;
+  b_->SetScanSink([&](FileScanResult r) {
+    dropped = r.dropped;
+    scanned.Notify();
+  });
+  ASSERT_TRUE(scanned.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(dropped, 1u);
+  EXPECT_FALSE(fs::exists(PathOf(TestKey(2), 1)));
+  EXPECT_EQ(testing::GetOne(*b_, ns_, TestKey(2), 1, kSize), ObjectStatus::kNotFound);
   // A namespace whose digest shares the 8-byte directory prefix: same path, other owner.
   core::PageKey twin = ns_;
   twin.bytes[31] ^= 0xff;
@@ -456,7 +467,7 @@ TEST_P(FileBackendTest, ConcurrentBatchesFromManyThreads) {
         for (int i = 0; i < kPerBatch; ++i) {
           core::PageKey key = TestKey(rng() % 20);
           FillPayload(key, 0, bufs[i].get(), kSize);
-          puts.push_back({key, 0, bufs[i].get(), kSize});
+          puts.push_back({key, 0, bufs[i].get(), kSize, {}});
         }
         BatchResult pr = testing::PutSync(*b, {ns_, puts});
         for (const ItemResult& r : pr.items) failures += r.status != ObjectStatus::kOk;
@@ -518,7 +529,7 @@ TEST_P(FileBackendTest, BadRequestsAreRefusedWholeAndNeverCalledBack) {
   std::vector<GetItem> many(5, GetItem{TestKey(1), 0, buf.get(), 4096});
   EXPECT_EQ(b->Get({ns_, many}, [&](BatchResult) { called = true; }).code(),
             absl::StatusCode::kInvalidArgument);
-  PutItem empty{TestKey(1), 0, buf.get(), 0};
+  PutItem empty{TestKey(1), 0, buf.get(), 0, {}};
   EXPECT_EQ(b->Put({ns_, absl::MakeConstSpan(&empty, 1)}, [&](BatchResult) { called = true; }).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_FALSE(called);
@@ -534,7 +545,7 @@ TEST_P(FileBackendTest, DeadlineFailsQueuedObjectsWithRetry) {
   constexpr size_t kSize = 64 * 1024;
   AlignedBuffer buf(kSize);
   std::vector<PutItem> puts;
-  for (int i = 0; i < kN; ++i) puts.push_back({TestKey(i), 0, buf.get(), kSize});
+  for (int i = 0; i < kN; ++i) puts.push_back({TestKey(i), 0, buf.get(), kSize, {}});
   PutRequest r{ns_, puts, absl::Milliseconds(5)};
   const absl::Time start = absl::Now();
   BatchResult res = testing::PutSync(*b, r);
@@ -706,7 +717,7 @@ TEST(FileBackendCrashChild, Writer) {
       const int k = static_cast<int>(rng() % kCrashKeys);
       const size_t size = CrashObjectSize(k);
       FillPayload(TestKey(k), 0, bufs[i].get(), size);
-      puts.push_back({TestKey(k), 0, bufs[i].get(), size});
+      puts.push_back({TestKey(k), 0, bufs[i].get(), size, {}});
     }
     absl::StatusOr<BatchFuture> f = (*b)->PutAsync({ns, puts});
     ASSERT_TRUE(f.ok());

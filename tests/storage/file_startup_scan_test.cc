@@ -10,6 +10,7 @@
 #include <fstream>
 #include <string>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
@@ -50,6 +51,27 @@ class FileStartupScanTest : public ::testing::Test {
     std::ofstream(path, std::ios::binary) << std::string(bytes, 'x');
     return path;
   }
+  // Writes a whole object of key i at the name of key `name_key` (i when negative): header block
+  // (version 2 with `parent`, or version 1), then the payload, then `extra` bytes.
+  std::string WriteObject(uint64_t i, uint32_t shard, uint64_t ns = 0, size_t payload = 10,
+                          ParentLink parent = ParentLink::First(), bool v1 = false,
+                          int64_t name_key = -1, size_t extra = 0) {
+    std::string bytes(kFileHeaderBlockBytes + payload + extra, '\0');
+    auto* p = reinterpret_cast<uint8_t*>(bytes.data());
+    testing::FillPayload(TestKey(i), shard, p + kFileHeaderBlockBytes, payload);
+    const ObjectHeader h = MakeObjectHeader(TestNamespace(ns), TestKey(i), shard,
+                                            p + kFileHeaderBlockBytes, payload, 1, parent);
+    if (v1) {
+      EncodeObjectHeaderV1(h, p);
+    } else {
+      EncodeObjectHeader(h, p);
+    }
+    const std::string path =
+        dir_.path() + "/" + ObjectRel(name_key < 0 ? i : static_cast<uint64_t>(name_key), shard, ns);
+    fs::create_directories(fs::path(path).parent_path());
+    std::ofstream(path, std::ios::binary) << bytes;
+    return path;
+  }
   std::string ObjectRel(uint64_t i, uint32_t shard, uint64_t ns = 0) {
     char buf[kMaxRelPath];
     FormatObjectPath(NamespacePrefix(TestNamespace(ns)), TestKey(i), shard, buf);
@@ -76,9 +98,9 @@ class FileStartupScanTest : public ::testing::Test {
 
 TEST_F(FileStartupScanTest, FindsObjectsNewestFirstWithTheirFootprint) {
   const absl::Time now = absl::Now();
-  SetMtime(Write(ObjectRel(1, 0), 4096 + 10), now - absl::Seconds(30));
-  SetMtime(Write(ObjectRel(2, 3, /*ns=*/1), 4096 + 8192), now - absl::Seconds(10));
-  SetMtime(Write(ObjectRel(3, 0), 100), now - absl::Seconds(20));
+  SetMtime(WriteObject(1, 0, 0, 10), now - absl::Seconds(30));
+  SetMtime(WriteObject(2, 3, /*ns=*/1, 8192), now - absl::Seconds(10));
+  SetMtime(WriteObject(3, 0, 0, 0), now - absl::Seconds(20));
   FileStartupScan scan = Scan();
   ASSERT_TRUE(scan.ScanUntil(absl::InfiniteFuture()));
   const std::vector<FileStartupScan::Found> found = scan.TakeFoundNewestFirst();
@@ -86,7 +108,7 @@ TEST_F(FileStartupScanTest, FindsObjectsNewestFirstWithTheirFootprint) {
   EXPECT_EQ(found[0].id, (FileObjectId{NamespacePrefix(TestNamespace(1)), TestKey(2), 3}));
   EXPECT_EQ(found[0].bytes, 4096u + 8192);
   EXPECT_EQ(found[1].id.key, TestKey(3));
-  EXPECT_EQ(found[1].bytes, 4096u);  // Whole blocks, even for a torn file.
+  EXPECT_EQ(found[1].bytes, 4096u);  // An empty payload: the header block alone.
   EXPECT_EQ(found[2].id.key, TestKey(1));
   EXPECT_EQ(found[2].bytes, 8192u);
   EXPECT_GT(found[0].mtime_ns, found[1].mtime_ns);
@@ -94,7 +116,7 @@ TEST_F(FileStartupScanTest, FindsObjectsNewestFirstWithTheirFootprint) {
 }
 
 TEST_F(FileStartupScanTest, SkipsWhatIsNotOurs) {
-  Write(ObjectRel(1, 0), 10);
+  WriteObject(1, 0);
   const std::string leaf = ObjectRel(1, 0).substr(0, 19);
   Write(leaf + "/README", 10);
   Write(leaf + "/" + std::string(64, 'Z') + ".0", 10);  // Not lowercase hex.
@@ -128,13 +150,54 @@ TEST_F(FileStartupScanTest, RemovesOnlyTempsWhoseWriterIsGone) {
 }
 
 TEST_F(FileStartupScanTest, ResumesWhereTheBudgetStoppedIt) {
-  for (uint64_t i = 0; i < 20; ++i) Write(ObjectRel(i, 0), 10);
+  for (uint64_t i = 0; i < 20; ++i) WriteObject(i, 0);
   FileStartupScan scan = Scan();
   int rounds = 0;
   while (!scan.ScanUntil(absl::InfinitePast())) ++rounds;  // One leaf per call.
   EXPECT_GT(rounds, 1);
   EXPECT_EQ(scan.TakeFoundNewestFirst().size(), 20u);
   EXPECT_EQ(scan.entries_seen(), 20u);
+}
+
+TEST_F(FileStartupScanTest, ReadsEachHeadersParentLinkAndDropsTornOrForeignObjects) {
+  const std::string first = WriteObject(1, 0, 0, 100, ParentLink::First());
+  const std::string child = WriteObject(2, 0, 0, 100, ParentLink::Of(TestKey(1)));
+  const std::string legacy = WriteObject(3, 0, 0, 100, {}, /*v1=*/true);
+  // Torn: the file ends inside the payload (a crash after the rename, before the data landed).
+  const std::string torn = WriteObject(4, 0, 0, 100);
+  fs::resize_file(torn, kFileHeaderBlockBytes + 50);
+  const std::string empty = Write(ObjectRel(5, 0), 0);
+  const std::string junk = Write(ObjectRel(6, 0), 5000);  // No header at all.
+  const std::string foreign = WriteObject(7, 0, 0, 100, ParentLink::First(), false, /*name=*/8);
+  const std::string appended = WriteObject(9, 0, 0, 100, ParentLink::First(), false, -1, 7);
+  const std::string damaged = WriteObject(10, 0, 0, 100);
+  {
+    std::fstream f(damaged, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(110);  // Inside the parent key: only the header CRC tells.
+    f.put('\x5a');
+  }
+  FileStartupScan scan = Scan();
+  ASSERT_TRUE(scan.ScanUntil(absl::InfiniteFuture()));
+  EXPECT_EQ(scan.objects_found(), 3u);
+  EXPECT_EQ(scan.objects_legacy(), 1u);
+  EXPECT_EQ(scan.objects_dropped(), 6u);
+  EXPECT_EQ(scan.payload_bytes(), 300u);
+  for (const std::string& gone : {torn, empty, junk, foreign, appended, damaged}) {
+    EXPECT_FALSE(fs::exists(gone)) << gone;
+  }
+  for (const std::string& kept : {first, child, legacy}) EXPECT_TRUE(fs::exists(kept)) << kept;
+  ASSERT_EQ(scan.namespaces().size(), 1u);
+  EXPECT_EQ(scan.namespaces()[0], TestNamespace(0));
+  std::vector<FileStartupScan::Found> found = scan.TakeFoundNewestFirst();
+  ASSERT_EQ(found.size(), 3u);
+  absl::flat_hash_map<core::PageKey, FileStartupScan::Found> by_key;
+  for (const auto& f : found) by_key[f.id.key] = f;
+  EXPECT_EQ(by_key[TestKey(1)].parent, ParentLink::First());
+  EXPECT_EQ(by_key[TestKey(2)].parent, ParentLink::Of(TestKey(1)));
+  EXPECT_EQ(by_key[TestKey(3)].parent.kind, ParentLink::Kind::kUnknown);
+  EXPECT_EQ(by_key[TestKey(3)].version, kObjectFormatVersionV1);
+  EXPECT_EQ(by_key[TestKey(2)].payload_bytes, 100u);
+  EXPECT_EQ(by_key[TestKey(2)].ns, 0u);
 }
 
 TEST_F(FileStartupScanTest, StopEndsIt) {

@@ -73,7 +73,7 @@ TEST_F(RedisBackendTest, PipelinedBatchWithMissesAndManyConnections) {
   for (int i = 0; i < kN; ++i) bufs.emplace_back(kSize);
   for (int i = 0; i < kN; ++i) {
     FillPayload(TestKey(i), i % 2, bufs[i].get(), kSize);
-    puts.push_back({TestKey(i), uint32_t(i % 2), bufs[i].get(), kSize});
+    puts.push_back({TestKey(i), uint32_t(i % 2), bufs[i].get(), kSize, {}});
   }
   BatchResult pr = testing::PutSync(*b, {ns_, puts});
   for (const ItemResult& r : pr.items) ASSERT_EQ(r.status, ObjectStatus::kOk);

@@ -145,7 +145,7 @@ TEST_F(RedisClusterTest, PutGetAcrossNodes) {
   for (int i = 0; i < kN; ++i) bufs.emplace_back(kSize);
   for (int i = 0; i < kN; ++i) {
     testing::FillPayload(TestKey(i), 0, bufs[i].get(), kSize);
-    puts.push_back({TestKey(i), 0, bufs[i].get(), kSize});
+    puts.push_back({TestKey(i), 0, bufs[i].get(), kSize, {}});
   }
   BatchResult pr = testing::PutSync(*b_, {ns_, puts});  // One batch, split over three nodes.
   for (const ItemResult& r : pr.items) ASSERT_EQ(r.status, ObjectStatus::kOk);

@@ -143,7 +143,7 @@ inline ObjectStatus PutOne(Backend& b, const core::PageKey& ns, const core::Page
                            uint32_t shard, size_t size) {
   AlignedBuffer buf(size);
   FillPayload(key, shard, buf.get(), size);
-  PutItem item{key, shard, buf.get(), size};
+  PutItem item{key, shard, buf.get(), size, {}};
   PutRequest r{ns, absl::MakeConstSpan(&item, 1)};
   BatchResult res = PutSync(b, r);
   return res.items.empty() ? ObjectStatus::kRetry : res.items[0].status;

@@ -1,0 +1,117 @@
+// L3Recovery: puts what the file tiers hold back in the radix index after a restart (DESIGN.md
+// "Restart and fleet"), so that a Match finds them as L3 hits without asking the backends.
+//
+// Each file tier scans its directory at start (storage/file_startup_scan.h): it lists the objects
+// and reads their headers, which carry the page's parent link (storage/object_format.h). Its result
+// comes here once (FileBackend::SetScanSink). A namespace's index exists only once its first
+// worker registered and fixed the page geometry (session/namespace_registry.h), so the objects of
+// a namespace wait here until then; they enter its index on the registration (OnIndexed) or at
+// once when the namespace already has one.
+//
+// Prefix-closed: a page enters only under a parent that is indexed, or as the first page of its
+// sequence. The pages of a namespace's tier are inserted breadth-first from those roots (and from
+// pages whose parent the index already holds: L2 pages backed up since the start, another tier's
+// copy), parents before children, so every page whose chain is whole enters. A page whose parent
+// never appears is an orphan (its parent's object was lost, evicted or torn): counted, not
+// inserted; a Match lookup (l3_lookup_timeout_ms) can still find it. Objects of version 1 (no
+// parent link) are not placed either (counted as legacy) and stay reachable the same way. Objects
+// whose size or shard does not fit the namespace's geometry are counted and skipped (a Get would
+// refuse them as foreign).
+//
+// Visibility: in the background. The scan runs on the tier's scanner thread after a short budget
+// inside Open, and the daemon serves meanwhile: a Match before a namespace's pages are inserted
+// misses them in the index (or finds them through a lookup), and finds them once inserted. This
+// keeps a large tier (millions of objects: a header read each) from delaying readiness for
+// minutes, while a page becomes a hit only after every page before it in its chain is indexed.
+// Insertion holds a namespace's index lock for kInsertChunk updates at a time.
+//
+// Payload checksums are not checked here (the scan checks each header, its CRC and the file's
+// length); every read from L3 checks the payload CRC before the page becomes visible in L2, so a
+// damaged payload is a miss, removed and counted, never served.
+//
+// Threads: OnScanned on a tier's scanner thread (or the constructor's), OnIndexed on registration
+// handlers, Collect and Stats at scrape and GetStatus time. One mutex guards the pending objects
+// and the counts; it is held while inserting (the index lock nests inside it), so a namespace's
+// objects are inserted once, whichever of the two paths gets them.
+#ifndef KVCELLAR_SERVER_L3_L3_RECOVERY_H_
+#define KVCELLAR_SERVER_L3_L3_RECOVERY_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "core/page_key.h"
+#include "server/l3/l3_tiers.h"
+#include "server/metrics/metrics.h"
+#include "server/session/namespace_registry.h"
+#include "storage/file_backend.h"
+
+namespace kvcellar::server {
+
+// One file tier's startup scan and what became of its objects.
+struct L3ScanStats {
+  bool file_tier = false;  // Only file tiers scan; the rest are zero.
+  bool complete = false;   // The scan finished and its result arrived.
+  // From the scan (storage/file_backend.h FileScanResult).
+  uint64_t found = 0;
+  uint64_t legacy = 0;
+  uint64_t dropped = 0;
+  uint64_t temps_removed = 0;
+  uint64_t evicted = 0;
+  uint64_t payload_bytes = 0;
+  double seconds = 0;
+  // Into the index, in pages (a page is all its scanned shards).
+  uint64_t pages_inserted = 0;
+  uint64_t pages_orphaned = 0;     // Parent never indexed.
+  uint64_t pages_legacy = 0;       // No parent link (version 1 objects).
+  uint64_t pages_mismatched = 0;   // Size or shard does not fit the namespace's geometry.
+  uint64_t objects_pending = 0;    // Waiting for their namespace's first worker.
+};
+
+class L3Recovery {
+ public:
+  // Both outlive the recovery. Subscribes to every file tier's scan result: a scan that already
+  // finished is taken (and applied) here, on this thread.
+  L3Recovery(L3Tiers* tiers, NamespaceRegistry* namespaces);
+  // Unsubscribes: after it, no scan result arrives.
+  ~L3Recovery();
+  L3Recovery(const L3Recovery&) = delete;
+  L3Recovery& operator=(const L3Recovery&) = delete;
+
+  // `ns` has an index now (a worker registered): its pending objects enter it.
+  void OnIndexed(Namespace& ns) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Per tier, in tier order.
+  std::vector<L3ScanStats> Stats() const ABSL_LOCKS_EXCLUDED(mu_);
+  // kvcellar_l3_scan_* samples, by tier (file tiers only).
+  void Collect(MetricWriter& out) const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Pending {
+    uint8_t tier = 0;
+    storage::FileStartupScan::Found object;
+  };
+
+  void OnScanned(size_t tier, storage::FileScanResult result) ABSL_LOCKS_EXCLUDED(mu_);
+  // Inserts the pending objects of `ns`, if any and if it has an index.
+  void ApplyLocked(Namespace& ns) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One tier's objects of one namespace, prefix-closed.
+  void InsertTier(Namespace& ns, uint8_t tier, const std::vector<Pending>& objects)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  L3Tiers* const tiers_;
+  NamespaceRegistry* const namespaces_;
+
+  mutable absl::Mutex mu_;
+  // By namespace digest; the objects in tier order (tier 0's first), so a later tier's pages can
+  // hang under an earlier tier's.
+  absl::flat_hash_map<core::PageKey, std::vector<Pending>> pending_ ABSL_GUARDED_BY(mu_);
+  std::vector<L3ScanStats> stats_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvcellar::server
+
+#endif  // KVCELLAR_SERVER_L3_L3_RECOVERY_H_
