@@ -3,33 +3,24 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "core/splitmix.h"
 
 namespace kvcellar::client {
 namespace {
 
-// SplitMix64's finalizer (Steele, Lea, Flood 2014): a cheap bijective mixer whose outputs for
-// consecutive inputs are statistically independent, so neighbouring bytes, layers and keys never
-// share a pattern.
-uint64_t Mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 uint64_t PatternBase(uint64_t seed, const core::PageKey& key, uint32_t shard, uint32_t layer) {
-  uint64_t h = Mix(seed);
+  uint64_t h = core::SplitMix64(seed);
   for (size_t i = 0; i < core::kPageKeyBytes; i += 8) {
     uint64_t w;
     std::memcpy(&w, key.bytes.data() + i, sizeof(w));
-    h = Mix(h ^ w);
+    h = core::SplitMix64(h ^ w);
   }
-  h = Mix(h ^ (uint64_t{shard} << 32 | layer));
+  h = core::SplitMix64(h ^ (uint64_t{shard} << 32 | layer));
   return h;
 }
 
 uint8_t WordByte(uint64_t base, uint64_t byte) {
-  return static_cast<uint8_t>(Mix(base + byte / 8) >> (8 * (byte % 8)));
+  return static_cast<uint8_t>(core::SplitMix64(base + byte / 8) >> (8 * (byte % 8)));
 }
 
 }  // namespace
@@ -46,7 +37,7 @@ void FillPattern(uint8_t* dst, uint64_t n, uint64_t seed, const core::PageKey& k
   // Unaligned head, whole words, tail: byte b of the sequence is byte b % 8 of word b / 8.
   for (; i < n && (first + i) % 8 != 0; ++i) dst[i] = WordByte(base, first + i);
   for (; i + 8 <= n; i += 8) {
-    const uint64_t w = Mix(base + (first + i) / 8);
+    const uint64_t w = core::SplitMix64(base + (first + i) / 8);
     std::memcpy(dst + i, &w, 8);  // Little-endian host: byte k of w is byte (first+i+k).
   }
   for (; i < n; ++i) dst[i] = WordByte(base, first + i);

@@ -120,37 +120,13 @@ KVC_SHA_TARGET inline void CompressWords(__m128i abef[Lanes], __m128i cdgh[Lanes
   }
 }
 
-// Compresses the 64-byte block at blocks[l] into every lane's state. Each lane's words are
-// loaded as its first rounds need them, not all up front: four lanes' words, states and inputs
-// do not fit in the sixteen XMM registers.
+// Compresses the 64-byte block at blocks[l] into every lane's state.
 template <int Lanes>
 KVC_SHA_TARGET inline void CompressBlock(__m128i abef[Lanes], __m128i cdgh[Lanes],
                                          const uint8_t* const blocks[Lanes]) {
-  const __m128i byte_swap = ByteSwapWords();
-  __m128i abef_in[Lanes], cdgh_in[Lanes], w[Lanes][4];
-  for (int l = 0; l < Lanes; ++l) abef_in[l] = abef[l], cdgh_in[l] = cdgh[l];
-    // Unrolled, so that the words' ring (index g % 4) lives in registers, not on the stack.
-#pragma GCC unroll 16
-  for (int g = 0; g < 16; ++g) {
-    const __m128i k = _mm_load_si128(reinterpret_cast<const __m128i*>(&kRound[4 * g]));
-    for (int l = 0; l < Lanes; ++l) {
-      __m128i& cur = w[l][g % 4];
-      if (g < 4) {
-        cur = _mm_shuffle_epi8(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks[l] + 16 * g)), byte_swap);
-      } else {
-        const __m128i prev1 = w[l][(g + 3) % 4], prev2 = w[l][(g + 2) % 4];
-        const __m128i next = _mm_add_epi32(_mm_sha256msg1_epu32(cur, w[l][(g + 1) % 4]),
-                                           _mm_alignr_epi8(prev1, prev2, 4));
-        cur = _mm_sha256msg2_epu32(next, prev1);
-      }
-      FourRounds(abef[l], cdgh[l], _mm_add_epi32(cur, k));
-    }
-  }
-  for (int l = 0; l < Lanes; ++l) {
-    abef[l] = _mm_add_epi32(abef[l], abef_in[l]);
-    cdgh[l] = _mm_add_epi32(cdgh[l], cdgh_in[l]);
-  }
+  __m128i m[Lanes][4];
+  for (int l = 0; l < Lanes; ++l) LoadBlock(blocks[l], m[l]);
+  CompressWords<Lanes>(abef, cdgh, m);
 }
 
 // The midstates of the chain's pages: out + 32*i holds the raw ABEF / CDGH registers after the

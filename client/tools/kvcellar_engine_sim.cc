@@ -18,9 +18,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <optional>
 #include <random>
 #include <set>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,6 +32,7 @@
 #include "client/kvcellar_client.h"
 #include "client/sim_engine.h"
 #include "client/tools/json_object.h"
+#include "core/splitmix.h"
 #include "platform/runtime_paths.h"
 
 namespace {
@@ -234,13 +235,6 @@ Json StatsJson(const kc::ClientStats& s) {
 
 // ---- The engine ------------------------------------------------------------------------------
 
-uint64_t Mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 // Token i of prompt `doc` in the universe of `seed`.
 const char* WritePolicyName(uint32_t p) {
   static const char* kNames[] = {"UNSPECIFIED", "WRITE_THROUGH", "WRITE_THROUGH_SELECTIVE",
@@ -254,8 +248,8 @@ const char* PrefetchPolicyName(uint32_t p) {
 
 std::vector<uint32_t> Tokens(uint64_t seed, uint64_t doc, size_t n) {
   std::vector<uint32_t> t(n);
-  const uint64_t base = Mix(Mix(seed) ^ doc);
-  for (size_t i = 0; i < n; ++i) t[i] = static_cast<uint32_t>(Mix(base + i) % kVocab);
+  const uint64_t base = core::SplitMix64(core::SplitMix64(seed) ^ doc);
+  for (size_t i = 0; i < n; ++i) t[i] = static_cast<uint32_t>(core::SplitMix64(base + i) % kVocab);
   return t;
 }
 
@@ -460,8 +454,10 @@ bool ParsePrefetch(const std::string& name, kc::PrefetchPolicy* policy) {
     *policy = it->second;
     return true;
   }
-  std::fprintf(stderr, "--prefetch: '%s' is not none, default, best_effort, wait_complete or "
-               "timeout\n", name.c_str());
+  std::fprintf(stderr,
+               "--prefetch: '%s' is not none, default, best_effort, wait_complete or "
+               "timeout\n",
+               name.c_str());
   return false;
 }
 
@@ -584,7 +580,8 @@ int CmdRandom(Engine& e, Flags& f) {
   const uint64_t tseed = f.U64("--tokens-seed", seed);
   const uint64_t docs = std::max<uint64_t>(1, f.U64("--docs", 32));
   const uint64_t max_pages = std::max<uint64_t>(1, f.U64("--max-pages", 8));
-  const uint64_t rng_seed = f.U64("--rng-seed", Mix(getpid() ^ absl::ToUnixNanos(absl::Now())));
+  const uint64_t rng_seed =
+      f.U64("--rng-seed", core::SplitMix64(getpid() ^ absl::ToUnixNanos(absl::Now())));
   const absl::Duration think = absl::Milliseconds(f.U64("--think-ms", 0));
   const absl::Duration step = absl::Milliseconds(f.U64("--step-ms", 0));
   kc::PrefetchPolicy prefetch = kc::PrefetchPolicy::kNone;
@@ -622,7 +619,7 @@ int CmdRandom(Engine& e, Flags& f) {
     uint64_t step_id = 0;
     if (step > absl::ZeroDuration()) {
       step_id = NextTick(step);
-      tick_rng.seed(Mix(rng_seed ^ Mix(step_id)));
+      tick_rng.seed(core::SplitMix64(rng_seed ^ core::SplitMix64(step_id)));
       choose = &tick_rng;
     }
     ++steps;
@@ -737,8 +734,10 @@ std::optional<int> Configure(Flags& f, Engine& e, kc::SimEngineOptions& so,
     const std::string wp = f.Str("--write-policy", "default");
     auto it = kWrite.find(wp);
     if (it == kWrite.end()) {
-      std::fprintf(stderr, "--write-policy: '%s' is not default, write_through, "
-                   "write_through_selective, write_back or l2_only\n", wp.c_str());
+      std::fprintf(stderr,
+                   "--write-policy: '%s' is not default, write_through, "
+                   "write_through_selective, write_back or l2_only\n",
+                   wp.c_str());
       return kExitUsage;
     }
     e.write_policy = it->second;

@@ -1,22 +1,18 @@
 #include "client/tools/bench/workload.h"
 
+#include "core/splitmix.h"
+
 namespace kvcellar::bench {
 namespace {
 
 // A vocabulary size of a typical tokenizer (Llama 3 has 128256); ids only need to vary.
 constexpr uint32_t kVocab = 128000;
 
-uint64_t Mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 // Appends n tokens of stream `stream` (a distinct id per token run of the workload).
 void AppendStream(uint64_t seed, uint64_t stream, uint64_t n, std::vector<uint32_t>* out) {
-  const uint64_t base = Mix(Mix(seed) ^ Mix(stream));
-  for (uint64_t i = 0; i < n; ++i) out->push_back(static_cast<uint32_t>(Mix(base + i) % kVocab));
+  const uint64_t base = core::SplitMix64(core::SplitMix64(seed) ^ core::SplitMix64(stream));
+  for (uint64_t i = 0; i < n; ++i)
+    out->push_back(static_cast<uint32_t>(core::SplitMix64(base + i) % kVocab));
 }
 
 }  // namespace

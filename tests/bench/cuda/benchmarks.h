@@ -7,10 +7,12 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "tests/bench/cuda/cuda_bench_env.h"
 #include "tests/bench/cuda/cuda_summary.h"
 #include "tests/gpu/cuda_engine_process.h"
@@ -43,6 +45,16 @@ struct CudaBenchConfig {
 
 // Pages per op for blocks of `block_bytes` over `layers` layers.
 uint32_t PagesPerOp(uint64_t batch_bytes, uint64_t block_bytes, uint32_t layers);
+
+// Longest wait for one op: a few hundred MiB at even 0.5 GB/s.
+inline constexpr absl::Duration kOpWait = absl::Seconds(60);
+
+// Submits one Gather (Backup) or Scatter (Load) of `items` on the backend and waits for it, at
+// most kOpWait. With `signals` the Gather waits on the engine's `ready_event` and the Scatter
+// signals load slot 0 with `ticket`.
+absl::Status BackendOp(Backend& b, gpu::EngineMapping& m, absl::Span<const gpu::CopyItem> items,
+                       bool load, bool signals = false, const std::string& ready_event = "",
+                       uint64_t ticket = 0);
 
 // The baselines, timed in this process on a device buffer of its own laid out as the engine's pool
 // of `pages` blocks (the bytes an op moves), to and from the same pinned host pages as the op.

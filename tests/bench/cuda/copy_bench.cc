@@ -25,8 +25,6 @@ namespace {
 
 using gpu::testing::PoolShape;
 
-// Longest wait for one op: a few hundred MiB at even 0.5 GB/s.
-constexpr absl::Duration kOpWait = absl::Seconds(60);
 // Untimed Backups that may be retried while the daemon's pool makes room for a new object size.
 constexpr int kMaxWarmupBackups = 50;
 
@@ -37,21 +35,6 @@ absl::Status Cuda(cudaError_t err, absl::string_view what) {
 
 std::string ShapeName(uint64_t block_bytes, uint32_t layers, uint32_t pages) {
   return absl::StrCat(block_bytes >> 10, " KiB x ", layers, " layers, ", pages, " pages/op");
-}
-
-// Submits one Gather (Backup) or Scatter (Load) of `items` and waits for it.
-absl::Status BackendOp(Backend& b, gpu::EngineMapping& m, absl::Span<const gpu::CopyItem> items,
-                       bool load, bool signals, const std::string& ready_event, uint64_t ticket) {
-  absl::StatusOr<gpu::OpHandle> op =
-      load ? b.device->SubmitScatter(m, items,
-                                     signals ? gpu::OpSignal{0, ticket} : gpu::OpSignal{})
-           : b.device->SubmitGather(m, items,
-                                    signals ? gpu::ReadyFence::CudaIpcEvent(ready_event)
-                                            : gpu::ReadyFence::Ready(),
-                                    {});
-  if (!op.ok()) return op.status();
-  if (!(*op)->Wait(kOpWait)) return absl::DeadlineExceededError("op did not finish");
-  return (*op)->status();
 }
 
 client::OpResult WaitTerminal(client::Session& s, client::OpResult op) {
@@ -70,6 +53,19 @@ client::OpResult WaitTerminal(client::Session& s, client::OpResult op) {
 
 // ---- Shared pieces (benchmarks.h) -----------------------------------------------------------
 
+absl::Status BackendOp(Backend& b, gpu::EngineMapping& m, absl::Span<const gpu::CopyItem> items,
+                       bool load, bool signals, const std::string& ready_event, uint64_t ticket) {
+  absl::StatusOr<gpu::OpHandle> op =
+      load ? b.device->SubmitScatter(m, items, signals ? gpu::OpSignal{0, ticket} : gpu::OpSignal{})
+           : b.device->SubmitGather(
+                 m, items,
+                 signals ? gpu::ReadyFence::CudaIpcEvent(ready_event) : gpu::ReadyFence::Ready(),
+                 {});
+  if (!op.ok()) return op.status();
+  if (!(*op)->Wait(kOpWait)) return absl::DeadlineExceededError("op did not finish");
+  return (*op)->status();
+}
+
 uint32_t PagesPerOp(uint64_t batch_bytes, uint64_t block_bytes, uint32_t layers) {
   const uint64_t object = 2ull * layers * block_bytes;
   return static_cast<uint32_t>(std::max<uint64_t>(1, batch_bytes / object));
@@ -85,8 +81,7 @@ absl::StatusOr<std::unique_ptr<CopyBaselines>> CopyBaselines::Create(const PoolS
     return s;
   }
   // Not zeros: nothing here depends on the values, but nothing should get to skip work either.
-  if (absl::Status s = Cuda(cudaMemset(b->dev_, 0x5a, shape.pool_bytes()), "cudaMemset");
-      !s.ok()) {
+  if (absl::Status s = Cuda(cudaMemset(b->dev_, 0x5a, shape.pool_bytes()), "cudaMemset"); !s.ok()) {
     return s;
   }
   if (absl::Status s =
@@ -126,9 +121,9 @@ absl::StatusOr<absl::Duration> CopyBaselines::PerBlock(uint8_t* host, bool to_de
       for (uint32_t kv = 0; kv < 2; ++kv) {
         uint8_t* h = object + (uint64_t{l} * 2 + kv) * bpb;
         uint8_t* d = dev_ + gpu::testing::LayerFirstOffset(shape_, l, kv, p);
-        const cudaError_t err =
-            to_device ? cudaMemcpyAsync(d, h, bpb, cudaMemcpyHostToDevice, stream_)
-                      : cudaMemcpyAsync(h, d, bpb, cudaMemcpyDeviceToHost, stream_);
+        const cudaError_t err = to_device
+                                    ? cudaMemcpyAsync(d, h, bpb, cudaMemcpyHostToDevice, stream_)
+                                    : cudaMemcpyAsync(h, d, bpb, cudaMemcpyDeviceToHost, stream_);
         if (err != cudaSuccess) {
           cudaStreamSynchronize(stream_);
           return Cuda(err, "per-block cudaMemcpyAsync");
@@ -247,8 +242,7 @@ void RunDaemonCase(benchmark::State& state, CudaBenchEnv* env, CudaSummary* summ
   absl::StatusOr<client::Session*> session = engine.ok() ? env->Session(0) : engine.status();
   // The baselines' pinned pages: those of the copy-engine backend.
   absl::StatusOr<Backend*> host =
-      session.ok() ? env->GetBackend({gpu::CudaDeviceOptions::CopyPath::kMemcpy},
-                                     pages * object)
+      session.ok() ? env->GetBackend({gpu::CudaDeviceOptions::CopyPath::kMemcpy}, pages * object)
                    : session.status();
   absl::StatusOr<std::unique_ptr<CopyBaselines>> base =
       host.ok() ? CopyBaselines::Create({c.layers, c.block_bytes, pages}) : host.status();
@@ -345,10 +339,10 @@ void RegisterCopyBenchmarks(CudaBenchEnv* env, CudaSummary* summary,
         for (const std::optional<BackendKey>& path : paths) {
           for (bool signals : {false, true}) {
             CaseSpec c{block, layers, load, signals, path};
-            const std::string name = absl::StrCat(
-                load ? "BM_CudaLoad" : "BM_CudaBackup", "/block_KiB:", block >> 10,
-                "/layers:", layers, "/path:", path ? path->Name() : "kvcellard",
-                "/signals:", signals ? 1 : 0);
+            const std::string name =
+                absl::StrCat(load ? "BM_CudaLoad" : "BM_CudaBackup", "/block_KiB:", block >> 10,
+                             "/layers:", layers, "/path:", path ? path->Name() : "kvcellard",
+                             "/signals:", signals ? 1 : 0);
             benchmark::RegisterBenchmark(name.c_str(),
                                          [=](benchmark::State& state) {
                                            if (c.backend) {

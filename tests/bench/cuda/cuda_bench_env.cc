@@ -8,6 +8,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "core/splitmix.h"
 
 namespace kvcellar::bench {
 namespace {
@@ -21,13 +22,6 @@ constexpr absl::Duration kDaemonStartTimeout = absl::Seconds(120);
 constexpr uint64_t kDaemonRegionBytes = 512ull << 20;
 // Registration maps the engine's pool in the daemon (cudaIpcOpenMemHandle per region).
 constexpr absl::Duration kRegisterTimeout = absl::Seconds(30);
-
-uint64_t Mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 
 void DestroyBackend(Backend& b) {
   b.mappings.clear();  // Each waits for its streams to drain.
@@ -139,8 +133,8 @@ absl::StatusOr<gpu::EngineMapping*> CudaBenchEnv::Mapping(Backend* backend, int 
   gpu::EngineSpec spec;
   spec.device_uuid = engines_[i]->device_uuid();
   spec.layout = layouts_[i];
-  spec.cuda_load_events = engines_[i]->load_events(gpu::testing::kLoadSlots,
-                                                   engines_[i]->shape()->layers);
+  spec.cuda_load_events =
+      engines_[i]->load_events(gpu::testing::kLoadSlots, engines_[i]->shape()->layers);
   absl::StatusOr<std::unique_ptr<gpu::EngineMapping>> m = backend->device->OpenEngine(spec);
   if (!m.ok()) return m.status();
   gpu::EngineMapping* out = m->get();
@@ -235,8 +229,8 @@ absl::StatusOr<client::Session*> CudaBenchEnv::Session(int i) {
   }
   if (de.session->info().page_object_bytes != shape.object_bytes()) {
     return absl::InternalError(absl::StrCat("daemon page_object_bytes ",
-                                            de.session->info().page_object_bytes, " != ",
-                                            shape.object_bytes()));
+                                            de.session->info().page_object_bytes,
+                                            " != ", shape.object_bytes()));
   }
   client::Session* out = de.session.get();
   daemon_engines_.emplace(i, std::move(de));
@@ -248,7 +242,7 @@ std::vector<core::PageKey> CudaBenchEnv::Keys(size_t n) {
   for (core::PageKey& k : keys) {
     const uint64_t id = next_key_.fetch_add(1);
     for (int w = 0; w < 4; ++w) {
-      const uint64_t v = Mix(id * 4 + w);
+      const uint64_t v = core::SplitMix64(id * 4 + w);
       std::memcpy(k.bytes.data() + 8 * w, &v, sizeof(v));
     }
   }

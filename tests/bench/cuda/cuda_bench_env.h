@@ -1,9 +1,9 @@
 // CudaBenchEnv: what every kvcellar_bench_cuda case runs against. Engine processes (this binary
 // re-executed: tests/gpu/cuda_engine_process.h), each with a layer-first KV pool exported by CUDA
 // IPC; the daemon's CUDA backend in this process, one instance per copy-path configuration, each
-// with its own pinned, registered host pages (as the daemon's host pool is); and, for the end-to-end
-// cases, a real kvcellard child process on the CUDA device with the engines registered through
-// libkvcellar-client.
+// with its own pinned, registered host pages (as the daemon's host pool is); and, for the
+// end-to-end cases, a real kvcellard child process on the CUDA device with the engines registered
+// through libkvcellar-client.
 //
 // Engines, backends and the daemon start on first use, so a filtered run starts only what it
 // needs. Asking for an engine with another pool shape first closes every mapping and session of

@@ -15,20 +15,9 @@ namespace {
 
 using gpu::testing::PoolShape;
 
-constexpr absl::Duration kOpWait = absl::Seconds(60);
 // How long past its length a GEMM phase may run before the engine counts as stuck (the engine's own
 // answer timeout, CudaEngineProcess::FinishGemm).
 constexpr absl::Duration kGemmGrace = absl::Seconds(300);
-
-absl::Status Op(Backend& b, gpu::EngineMapping& m, const std::vector<gpu::CopyItem>& items,
-                bool load) {
-  absl::StatusOr<gpu::OpHandle> op =
-      load ? b.device->SubmitScatter(m, items, {})
-           : b.device->SubmitGather(m, items, gpu::ReadyFence::Ready(), {});
-  if (!op.ok()) return op.status();
-  if (!(*op)->Wait(kOpWait)) return absl::DeadlineExceededError("op did not finish");
-  return (*op)->status();
-}
 
 void RunInterference(benchmark::State& state, CudaBenchEnv* env, CudaSummary* summary,
                      const CudaBenchConfig& config, uint64_t block, bool load,
@@ -51,9 +40,9 @@ void RunInterference(benchmark::State& state, CudaBenchEnv* env, CudaSummary* su
     items.push_back({load ? pages + i : i, b.host + i * shape.object_bytes()});
   }
   // Copies alone (after one untimed op).
-  absl::Status st = Op(b, **mapping, items, load);
+  absl::Status st = BackendOp(b, **mapping, items, load);
   const absl::Time a0 = absl::Now();
-  for (int i = 0; i < config.iterations && st.ok(); ++i) st = Op(b, **mapping, items, load);
+  for (int i = 0; i < config.iterations && st.ok(); ++i) st = BackendOp(b, **mapping, items, load);
   const absl::Duration copy_alone = absl::Now() - a0;
   // The GEMM alone (its first call also checks the kernel's result).
   absl::StatusOr<gpu::testing::GemmTiming> alone =
@@ -64,7 +53,7 @@ void RunInterference(benchmark::State& state, CudaBenchEnv* env, CudaSummary* su
   }
   for (auto _ : state) {
     // One copy before the GEMM phase starts, then copies back to back until its answer arrives.
-    st = Op(b, **mapping, items, load);
+    st = BackendOp(b, **mapping, items, load);
     if (!st.ok()) {
       state.SkipWithError(st.ToString().c_str());
       return;
@@ -82,7 +71,7 @@ void RunInterference(benchmark::State& state, CudaBenchEnv* env, CudaSummary* su
         st = absl::DeadlineExceededError("engine process: GEMM phase did not end; killed it");
         break;
       }
-      st = Op(b, **mapping, items, load);
+      st = BackendOp(b, **mapping, items, load);
       ++ops;
     }
     const absl::Duration window = absl::Now() - t0;
@@ -120,9 +109,8 @@ void RegisterInterferenceBenchmarks(CudaBenchEnv* env, CudaSummary* summary,
   for (uint64_t block : config.interference_block_bytes) {
     for (bool load : {false, true}) {
       for (const BackendKey& key : keys) {
-        const std::string name =
-            absl::StrCat("BM_CudaInterference/block_KiB:", block >> 10, "/",
-                         load ? "Load" : "Backup", "/path:", key.Name());
+        const std::string name = absl::StrCat("BM_CudaInterference/block_KiB:", block >> 10, "/",
+                                              load ? "Load" : "Backup", "/path:", key.Name());
         benchmark::RegisterBenchmark(name.c_str(),
                                      [=](benchmark::State& state) {
                                        RunInterference(state, env, summary, config, block, load,

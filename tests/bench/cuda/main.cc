@@ -138,10 +138,10 @@ int Run(int argc, char** argv, const Flags& flags) {
   }
   kb::CudaEnvOptions options;
   options.self = SelfPath();
-  options.kvcellard = flags.kvcellard.empty()
-                          ? (std::filesystem::path(options.self).parent_path() / "kvcellard")
-                                .string()
-                          : flags.kvcellard;
+  options.kvcellard =
+      flags.kvcellard.empty()
+          ? (std::filesystem::path(options.self).parent_path() / "kvcellard").string()
+          : flags.kvcellard;
   options.keep_dir = flags.keep_dir;
   if (flags.smoke) options.daemon_pool_bytes = 512ull << 20;
   if (flags.pool_mib > 0) options.daemon_pool_bytes = static_cast<uint64_t>(flags.pool_mib) << 20;
@@ -177,8 +177,7 @@ int main(int argc, char** argv) {
     return 2;
   }
 #if !KVCELLAR_HAVE_CUDA
-  std::printf("%s: built without CUDA (KVCELLAR_CUDA=OFF or no nvcc): nothing to measure\n",
-              kName);
+  std::printf("%s: built without CUDA (KVCELLAR_CUDA=OFF or no nvcc): nothing to measure\n", kName);
   return 0;
 #else
   absl::StatusOr<int> devices = kvcellar::gpu::CudaDeviceCount();

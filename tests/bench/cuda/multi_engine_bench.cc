@@ -18,22 +18,11 @@ namespace {
 
 using gpu::testing::PoolShape;
 
-constexpr absl::Duration kOpWait = absl::Seconds(60);
 // Untimed Backups that may be retried while the daemon's pool makes room for a new object size.
 constexpr int kMaxWarmupBackups = 50;
 
 // One engine's stream of ops: a function that submits one op and waits for it.
 using OpFn = std::function<absl::Status()>;
-
-absl::Status RunDirectOp(Backend& b, gpu::EngineMapping& m,
-                         const std::vector<gpu::CopyItem>& items, bool load) {
-  absl::StatusOr<gpu::OpHandle> op =
-      load ? b.device->SubmitScatter(m, items, {})
-           : b.device->SubmitGather(m, items, gpu::ReadyFence::Ready(), {});
-  if (!op.ok()) return op.status();
-  if (!(*op)->Wait(kOpWait)) return absl::DeadlineExceededError("op did not finish");
-  return (*op)->status();
-}
 
 // Waits until `r` is terminal; OK when every one of its `pages` pages is usable.
 absl::Status WaitUsable(client::Session& s, client::OpResult r, size_t pages) {
@@ -116,7 +105,7 @@ void RunEngines(benchmark::State& state, CudaBenchEnv* env, CudaSummary* summary
         items[e].push_back({load ? pages + i : i, host + i * shape.object_bytes()});
       }
       ops[e] = [backend, m = *m, &items, e, load] {
-        return RunDirectOp(*backend, *m, items[e], load);
+        return BackendOp(*backend, *m, items[e], load);
       };
     } else {
       absl::StatusOr<client::Session*> s = env->Session(e);
@@ -139,8 +128,7 @@ void RunEngines(benchmark::State& state, CudaBenchEnv* env, CudaSummary* summary
     }
   }
   absl::StatusOr<std::unique_ptr<CopyBaselines>> base =
-      st.ok() ? CopyBaselines::Create({config.multi_layers, config.multi_block_bytes, pages})
-              : st;
+      st.ok() ? CopyBaselines::Create({config.multi_layers, config.multi_block_bytes, pages}) : st;
   if (!base.ok()) {
     state.SkipWithError(base.status().ToString().c_str());
     return;

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "core/splitmix.h"
 #include "tests/bench/datapath/noop_server.h"
 
 namespace kvcellar::bench {
@@ -19,19 +20,12 @@ constexpr uint32_t kVocab = 128000;
 // Starting a daemon takes well under a second here; generous for a loaded 2-core machine.
 constexpr absl::Duration kStartTimeout = absl::Seconds(30);
 
-uint64_t Mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 }  // namespace
 
 std::vector<uint32_t> PromptTokens(uint64_t seed, size_t n) {
   std::vector<uint32_t> t(n);
-  const uint64_t base = Mix(seed);
-  for (size_t i = 0; i < n; ++i) t[i] = static_cast<uint32_t>(Mix(base + i) % kVocab);
+  const uint64_t base = core::SplitMix64(seed);
+  for (size_t i = 0; i < n; ++i) t[i] = static_cast<uint32_t>(core::SplitMix64(base + i) % kVocab);
   return t;
 }
 
@@ -82,7 +76,7 @@ std::vector<uint32_t> BlockRange(uint32_t first, size_t n) {
 core::PageKey DatapathEnv::KeyOf(uint64_t n) {
   core::PageKey k;
   for (int w = 0; w < 4; ++w) {
-    const uint64_t v = Mix(n * 4 + w);
+    const uint64_t v = core::SplitMix64(n * 4 + w);
     std::memcpy(k.bytes.data() + 8 * w, &v, sizeof(v));
   }
   return k;
@@ -145,8 +139,7 @@ DatapathEnv::~DatapathEnv() {
   }
 }
 
-absl::StatusOr<std::unique_ptr<client::Client>> DatapathEnv::Connect(
-    size_t key_cache_bytes) const {
+absl::StatusOr<std::unique_ptr<client::Client>> DatapathEnv::Connect(size_t key_cache_bytes) const {
   client::ClientOptions co;
   co.key_cache_bytes = key_cache_bytes;
   co.addr = daemon_socket_;

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "absl/strings/str_format.h"
+#include "tests/bench/markdown_table.h"
 
 namespace kvcellar::bench {
 
@@ -44,27 +45,25 @@ void Summary::AddThroughput(std::string name, std::string unit, int clients, dou
 
 void Summary::Print(std::FILE* out) const {
   absl::MutexLock lock(&mu_);
-  auto table = [out](const char* title, const char* header, const char* rule,
-                     const std::vector<std::string>& rows) {
-    if (rows.empty()) return;
-    std::fprintf(out, "\n%s\n\n%s\n%s\n", title, header, rule);
-    for (const std::string& r : rows) std::fprintf(out, "%s\n", r.c_str());
-  };
-  table(
+  PrintMarkdownTable(
+      out,
       "Load/Backup end to end (RPC + copy + WaitOps) vs memcpy of the same bytes, same "
       "per-layer chunks (goal >= 0.8x)",
       "| case | kvcellar GB/s | memcpy GB/s | ratio |", "|---|---|---|---|", copy_);
-  table(
+  PrintMarkdownTable(
+      out,
       "Match latency vs no-op gRPC call with the same request bytes + SHA-256 of the same "
       "tokens (goal p50 <= 1.25x)",
       "| case | kvcellar p50 / p99 us | baseline | baseline p50 / p99 us | p50 ratio | p99 "
       "ratio |",
       "|---|---|---|---|---|---|", latency_);
-  table("Where Match time goes (each part timed alone, interleaved with the above)",
-        "| case | part | p50 us | p99 us |", "|---|---|---|---|", breakdown_);
-  table("Throughput, 1 client vs N concurrent clients (each its own Client, channel, session)",
-        "| case | 1 client | N clients | N / 1 | N-client latency p50 / p99 us |",
-        "|---|---|---|---|---|", throughput_);
+  PrintMarkdownTable(out,
+                     "Where Match time goes (each part timed alone, interleaved with the above)",
+                     "| case | part | p50 us | p99 us |", "|---|---|---|---|", breakdown_);
+  PrintMarkdownTable(
+      out, "Throughput, 1 client vs N concurrent clients (each its own Client, channel, session)",
+      "| case | 1 client | N clients | N / 1 | N-client latency p50 / p99 us |",
+      "|---|---|---|---|---|", throughput_);
   std::fflush(out);
 }
 

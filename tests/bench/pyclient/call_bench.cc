@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "benchmark/benchmark.h"
+#include "core/splitmix.h"
 
 namespace kvcellar::bench {
 namespace {
@@ -30,13 +31,6 @@ constexpr int kSeedShift = 40;
 constexpr uint32_t kPinLeaseMs = 3600 * 1000;
 // Backup-and-pin attempts for the prompt (see CacheAndPinPrompt).
 constexpr int kCacheAttempts = 5;
-
-uint64_t Mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 
 std::vector<uint32_t> Range(uint32_t first, uint32_t n) {
   std::vector<uint32_t> v(n);
@@ -111,9 +105,9 @@ absl::StatusOr<std::unique_ptr<CallBench>> CallBench::Start(const CallBenchConfi
 
   // The prompt: distinct per seed, so runs with other seeds (the Python side) share no page.
   b->tokens_.resize(size_t{pages} * config.page_size);
-  const uint64_t base = Mix(config.seed);
+  const uint64_t base = core::SplitMix64(config.seed);
   for (size_t i = 0; i < b->tokens_.size(); ++i) {
-    b->tokens_[i] = static_cast<uint32_t>(Mix(base + i) % kVocab);
+    b->tokens_[i] = static_cast<uint32_t>(core::SplitMix64(base + i) % kVocab);
   }
   b->keys_ = b->session_->ComputeKeys(b->tokens_);
   b->src_blocks_ = Range(0, pages);
@@ -224,7 +218,7 @@ void CallBench::FreshKeys(std::vector<core::PageKey>* keys) {
   for (core::PageKey& k : *keys) {
     const uint64_t n = (config_.seed << kSeedShift) | next_key_++;
     for (int w = 0; w < 4; ++w) {
-      const uint64_t v = Mix(n * 4 + w);
+      const uint64_t v = core::SplitMix64(n * 4 + w);
       std::memcpy(k.bytes.data() + 8 * w, &v, sizeof(v));
     }
   }
