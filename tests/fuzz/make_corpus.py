@@ -138,12 +138,23 @@ def crc32c(data: bytes) -> int:
     return crc ^ 0xFFFFFFFF
 
 
-def l3_object(ns: bytes, key: bytes, shard: int, payload: bytes) -> bytes:
-    h = bytearray(b"KVCELLAR" + struct.pack("<HHI", 1, 128, 0) + ns + key +
-                  struct.pack("<IIQQ", shard, crc32c(payload), len(payload), 1_700_000_000_000))
-    h += bytes(20)
+def l3_object(ns: bytes, key: bytes, shard: int, payload: bytes, parent=None) -> bytes:
+    """Format version 2 (160-byte header) with a parent link: a key, b"first", or None for
+    neither; version 1 (128 bytes, no parent link) with parent="v1"."""
+    if parent == "v1":
+        h = bytearray(b"KVCELLAR" + struct.pack("<HHI", 1, 128, 0) + ns + key +
+                      struct.pack("<IIQQ", shard, crc32c(payload), len(payload),
+                                  1_700_000_000_000))
+        h += bytes(20)
+    else:
+        flags = 0 if parent is None else (2 if parent == b"first" else 1)
+        link = parent if flags == 1 else bytes(32)
+        h = bytearray(b"KVCELLAR" + struct.pack("<HHI", 2, 160, flags) + ns + key +
+                      struct.pack("<IIQQ", shard, crc32c(payload), len(payload),
+                                  1_700_000_000_000) + link)
+        h += bytes(20)
     h += struct.pack("<I", crc32c(bytes(h)))
-    assert len(h) == 128
+    assert len(h) == (128 if parent == "v1" else 160)
     return bytes(h) + payload
 
 
@@ -190,9 +201,15 @@ def main() -> None:
         write("l3_tier_spec", str(i), text.encode())
 
     ns, key = bytes(range(32)), bytes(range(100, 132))
-    good = l3_object(ns, key, 0, bytes(range(64)))
+    good = l3_object(ns, key, 0, bytes(range(64)), parent=bytes(range(200, 232)))
     capacity_exact = 16 << 3  # Flag bits 3-7: reader capacity = payload size + (value - 16).
     write("object_header", "good", bytes([capacity_exact]) + good)
+    write("object_header", "good-first-page",
+          bytes([capacity_exact]) + l3_object(ns, key, 1, bytes(range(64)), parent=b"first"))
+    write("object_header", "good-no-link",
+          bytes([capacity_exact]) + l3_object(ns, key, 1, bytes(range(64))))
+    write("object_header", "version-1",
+          bytes([capacity_exact]) + l3_object(ns, key, 0, bytes(range(64)), parent="v1"))
     write("object_header", "good-reseal", bytes([capacity_exact | 3]) + good)
     write("object_header", "trailing-bytes", bytes([capacity_exact | 3]) + good + b"xx")
     write("object_header", "empty-payload", bytes([capacity_exact]) + l3_object(ns, key, 3, b""))
