@@ -137,6 +137,8 @@ class Reader {
                                                     kReadbackCount)));
       if (!ParseCursorReply(r.get(), &cursor)) return false;
       const redisReply* list = r->element[1];
+      std::vector<IndexEntry> page;
+      std::vector<std::string> fields;
       for (size_t i = 0; i + 1 < list->elements; i += 2) {
         const redisReply* f = list->element[i];
         const redisReply* v = list->element[i + 1];
@@ -145,13 +147,63 @@ class Reader {
         if (f->type != REDIS_REPLY_STRING || v->type != REDIS_REPLY_STRING ||
             !DecodeIndexEntry(absl::string_view(f->str, f->len), absl::string_view(v->str, v->len),
                               &e)) {
-          ++out_->scan.dropped;
+          ++out_->scan.dropped;  // Not ours to remove: another build's entry, say.
           continue;
         }
-        Add(e);
+        page.push_back(e);
+        fields.emplace_back(f->str, f->len);
       }
+      if (!KeepPresent(key, page, fields)) return false;
     } while (cursor != "0");
     return true;
+  }
+
+  // Adds the entries whose object still exists and removes the others from the index (expired,
+  // evicted): one pipelined EXISTS per entry, on this node, which owns the entry's slot and so its
+  // object's. A hint removed by a race with a writer is a hint lost, never a wrong hit.
+  bool KeepPresent(const std::string& key, const std::vector<IndexEntry>& page,
+                   const std::vector<std::string>& fields) {
+    char name[256];
+    for (const IndexEntry& e : page) {
+      const size_t n = ObjectKeyName(e, name);
+      redisAppendCommand(ctx_.get(), "EXISTS %b", name, n);
+    }
+    std::vector<size_t> gone;
+    for (size_t i = 0; i < page.size(); ++i) {
+      void* raw = nullptr;
+      if (redisGetReply(ctx_.get(), &raw) != REDIS_OK) return false;
+      Reply r(static_cast<redisReply*>(raw));
+      if (r->type == REDIS_REPLY_INTEGER && r->integer == 0) {
+        gone.push_back(i);
+      } else {
+        Add(page[i]);  // Present, or unknown (an error reply): kept as a hint.
+      }
+    }
+    for (size_t i : gone) {
+      redisAppendCommand(ctx_.get(), "HDEL %b %b", key.data(), key.size(), fields[i].data(),
+                         fields[i].size());
+    }
+    for (size_t k = 0; k < gone.size(); ++k) {
+      void* raw = nullptr;
+      if (redisGetReply(ctx_.get(), &raw) != REDIS_OK) return false;
+      freeReplyObject(raw);
+    }
+    out_->stale += gone.size();
+    out_->scan.dropped += gone.size();
+    return true;
+  }
+
+  // The object's Redis key, as RedisBackend names it: <prefix><ns>:<key>:<shard>.
+  size_t ObjectKeyName(const IndexEntry& e, char* out) const {
+    char* p = out;
+    std::memcpy(p, o_.key_prefix.data(), o_.key_prefix.size());
+    p += o_.key_prefix.size();
+    p = AppendNamespaceTag(e.ns, p);
+    *p++ = ':';
+    p = AppendHex(e.key.bytes.data(), e.key.bytes.size(), p);
+    *p++ = ':';
+    p = AppendDecimal(e.shard, p);
+    return static_cast<size_t>(p - out);
   }
 
   void Add(const IndexEntry& e) {

@@ -22,7 +22,10 @@
 // is a miss at load time, never wrong bytes.
 //
 // Readback (ReadRedisIndex): on each node, SCAN for the index keys, then HSCAN each, in batches of
-// kReadbackCount, until done or the deadline passes (what was read by then is delivered). Runs on
+// kReadbackCount, until done or the deadline passes (what was read by then is delivered). Each
+// batch's objects are checked with pipelined EXISTS: entries whose object is gone are removed
+// (HDEL) and counted, so a restart prunes what TTL and eviction left behind; one that goes after
+// the check is still a hint that the read verifies. Runs on
 // the backend's readback thread (redis_backend.h), with its own blocking connection per node.
 //
 // Threads: the functions are pure or block the calling thread only.
@@ -85,12 +88,15 @@ struct RedisIndexReadback {
 };
 
 // What the readback found, in the shape of a file tier's scan (Found::id, bytes and mtime_ns are
-// zero but the key and shard; `dropped` counts malformed entries, `entries` every entry read).
+// zero but the key and shard; `dropped` counts malformed entries and stale ones, `entries` every
+// entry read).
 // `complete` is false when a node could not be read or the deadline or stop cut it short.
 struct RedisIndexResult {
   FileScanResult scan;
   bool complete = true;
   uint64_t index_keys = 0;
+  // Entries whose object was gone (expired, evicted): removed from the index, not delivered.
+  uint64_t stale = 0;
 };
 RedisIndexResult ReadRedisIndex(const RedisIndexReadback& options);
 

@@ -126,9 +126,9 @@ TEST_F(RedisIndexTest, ANewBackendReadsBackEveryObjectWithItsParent) {
   }
 }
 
-// An entry whose object went (TTL, maxmemory eviction) is still read back: a hint, which the read
-// then finds missing. A malformed entry is counted as dropped.
-TEST_F(RedisIndexTest, EntriesAreHintsAndMalformedOnesAreDropped) {
+// An entry whose object went (TTL, maxmemory eviction) is pruned at readback; one that goes after
+// is a hint the read finds missing. A malformed entry is counted as dropped and left alone.
+TEST_F(RedisIndexTest, StaleEntriesArePrunedAndMalformedOnesDropped) {
   auto b = Create(Options());
   ASSERT_NE(b, nullptr);
   PutChain(*b, 3, 1, 4096);
@@ -136,10 +136,16 @@ TEST_F(RedisIndexTest, EntriesAreHintsAndMalformedOnesAreDropped) {
   server_->Command({"HSET", b->IndexKey(ns_, TestKey(0), 0), "junk", "junk"});
   auto again = Create(Options());
   const RedisIndexResult r = Readback(*again);
-  EXPECT_EQ(r.scan.found, 3u);
-  EXPECT_EQ(r.scan.dropped, 1u);
-  EXPECT_EQ(GetOne(*again, ns_, TestKey(2), 0, 4096), ObjectStatus::kNotFound);
-  EXPECT_EQ(GetOne(*again, ns_, TestKey(1), 0, 4096, 4096), ObjectStatus::kOk);
+  EXPECT_EQ(r.scan.found, 2u);
+  EXPECT_EQ(r.stale, 1u);
+  EXPECT_EQ(r.scan.dropped, 2u);  // The stale entry and the junk one.
+  EXPECT_EQ(r.scan.objects.size(), 2u);
+  // The stale entry is gone from the hash; the junk one stays (not ours to judge).
+  EXPECT_EQ(server_->CommandInt({"HLEN", b->IndexKey(ns_, TestKey(0), 0)}), 3);
+  // An object that goes after the readback: its hint is a miss at read time, never bytes.
+  server_->Command({"UNLINK", b->ObjectKey(ns_, TestKey(1), 0)});
+  EXPECT_EQ(GetOne(*again, ns_, TestKey(1), 0, 4096), ObjectStatus::kNotFound);
+  EXPECT_EQ(GetOne(*again, ns_, TestKey(0), 0, 4096, 4096), ObjectStatus::kOk);
 }
 
 TEST_F(RedisIndexTest, WithoutTheIndexNothingIsWrittenOrDelivered) {
