@@ -176,8 +176,8 @@ void RedisConnection::AddSimple(RedisCommand cmd, absl::string_view name, absl::
 void RedisConnection::AddIndex(absl::string_view key, absl::string_view field,
                                absl::string_view value, uint32_t item) {
   if (value.empty()) {
-    Text("*3\r\n$4\r\nHDEL\r\n$", key.size(), "\r\n", key, "\r\n$", field.size(), "\r\n",
-         field, "\r\n");
+    Text("*3\r\n$4\r\nHDEL\r\n$", key.size(), "\r\n", key, "\r\n$", field.size(), "\r\n", field,
+         "\r\n");
     expects_.push_back({RedisCommand::kHdel, item, nullptr, 0});
     return;
   }

@@ -110,8 +110,8 @@ class Reader {
     do {
       if (Stopped(o_)) return false;
       Reply r(static_cast<redisReply*>(redisCommand(ctx_.get(), "SCAN %s MATCH %b COUNT %d",
-                                                    cursor.c_str(), pattern.data(),
-                                                    pattern.size(), kReadbackCount)));
+                                                    cursor.c_str(), pattern.data(), pattern.size(),
+                                                    kReadbackCount)));
       if (!ParseCursorReply(r.get(), &cursor)) return false;
       const redisReply* list = r->element[1];
       for (size_t i = 0; i < list->elements; ++i) {
@@ -132,9 +132,8 @@ class Reader {
     std::string cursor = "0";
     do {
       if (Stopped(o_)) return false;
-      Reply r(static_cast<redisReply*>(redisCommand(ctx_.get(), "HSCAN %b %s COUNT %d",
-                                                    key.data(), key.size(), cursor.c_str(),
-                                                    kReadbackCount)));
+      Reply r(static_cast<redisReply*>(redisCommand(ctx_.get(), "HSCAN %b %s COUNT %d", key.data(),
+                                                    key.size(), cursor.c_str(), kReadbackCount)));
       if (!ParseCursorReply(r.get(), &cursor)) return false;
       const redisReply* list = r->element[1];
       std::vector<IndexEntry> page;
@@ -252,7 +251,8 @@ bool DecodeIndexEntry(absl::string_view field, absl::string_view entry, IndexEnt
   if (kind > static_cast<uint8_t>(ParentLink::Kind::kKey)) return false;
   std::memcpy(out->key.bytes.data(), field.data(), 32);
   out->shard = 0;
-  for (int i = 0; i < 4; ++i) out->shard |= uint32_t{static_cast<uint8_t>(field[32 + i])} << (8 * i);
+  for (int i = 0; i < 4; ++i)
+    out->shard |= uint32_t{static_cast<uint8_t>(field[32 + i])} << (8 * i);
   out->version = static_cast<uint8_t>(entry[1]);
   out->parent.kind = static_cast<ParentLink::Kind>(kind);
   std::memcpy(out->parent.key.bytes.data(), entry.data() + 3, 32);

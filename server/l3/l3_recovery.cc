@@ -46,9 +46,8 @@ L3Recovery::L3Recovery(L3Tiers* tiers, NamespaceRegistry* namespaces)
   for (size_t t = 0; t < tiers_->size(); ++t) {
     storage::RedisBackend* redis = tiers_->tier(t).redis;
     if (redis == nullptr) continue;
-    redis->SetIndexSink([this, t](storage::RedisIndexResult r) {
-      OnScanned(t, std::move(r.scan), !r.complete);
-    });
+    redis->SetIndexSink(
+        [this, t](storage::RedisIndexResult r) { OnScanned(t, std::move(r.scan), !r.complete); });
   }
 }
 
