@@ -265,12 +265,15 @@ DaemonInfo Daemon::Info() const {
   if (cache_ != nullptr) cache_->FillInfo(&info);
   if (device_ != nullptr) info.device_kind = std::string(device_->name());
   if (l3_ != nullptr) {
+    const std::vector<L3ScanStats> recovery =
+        cache_ != nullptr ? cache_->l3_recovery().Stats() : std::vector<L3ScanStats>();
     for (size_t i = 0; i < l3_->size(); ++i) {
       const L3Tier& t = l3_->tier(i);
       const storage::BackendStats s = t.backend->Stats();
       info.l3_tiers.push_back({t.spec.name, std::string(L3TierKindName(t.spec.kind)), s.healthy,
                                s.used_bytes, s.capacity_bytes, s.last_error,
                                s.last_error_unix_ms});
+      if (i < recovery.size()) info.l3_tiers.back().recovery = recovery[i];
     }
   }
   info.ready = started_ && !shutting_down_;

@@ -55,6 +55,8 @@ class RedisBackendImpl final : public RedisBackend {
   absl::Status Delete(const DeleteRequest& request, BatchCallback done) override;
   BackendStats Stats() const override;
   std::string ObjectKey(const PageKey& ns, const PageKey& key, uint32_t shard) const override;
+  std::string IndexKey(const PageKey& ns, const PageKey& key, uint32_t shard) const override;
+  void SetIndexSink(RedisIndexSink sink) override;
 
  private:
   struct Item {
@@ -137,6 +139,8 @@ class RedisBackendImpl final : public RedisBackend {
   bool EnsureConnected(Node* node, RedisConnection* conn, const Batch* b, absl::Time now);
   void NodeFailed(Node* node);
   void BuildPipeline(RedisConnection* conn, const Chunk* c);
+  // HSET (Put) or HDEL (Delete, a corrupt object removed) of item i's index entry.
+  void AddIndexCommand(RedisConnection* conn, const Batch* b, uint32_t i, bool set);
   void OnReply(Batch* b, const RedisConnection::Expect& e, const RedisReply& r, FollowUp* follow);
   void OnErrorReply(Batch* b, uint32_t i, const RedisReply& r, FollowUp* follow);
   void OnGetReply(Batch* b, uint32_t i, const RedisReply& r, FollowUp* follow);
@@ -167,6 +171,9 @@ class RedisBackendImpl final : public RedisBackend {
     return stopping_ || refresh_requested_;
   }
 
+  // Index readback (redis_index.h), on readback_.
+  void ReadbackLoop();
+
   const RedisBackendOptions options_;
   std::string name_;
   std::string ttl_args_;  // "$2\r\nPX\r\n$<n>\r\n<ms>\r\n", or empty without a TTL.
@@ -182,6 +189,15 @@ class RedisBackendImpl final : public RedisBackend {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool refresh_requested_ ABSL_GUARDED_BY(mu_) = false;
   std::deque<Batch*> deferred_ ABSL_GUARDED_BY(mu_);  // Completed while submitting.
+
+  std::thread readback_;
+  std::atomic<bool> readback_stop_{false};
+  // Held while a sink runs, so SetIndexSink(nullptr) returns only once it is not running.
+  absl::Mutex index_mu_;
+  bool index_done_ ABSL_GUARDED_BY(index_mu_) = false;
+  bool index_delivered_ ABSL_GUARDED_BY(index_mu_) = false;
+  RedisIndexResult index_result_ ABSL_GUARDED_BY(index_mu_);
+  RedisIndexSink index_sink_ ABSL_GUARDED_BY(index_mu_);
 };
 
 // ---- Open and close ---------------------------------------------------------------------------
@@ -219,10 +235,60 @@ absl::Status RedisBackendImpl::Init() {
     }
     refresher_ = std::thread([this] { RefreshLoop(); });
   }
+  if (options_.index) readback_ = std::thread([this] { ReadbackLoop(); });
   return absl::OkStatus();
 }
 
+// Reads every primary's index hashes; the result waits for a sink.
+void RedisBackendImpl::ReadbackLoop() {
+  RedisIndexReadback r;
+  r.key_prefix = options_.key_prefix;
+  r.password = options_.password;
+  r.connect_timeout = options_.connect_timeout;
+  r.deadline = absl::Now() + options_.index_readback_timeout;
+  r.stop = &readback_stop_;
+  if (!options_.cluster) {
+    r.nodes.push_back(options_.addresses[0]);
+  } else {
+    // Every node that owns a slot, once; the map is refreshed first if it is still empty.
+    for (int attempt = 0; attempt < 2 && r.nodes.empty(); ++attempt) {
+      if (attempt > 0 && !RefreshNow()) break;
+      std::vector<bool> seen(slots_.node_count(), false);
+      for (int slot = 0; slot < kClusterSlots; ++slot) {
+        const int node = slots_.Lookup(static_cast<uint16_t>(slot));
+        if (node < 0 || static_cast<size_t>(node) >= seen.size() || seen[node]) continue;
+        seen[node] = true;
+        r.nodes.push_back(slots_.Address(node));
+      }
+    }
+  }
+  RedisIndexResult result = ReadRedisIndex(r);
+  if (r.nodes.empty()) result.complete = false;
+  absl::MutexLock lock(&index_mu_);
+  index_done_ = true;
+  if (index_sink_ != nullptr) {
+    index_delivered_ = true;
+    std::move(index_sink_)(std::move(result));
+    index_sink_ = nullptr;
+  } else {
+    index_result_ = std::move(result);
+  }
+}
+
+void RedisBackendImpl::SetIndexSink(RedisIndexSink sink) {
+  absl::MutexLock lock(&index_mu_);
+  if (index_delivered_) return;
+  if (!index_done_ || sink == nullptr) {
+    index_sink_ = std::move(sink);
+    return;
+  }
+  index_delivered_ = true;
+  std::move(sink)(std::move(index_result_));
+}
+
 RedisBackendImpl::~RedisBackendImpl() {
+  readback_stop_.store(true, std::memory_order_relaxed);
+  if (readback_.joinable()) readback_.join();
   in_flight_.Close();
   in_flight_.WaitIdle();
   {
@@ -275,6 +341,13 @@ size_t RedisBackendImpl::FormatKey(const PageKey& ns, const PageKey& key, uint32
   *p++ = ':';
   p = AppendDecimal(shard, p);
   return static_cast<size_t>(p - out);
+}
+
+std::string RedisBackendImpl::IndexKey(const PageKey& ns, const PageKey& key,
+                                       uint32_t shard) const {
+  char buf[kMaxPrefixBytes + kMaxIndexKeySuffix];
+  const uint16_t slot = KeyHashSlot(ObjectKey(ns, key, shard));
+  return std::string(buf, FormatIndexKey(options_.key_prefix, ns, options_.cluster, slot, buf));
 }
 
 std::string RedisBackendImpl::ObjectKey(const PageKey& ns, const PageKey& key,
@@ -542,20 +615,56 @@ void RedisBackendImpl::BuildPipeline(RedisConnection* conn, const Chunk* c) {
           it.header_ready = true;
         }
         conn->AddSet(it.redis_key(), it.header, it.buf, it.len, ttl_args_, i);
+        if (options_.index) {
+          if (c->asking) conn->AddAsking();
+          AddIndexCommand(conn, b, i, /*set=*/true);
+        }
         break;
       case OpKind::kExists:
         conn->AddSimple(RedisCommand::kExists, "EXISTS", it.redis_key(), i);
         break;
       case OpKind::kDelete:
         conn->AddSimple(RedisCommand::kUnlink, "UNLINK", it.redis_key(), i);
+        if (options_.index) {
+          if (c->asking) conn->AddAsking();
+          AddIndexCommand(conn, b, i, /*set=*/false);
+        }
         break;
     }
   }
 }
 
+// The entry goes to the object's own slot (redis_index.h), so it follows the object's MOVED or
+// ASK: an ASKING before the SET covers only the next command, hence one before the HSET too.
+void RedisBackendImpl::AddIndexCommand(RedisConnection* conn, const Batch* b, uint32_t i,
+                                       bool set) {
+  const Item& it = b->items[i];
+  char key[kMaxPrefixBytes + kMaxIndexKeySuffix];
+  const size_t key_len = FormatIndexKey(options_.key_prefix, b->ns, options_.cluster, it.slot, key);
+  char field[kIndexFieldBytes];
+  EncodeIndexField(it.key, it.shard, field);
+  char entry[kIndexEntryBytes];
+  if (set) {
+    IndexEntry e;
+    e.ns = b->ns;
+    e.key = it.key;
+    e.shard = it.shard;
+    e.parent = it.parent;
+    e.payload_bytes = it.len;
+    EncodeIndexEntry(e, entry);
+  }
+  conn->AddIndex(absl::string_view(key, key_len), absl::string_view(field, kIndexFieldBytes),
+                 set ? absl::string_view(entry, kIndexEntryBytes) : absl::string_view(), i);
+}
+
 void RedisBackendImpl::OnReply(Batch* b, const RedisConnection::Expect& e, const RedisReply& r,
                                FollowUp* follow) {
-  if (e.cmd == RedisCommand::kAsking) return;
+  // The index's replies settle nothing: an entry that failed is a hint lost (its object is still
+  // found by lookups); one redirected goes again with its object's SET.
+  if (e.cmd == RedisCommand::kAsking || e.cmd == RedisCommand::kHset ||
+      e.cmd == RedisCommand::kHdel) {
+    return;
+  }
   const uint32_t i = e.item;
   if (r.type == RedisReplyType::kError) return OnErrorReply(b, i, r, follow);
   switch (e.cmd) {
@@ -574,6 +683,8 @@ void RedisBackendImpl::OnReply(Batch* b, const RedisConnection::Expect& e, const
       if (r.type != RedisReplyType::kInteger) return Resolve(b, i, ObjectStatus::kDeviceError, 0);
       return Resolve(b, i, r.integer > 0 ? ObjectStatus::kOk : ObjectStatus::kNotFound, 0);
     case RedisCommand::kAsking:
+    case RedisCommand::kHset:
+    case RedisCommand::kHdel:
       return;
   }
 }
@@ -624,7 +735,11 @@ void RedisBackendImpl::FailUnanswered(Node* node, RedisConnection* conn, Batch* 
   const bool timeout = absl::IsDeadlineExceeded(status);
   absl::InlinedVector<uint32_t, 16> unanswered;
   for (size_t k = got; k < conn->pending(); ++k) {
-    if (conn->expect(k).cmd != RedisCommand::kAsking) unanswered.push_back(conn->expect(k).item);
+    const RedisCommand cmd = conn->expect(k).cmd;
+    if (cmd == RedisCommand::kAsking || cmd == RedisCommand::kHset || cmd == RedisCommand::kHdel) {
+      continue;  // One object per command that settles it.
+    }
+    unanswered.push_back(conn->expect(k).item);
   }
   conn->Close();
   if (!timeout) NodeFailed(node);
@@ -638,12 +753,13 @@ void RedisBackendImpl::RemoveCorrupt(RedisConnection* conn, Batch* b,
     conn->Begin();
     for (uint32_t i : corrupt) {
       conn->AddSimple(RedisCommand::kUnlink, "UNLINK", b->items[i].redis_key(), i);
+      if (options_.index) AddIndexCommand(conn, b, i, /*set=*/false);
     }
     // Within the batch deadline: past it, the bad value stays and the next read finds it again.
     absl::Status s;
     size_t removed = 0;
-    conn->Run(b->deadline, &s, [&](const RedisConnection::Expect&, const RedisReply& r) {
-      removed += r.type == RedisReplyType::kInteger;
+    conn->Run(b->deadline, &s, [&](const RedisConnection::Expect& e, const RedisReply& r) {
+      removed += e.cmd == RedisCommand::kUnlink && r.type == RedisReplyType::kInteger;
     });
     if (!s.ok()) conn->Close();
     stats_.corrupt_removed.fetch_add(removed, std::memory_order_relaxed);

@@ -10,6 +10,12 @@
 // Optional TTL (SET ... PX) lets Redis age objects out on its own; otherwise its maxmemory policy
 // does (an OOM error is kRejected).
 //
+// Index (redis_index.h): with `index` on, every SET is followed in its pipeline by an HSET of the
+// object's entry (parent link, size, namespace) in a per-namespace hash, every UNLINK by an HDEL,
+// and at Create a readback thread reads the hashes back (SCAN + HSCAN, within
+// index_readback_timeout) and hands what it found to SetIndexSink's sink, so a restarted daemon
+// knows what the tier holds without a lookup per page.
+//
 // Batches are pipelined: a batch is split by node (cluster) and over that node's connections,
 // and each connection (storage/redis_connection.h) writes all its commands and reads all replies
 // in one round trip, with no copy of a payload on either side.
@@ -40,6 +46,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "storage/backend.h"
+#include "storage/redis_index.h"
 
 namespace kvcellar::storage {
 
@@ -63,7 +70,12 @@ struct RedisBackendOptions {
   uint64_t max_object_bytes = (uint64_t{512} << 20) - 128;
   size_t max_batch_items = 8192;
   int max_redirects = 5;
+  // Keep the index (HSET/HDEL beside each SET/UNLINK) and read it back at Create.
+  bool index = true;
+  absl::Duration index_readback_timeout = absl::Seconds(60);
 };
+
+using RedisIndexSink = absl::AnyInvocable<void(RedisIndexResult result)>;
 
 // Create returns the implementation (redis_backend.cc); this class adds what only this tier
 // answers. Destroying it completes every batch in flight (servers that do not answer fail them at
@@ -76,6 +88,14 @@ class RedisBackend : public Backend {
 
   // The Redis key of an object (tests, tools).
   virtual std::string ObjectKey(const PageKey& ns, const PageKey& key, uint32_t shard) const = 0;
+  // The index key that holds this object's entry (tests, tools).
+  virtual std::string IndexKey(const PageKey& ns, const PageKey& key, uint32_t shard) const = 0;
+
+  // Hands the index readback's result to `sink`, once: at once on this thread when the readback
+  // has finished (later calls get nothing), else on the readback thread when it finishes.
+  // nullptr removes a sink that has not run; once that call returns, the old sink is not running
+  // and never will. Without `index` nothing is ever delivered.
+  virtual void SetIndexSink(RedisIndexSink sink) = 0;
 };
 
 }  // namespace kvcellar::storage

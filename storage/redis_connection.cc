@@ -173,6 +173,19 @@ void RedisConnection::AddSimple(RedisCommand cmd, absl::string_view name, absl::
   expects_.push_back({cmd, item, dst, capacity});
 }
 
+void RedisConnection::AddIndex(absl::string_view key, absl::string_view field,
+                               absl::string_view value, uint32_t item) {
+  if (value.empty()) {
+    Text("*3\r\n$4\r\nHDEL\r\n$", key.size(), "\r\n", key, "\r\n$", field.size(), "\r\n", field,
+         "\r\n");
+    expects_.push_back({RedisCommand::kHdel, item, nullptr, 0});
+    return;
+  }
+  Text("*4\r\n$4\r\nHSET\r\n$", key.size(), "\r\n", key, "\r\n$", field.size(), "\r\n", field,
+       "\r\n$", value.size(), "\r\n", value, "\r\n");
+  expects_.push_back({RedisCommand::kHset, item, nullptr, 0});
+}
+
 void RedisConnection::AddAsking() {
   Text("*1\r\n$6\r\nASKING\r\n");
   expects_.push_back({RedisCommand::kAsking, 0, nullptr, 0});

@@ -36,7 +36,8 @@ struct redisReader;
 namespace kvcellar::storage {
 
 // The commands a pipeline carries; each reply is matched to its command.
-enum class RedisCommand : uint8_t { kGet, kSet, kExists, kUnlink, kAsking };
+// kHset and kHdel maintain the tier's index (redis_index.h): their replies settle no object.
+enum class RedisCommand : uint8_t { kGet, kSet, kExists, kUnlink, kAsking, kHset, kHdel };
 
 // The RESP types a reply can have (hiredis' REDIS_REPLY_*), kNone before one has arrived.
 enum class RedisReplyType : uint8_t {
@@ -99,6 +100,10 @@ class RedisConnection {
   void AddSimple(RedisCommand cmd, absl::string_view name, absl::string_view key, uint32_t item,
                  uint8_t* dst = nullptr, uint64_t capacity = 0);
   void AddAsking();
+  // HSET key field value (value non-empty) or HDEL key field (value empty), for `item`; all three
+  // are copied.
+  void AddIndex(absl::string_view key, absl::string_view field, absl::string_view value,
+                uint32_t item);
   // SET key <header><payload> [PX ttl_ms]; `ttl_args` is "" or the encoded "PX <ms>" arguments.
   // header and payload are sent from where they are: they must stay valid until Run returns.
   void AddSet(absl::string_view key, const uint8_t* header, const uint8_t* payload, uint64_t size,

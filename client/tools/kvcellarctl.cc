@@ -105,6 +105,25 @@ int Status(const Options& options, v1::AdminService::Stub& stub) {
   std::printf("host pool:      %s used of %s\n", HumanBytes(reply.pool().used_bytes()).c_str(),
               HumanBytes(reply.pool().capacity_bytes()).c_str());
   std::printf("sessions:       %u\n", reply.sessions());
+  if (!reply.l3_tiers().empty()) std::printf("l3 tiers:\n");
+  for (const v1::L3TierStatus& t : reply.l3_tiers()) {
+    std::printf("  %-14s %-14s %s\n", t.name().c_str(), t.kind().c_str(),
+                t.healthy() ? "healthy" : absl::StrCat("failing (", t.last_error(), ")").c_str());
+    const v1::L3RecoveryStatus& r = t.recovery();
+    if (r.source().empty()) continue;
+    // The counts of the 'l3 tier scanned' log line, whether or not it was logged yet.
+    std::printf(
+        "    recovery=%s %s found=%llu inserted=%llu orphaned=%llu legacy=%llu dropped=%llu "
+        "pending=%llu bytes=%s seconds=%.3f\n",
+        r.source().c_str(), r.done() ? (r.partial() ? "done(partial)" : "done") : "running",
+        static_cast<unsigned long long>(r.objects_found()),
+        static_cast<unsigned long long>(r.pages_inserted()),
+        static_cast<unsigned long long>(r.pages_orphaned()),
+        static_cast<unsigned long long>(r.pages_legacy()),
+        static_cast<unsigned long long>(r.objects_dropped()),
+        static_cast<unsigned long long>(r.objects_pending()), HumanBytes(r.bytes()).c_str(),
+        r.seconds());
+  }
   std::printf("listeners:\n");
   for (const v1::Listener& l : reply.listeners()) {
     std::printf("  %-14s %-40s %s\n", ListenerKindName(l.kind()).c_str(), l.address().c_str(),

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/time/time.h"
+#include "server/l3/l3_recovery.h"
 
 namespace kvcellar::server {
 
@@ -27,6 +28,7 @@ struct L3TierInfo {
   uint64_t capacity_bytes = 0;
   std::string last_error;  // "" if none since start
   int64_t last_error_unix_ms = 0;
+  L3ScanStats recovery;  // Its startup scan or index readback (l3_recovery.h).
 };
 
 struct DaemonInfo {

@@ -95,13 +95,14 @@ std::string ApplyOption(L3TierSpec& spec, absl::string_view key, absl::string_vi
     return "";
   }
   if (key == "ttl_s") return integer(0, int64_t{1} << 31, &spec.ttl_s);
+  if (key == "index") return boolean(&spec.index);
   if (key == "connections") {
     std::string why = integer(1, 256, &n);
     spec.connections = static_cast<int>(n);
     return why;
   }
   return "is not an option of redis tiers (name, admit_after, timeout_ms, prefix, ttl_s, "
-         "connections)";
+         "connections, index)";
 }
 
 absl::StatusOr<L3TierSpec> ParseOne(absl::string_view text) {

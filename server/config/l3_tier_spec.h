@@ -20,7 +20,9 @@
 //        direct_io=true|false, io=auto|io_uring|threads, fsync=none|data|full,
 //        max_inflight=N (objects with I/O in flight)
 // redis, redis-cluster: prefix=STRING (default "kvc:"), ttl_s=SECONDS (0 = no expiry),
-//        connections=N (per node). The password is storage.redis_password (a secret key).
+//        connections=N (per node), index=true|false (keep the index a restarted daemon reads
+//        back, storage/redis_index.h; default true). The password is storage.redis_password (a
+//        secret key).
 //
 // Threads: pure functions.
 #ifndef KVCELLAR_SERVER_CONFIG_L3_TIER_SPEC_H_
@@ -59,6 +61,7 @@ struct L3TierSpec {
   std::string key_prefix = "kvc:";
   int64_t ttl_s = 0;
   int connections = 4;
+  bool index = true;
 };
 
 absl::string_view L3TierKindName(L3TierSpec::Kind kind);

@@ -33,12 +33,21 @@ L3Recovery::L3Recovery(L3Tiers* tiers, NamespaceRegistry* namespaces)
   {
     absl::MutexLock lock(&mu_);
     stats_.resize(tiers_->size());
-    for (size_t t = 0; t < tiers_->size(); ++t) stats_[t].file_tier = tiers_->tier(t).file != nullptr;
+    for (size_t t = 0; t < tiers_->size(); ++t) {
+      stats_[t].file_tier = tiers_->tier(t).file != nullptr;
+      stats_[t].redis_tier = tiers_->tier(t).redis != nullptr;
+    }
   }
   for (size_t t = 0; t < tiers_->size(); ++t) {
     storage::FileBackend* file = tiers_->tier(t).file;
     if (file == nullptr) continue;
     file->SetScanSink([this, t](storage::FileScanResult r) { OnScanned(t, std::move(r)); });
+  }
+  for (size_t t = 0; t < tiers_->size(); ++t) {
+    storage::RedisBackend* redis = tiers_->tier(t).redis;
+    if (redis == nullptr) continue;
+    redis->SetIndexSink(
+        [this, t](storage::RedisIndexResult r) { OnScanned(t, std::move(r.scan), !r.complete); });
   }
 }
 
@@ -47,13 +56,17 @@ L3Recovery::~L3Recovery() {
     if (storage::FileBackend* file = tiers_->tier(t).file; file != nullptr) {
       file->SetScanSink(nullptr);
     }
+    if (storage::RedisBackend* redis = tiers_->tier(t).redis; redis != nullptr) {
+      redis->SetIndexSink(nullptr);
+    }
   }
 }
 
-void L3Recovery::OnScanned(size_t tier, storage::FileScanResult r) {
+void L3Recovery::OnScanned(size_t tier, storage::FileScanResult r, bool partial) {
   absl::MutexLock lock(&mu_);
   L3ScanStats& s = stats_[tier];
   s.complete = true;
+  s.partial = partial;
   s.found = r.found;
   s.legacy = r.legacy;
   s.dropped = r.dropped;
@@ -69,6 +82,8 @@ void L3Recovery::OnScanned(size_t tier, storage::FileScanResult r) {
   for (const std::shared_ptr<Namespace>& ns : namespaces_->Snapshot()) ApplyLocked(*ns);
   KVLOG(Info, "l3 tier scanned",
         {{"tier", tiers_->tier(tier).spec.name},
+         {"source", s.redis_tier ? "redis_index" : "file_scan"},
+         {"partial", partial ? "true" : "false"},
          {"objects_found", s.found},
          {"pages_inserted", s.pages_inserted},
          {"pages_orphaned", s.pages_orphaned},
@@ -192,7 +207,7 @@ void L3Recovery::Collect(MetricWriter& out) const {
   const std::vector<L3ScanStats> stats = Stats();
   for (size_t t = 0; t < stats.size(); ++t) {
     const L3ScanStats& s = stats[t];
-    if (!s.file_tier) continue;
+    if (!s.file_tier && !s.redis_tier) continue;
     const std::string& name = tiers_->tier(t).spec.name;
     const std::pair<const char*, uint64_t> objects[] = {{"found", s.found},
                                                         {"legacy", s.legacy},
@@ -202,9 +217,10 @@ void L3Recovery::Collect(MetricWriter& out) const {
     for (const auto& [result, n] : objects) {
       const MetricWriter::Label labels[] = {{"tier", name}, {"result", result}};
       out.AddCounter("kvcellar_l3_scan_objects_total",
-                     "Objects a file tier's startup scan handled: found (good header), legacy "
-                     "(of those, format version 1: no parent link), dropped (torn or foreign, "
-                     "removed), temps_removed (dead writers' temp files), evicted (over "
+                     "Objects a file tier's startup scan (or a Redis tier's index readback) "
+                     "handled: found (good header or entry), legacy (of those, format version 1: "
+                     "no parent link), dropped (torn or foreign, removed; Redis: malformed "
+                     "entries), temps_removed (dead writers' temp files), evicted (over "
                      "capacity).",
                      static_cast<double>(n), labels);
     }
@@ -220,13 +236,22 @@ void L3Recovery::Collect(MetricWriter& out) const {
                      static_cast<double>(n), labels);
     }
     const MetricWriter::Label tier[] = {{"tier", name}};
+    out.AddGauge("kvcellar_l3_scan_complete",
+                 "1 once the tier's startup scan (file) or index readback (Redis) has ended and "
+                 "its result arrived; 0 before.",
+                 s.complete ? 1.0 : 0.0, tier);
+    out.AddGauge("kvcellar_l3_scan_partial",
+                 "1 when a Redis tier's index readback was cut short (a node unreachable, "
+                 "the time bound): what it read is used, the rest is found by lookups.",
+                 s.partial ? 1.0 : 0.0, tier);
     out.AddGauge("kvcellar_l3_scan_pending_objects",
                  "Scanned objects waiting for their namespace's first worker to register.",
                  static_cast<double>(s.objects_pending), tier);
     out.AddGauge("kvcellar_l3_scan_bytes", "Payload bytes of the objects the startup scan found.",
                  static_cast<double>(s.payload_bytes), tier);
     out.AddGauge("kvcellar_l3_scan_seconds",
-                 "Seconds from opening the tier to the end of its startup scan; 0 until it ends.",
+                 "Seconds from opening the tier to the end of its startup scan or index "
+                 "readback; 0 until it ends.",
                  s.seconds, tier);
   }
 }

@@ -1,5 +1,11 @@
-// L3Recovery: puts what the file tiers hold back in the radix index after a restart (DESIGN.md
-// "Restart and fleet"), so that a Match finds them as L3 hits without asking the backends.
+// L3Recovery: puts what the file and Redis tiers hold back in the radix index after a restart
+// (DESIGN.md "Restart and fleet"), so that a Match finds them as L3 hits without asking the
+// backends.
+//
+// A Redis tier reads its index back instead (storage/redis_index.h: one HSCAN'd entry per object,
+// with the same parent link); its result arrives through RedisBackend::SetIndexSink in the same
+// shape and takes the same path below. Its entries are hints: one whose object expired or was
+// evicted becomes an L3 hit that the prefetch then misses (and removes from the index).
 //
 // Each file tier scans its directory at start (storage/file_startup_scan.h): it lists the objects
 // and reads their headers, which carry the page's parent link (storage/object_format.h). Its result
@@ -53,8 +59,10 @@ namespace kvcellar::server {
 
 // One file tier's startup scan and what became of its objects.
 struct L3ScanStats {
-  bool file_tier = false;  // Only file tiers scan; the rest are zero.
-  bool complete = false;   // The scan finished and its result arrived.
+  bool file_tier = false;   // File tiers scan their directory,
+  bool redis_tier = false;  // Redis tiers read their index back; the rest are zero.
+  bool complete = false;    // The scan finished and its result arrived.
+  bool partial = false;     // Redis: the readback was cut short (node down, time bound).
   // From the scan (storage/file_backend.h FileScanResult).
   uint64_t found = 0;
   uint64_t legacy = 0;
@@ -95,7 +103,9 @@ class L3Recovery {
     storage::FileStartupScan::Found object;
   };
 
-  void OnScanned(size_t tier, storage::FileScanResult result) ABSL_LOCKS_EXCLUDED(mu_);
+  // `partial`: the result is what a Redis readback read before it was cut short.
+  void OnScanned(size_t tier, storage::FileScanResult result, bool partial = false)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Inserts the pending objects of `ns`, if any and if it has an index.
   void ApplyLocked(Namespace& ns) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // One tier's objects of one namespace, prefix-closed.

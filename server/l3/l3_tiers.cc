@@ -37,6 +37,7 @@ absl::StatusOr<std::unique_ptr<storage::Backend>> OpenBackend(const L3TierSpec& 
   o.key_prefix = spec.key_prefix;
   o.ttl = absl::Seconds(spec.ttl_s);
   o.password = config.redis_password;
+  o.index = spec.index;
   if (spec.timeout_ms > 0) o.command_timeout = absl::Milliseconds(spec.timeout_ms);
   absl::StatusOr<std::unique_ptr<storage::RedisBackend>> b = storage::RedisBackend::Create(o);
   if (!b.ok()) return b.status();
@@ -65,6 +66,8 @@ absl::StatusOr<std::unique_ptr<L3Tiers>> L3Tiers::Open(const StorageConfig& conf
     // OpenBackend made a FileBackend for this kind.
     if (spec.kind == L3TierSpec::Kind::kFile) {
       tier.file = static_cast<storage::FileBackend*>(tier.backend.get());
+    } else {
+      tier.redis = static_cast<storage::RedisBackend*>(tier.backend.get());
     }
     tier.spec = std::move(spec);
     KVLOG(Info, "l3 tier opened",

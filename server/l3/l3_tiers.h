@@ -24,6 +24,7 @@
 #include "server/metrics/metrics.h"
 #include "storage/backend.h"
 #include "storage/file_backend.h"
+#include "storage/redis_backend.h"
 
 namespace kvcellar::server {
 
@@ -32,6 +33,8 @@ struct L3Tier {
   std::unique_ptr<storage::Backend> backend;
   // The same backend when it is a file tier (its startup scan, l3_recovery.h); else nullptr.
   storage::FileBackend* file = nullptr;
+  // The same backend when it is a Redis tier (its index readback, l3_recovery.h); else nullptr.
+  storage::RedisBackend* redis = nullptr;
   // Other nodes write to this tier too: the index never knows all of it (lookups ask it).
   bool shared = false;
 };

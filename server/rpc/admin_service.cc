@@ -127,6 +127,21 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetStatus(grpc::CallbackServerContex
     out->set_capacity_bytes(t.capacity_bytes);
     out->set_last_error(t.last_error);
     out->set_last_error_unix_ms(t.last_error_unix_ms);
+    const L3ScanStats& r = t.recovery;
+    v1::L3RecoveryStatus* rec = out->mutable_recovery();
+    rec->set_source(r.file_tier ? "file_scan" : r.redis_tier ? "redis_index" : "");
+    rec->set_done(r.complete);
+    rec->set_partial(r.partial);
+    rec->set_objects_found(r.found);
+    rec->set_objects_legacy(r.legacy);
+    rec->set_objects_dropped(r.dropped);
+    rec->set_objects_pending(r.objects_pending);
+    rec->set_pages_inserted(r.pages_inserted);
+    rec->set_pages_orphaned(r.pages_orphaned);
+    rec->set_pages_legacy(r.pages_legacy);
+    rec->set_pages_mismatched(r.pages_mismatched);
+    rec->set_bytes(r.payload_bytes);
+    rec->set_seconds(r.seconds);
   }
   response->set_sessions(static_cast<uint32_t>(info.sessions));
   response->set_instances(static_cast<uint32_t>(info.instances));

@@ -87,6 +87,13 @@ class RedisServer:
     def dbsize(self):
         return int(self.cli("DBSIZE").strip())
 
+    def keys(self, pattern="*"):
+        return [k for k in self.cli("--scan", "--pattern", pattern).split("\n") if k]
+
+    def object_count(self):
+        """Keys that hold objects: all but the tier's index hashes (storage/redis_index.h)."""
+        return sum(1 for k in self.keys() if ":idx" not in k)
+
 
 class RedisCluster:
     NODES = 3
@@ -137,6 +144,9 @@ class RedisCluster:
 
     def dbsize(self):
         return sum(n.dbsize() for n in self.nodes)
+
+    def object_count(self):
+        return sum(n.object_count() for n in self.nodes)
 
     def stop(self):
         for n in self.nodes:

@@ -174,7 +174,10 @@ TEST_F(RedisClusterTest, MovedSlotIsFollowedAndLearned) {
   const int k = KeyOwnedBy(0);
   const int slot = SlotOf(k);
   ASSERT_EQ(PutOne(*b_, ns_, TestKey(k), 0, 5000), ObjectStatus::kOk);
-  Migrate(slot, 0, 1, {b_->ObjectKey(ns_, TestKey(k), 0)}, /*finish=*/true);
+  // The slot's every key, as a resharding moves them: the object and the index hash that lives in
+  // its slot (storage/redis_index.h).
+  Migrate(slot, 0, 1, {b_->ObjectKey(ns_, TestKey(k), 0), b_->IndexKey(ns_, TestKey(k), 0)},
+          /*finish=*/true);
   // The backend still routes the slot to node 0, which answers MOVED.
   EXPECT_EQ(GetOne(*b_, ns_, TestKey(k), 0, 5000, 5000), ObjectStatus::kOk);
   EXPECT_GE(b_->Stats().redirects, 1u);

@@ -24,6 +24,11 @@
 //   BM_RedisSet/<bytes>, BM_RedisGet/<bytes>  RedisBackend, batches of 16 objects, two in flight,
 //       over 4 pipelined connections (32 objects in flight) vs `redis-benchmark -c 32 -P 1
 //       -d <bytes> -r <n/4>` (32 in flight, random keys) against the same server (unix socket).
+//       The backend keeps its index (storage/redis_index.h), as the daemon does by default.
+//   BM_RedisSetIndexCost/<bytes>  what the index costs per write: the same SET passes as
+//       BM_RedisSet through two backends on the same server, one with the index (SET + HSET per
+//       object) and one without (SET only), three rounds each, alternating which goes first;
+//       ops_per_s_index, ops_per_s_plain (best pass of each) and index_ratio = index / plain.
 //
 // Caches are dropped (echo 3 > /proc/sys/vm/drop_caches, needs root) before each read phase; the
 // counter `caches_dropped` says whether that worked. fio and redis-benchmark rows are skipped
@@ -497,7 +502,7 @@ double RedisBenchmark(const std::string& sock, const char* test, size_t size, si
   return std::strtod(out.c_str() + pos + tag.size(), nullptr);
 }
 
-void RedisBench(benchmark::State& state, bool put) {
+void RedisBench(benchmark::State& state, bool put, bool index_cost = false) {
   if (!HaveTool("/usr/bin/redis-server")) {
     state.SkipWithError("redis-server not installed");
     return;
@@ -512,6 +517,10 @@ void RedisBench(benchmark::State& state, bool put) {
   o.command_timeout = absl::Seconds(30);
   absl::StatusOr<std::unique_ptr<RedisBackend>> b = RedisBackend::Create(o);
   if (!b.ok()) std::abort();
+  o.index = false;
+  absl::StatusOr<std::unique_ptr<RedisBackend>> plain = RedisBackend::Create(o);
+  if (!plain.ok()) std::abort();
+  RedisBackend* cur = b->get();
   // Batches of 16 objects (one scheduler step's worth), two in flight (two engine ranks), each
   // with its own buffers.
   constexpr int kInFlight = 2;
@@ -540,13 +549,13 @@ void RedisBench(benchmark::State& state, bool put) {
         for (size_t i = 0; i < m; ++i) {
           items.push_back({Key(base + i), 0, bufs[slot * kQueueDepth + i].p, size, {}});
         }
-        inflight[slot] = *(*b)->PutAsync({kNs, items});
+        inflight[slot] = *cur->PutAsync({kNs, items});
       } else {
         std::vector<GetItem> items;
         for (size_t i = 0; i < m; ++i) {
           items.push_back({Key(base + i), 0, bufs[slot * kQueueDepth + i].p, size});
         }
-        inflight[slot] = *(*b)->GetAsync({kNs, items});
+        inflight[slot] = *cur->GetAsync({kNs, items});
       }
       busy[slot] = true;
     }
@@ -559,6 +568,31 @@ void RedisBench(benchmark::State& state, bool put) {
   // (values replaced in memory the server already has) rather than the server faulting in fresh
   // pages, which on a VM costs more than the copy. redis-benchmark gets the same warm-up.
   run(true);
+  if (index_cost) {
+    // Same server, same keys and values: the only difference is the HSET beside each SET.
+    double best[2] = {0, 0};  // [plain, index] ops/s.
+    uint64_t failures = 0;
+    for (auto _ : state) {
+      double secs_sum = 0;
+      for (int round = 0; round < 3; ++round) {
+        // Each round swaps which goes first, so a drift of the machine does not favour one.
+        for (int k = 0; k < 2; ++k) {
+          const int with_index = (k + round) % 2;
+          cur = with_index ? b->get() : plain->get();
+          auto [secs, f] = run(true);
+          failures += f;
+          secs_sum += secs;
+          best[with_index] = std::max(best[with_index], static_cast<double>(n) / secs);
+        }
+      }
+      state.SetIterationTime(secs_sum);
+    }
+    state.counters["ops_per_s_plain"] = best[0];
+    state.counters["ops_per_s_index"] = best[1];
+    state.counters["index_ratio"] = best[0] > 0 ? best[1] / best[0] : 0;
+    state.counters["failures"] = static_cast<double>(failures);
+    return;
+  }
   for (auto _ : state) {
     auto [secs, failures] = run(put);
     state.SetIterationTime(secs);
@@ -579,6 +613,7 @@ void RedisBench(benchmark::State& state, bool put) {
 
 void BM_RedisSet(benchmark::State& state) { RedisBench(state, true); }
 void BM_RedisGet(benchmark::State& state) { RedisBench(state, false); }
+void BM_RedisSetIndexCost(benchmark::State& state) { RedisBench(state, true, true); }
 
 // CRC-32C over one object's payload: what every read and write pays on top of the I/O.
 void BM_Crc32c(benchmark::State& state) {
@@ -613,6 +648,7 @@ BENCHMARK(BM_FileRead)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_RedisSet)->Arg(64 << 10)->Arg(256 << 10)->Arg(1 << 20)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_RedisSetIndexCost)->Arg(4 << 10)->Arg(64 << 10)->Arg(256 << 10)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_RedisGet)->Arg(64 << 10)->Arg(256 << 10)->Arg(1 << 20)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
 
 }  // namespace

@@ -27,7 +27,7 @@ TEST(L3TierSpecTest, ParsesEveryKindAndOptionInOrder) {
   absl::StatusOr<std::vector<L3TierSpec>> specs = ParseL3TierSpecs(
       "file:/mnt/nvme/kv?name=nvme&capacity=500GiB&io=threads&fsync=data&direct_io=false&"
       "max_inflight=32&admit_after=2&timeout_ms=900;"
-      " redis:127.0.0.1:6379?prefix=kvc:a:&ttl_s=3600&connections=8\n"
+      " redis:127.0.0.1:6379?prefix=kvc:a:&ttl_s=3600&connections=8&index=false\n"
       "redis-cluster:10.0.0.1:7000,10.0.0.2:7001?name=cluster redis:unix:/run/r.sock");
   ASSERT_TRUE(specs.ok()) << specs.status();
   ASSERT_EQ(specs->size(), 4u);
@@ -49,9 +49,11 @@ TEST(L3TierSpecTest, ParsesEveryKindAndOptionInOrder) {
   EXPECT_EQ(r.key_prefix, "kvc:a:");
   EXPECT_EQ(r.ttl_s, 3600);
   EXPECT_EQ(r.connections, 8);
+  EXPECT_FALSE(r.index);
   const L3TierSpec& c = (*specs)[2];
   EXPECT_EQ(c.kind, L3TierSpec::Kind::kRedisCluster);
   EXPECT_THAT(c.addresses, ElementsAre("10.0.0.1:7000", "10.0.0.2:7001"));
+  EXPECT_TRUE(c.index);  // The default: keep the index a restart reads back.
   EXPECT_EQ((*specs)[3].name, "redis2");  // A second unnamed redis tier is numbered.
   EXPECT_THAT((*specs)[3].addresses, ElementsAre("unix:/run/r.sock"));
 }
