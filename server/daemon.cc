@@ -271,9 +271,8 @@ DaemonInfo Daemon::Info() const {
       const L3Tier& t = l3_->tier(i);
       const storage::BackendStats s = t.backend->Stats();
       info.l3_tiers.push_back({t.spec.name, std::string(L3TierKindName(t.spec.kind)), s.healthy,
-                               s.used_bytes, s.capacity_bytes, s.last_error,
-                               s.last_error_unix_ms});
-      if (i < recovery.size()) info.l3_tiers.back().recovery = recovery[i];
+                               s.used_bytes, s.capacity_bytes, s.last_error, s.last_error_unix_ms,
+                               i < recovery.size() ? recovery[i] : L3ScanStats()});
     }
   }
   info.ready = started_ && !shutting_down_;
