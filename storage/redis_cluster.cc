@@ -7,27 +7,14 @@
 #include <memory>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/ascii.h"
 #include "absl/strings/strip.h"
+#include "storage/redis_blocking.h"
 
 namespace kvcellar::storage {
-namespace {
-
-struct ContextFree {
-  void operator()(redisContext* c) const { redisFree(c); }
-};
-struct ReplyFree {
-  void operator()(redisReply* r) const { freeReplyObject(r); }
-};
-
-timeval TimeoutTimeval(absl::Duration d) {
-  if (d < absl::Milliseconds(1)) d = absl::Milliseconds(1);
-  return absl::ToTimeval(d);
-}
-
-}  // namespace
+namespace {}  // namespace
 
 uint16_t Crc16(absl::string_view data) {
   uint16_t crc = 0;
@@ -108,31 +95,16 @@ bool ParseRedirect(absl::string_view error, Redirect* out) {
 absl::StatusOr<std::vector<SlotRange>> FetchClusterSlots(const RedisAddress& node,
                                                          absl::Duration timeout,
                                                          const std::string& password) {
-  const timeval tv = TimeoutTimeval(timeout);
-  std::unique_ptr<redisContext, ContextFree> c(
-      node.is_unix ? redisConnectUnixWithTimeout(node.host.c_str(), tv)
-                   : redisConnectWithTimeout(node.host.c_str(), node.port, tv));
-  if (c == nullptr) return absl::ResourceExhaustedError("redis context");
-  if (c->err != 0) {
-    return absl::UnavailableError(absl::StrCat("connect ", node.ToString(), ": ", c->errstr));
-  }
-  redisSetTimeout(c.get(), tv);
-  if (!password.empty()) {
-    std::unique_ptr<redisReply, ReplyFree> auth(
-        static_cast<redisReply*>(redisCommand(c.get(), "AUTH %s", password.c_str())));
-    if (auth == nullptr || auth->type == REDIS_REPLY_ERROR) {
-      return absl::PermissionDeniedError(absl::StrCat("AUTH on ", node.ToString()));
-    }
-  }
-  std::unique_ptr<redisReply, ReplyFree> reply(
-      static_cast<redisReply*>(redisCommand(c.get(), "CLUSTER SLOTS")));
+  absl::StatusOr<HiredisContext> c = ConnectBlocking(node, timeout, password);
+  if (!c.ok()) return c.status();
+  HiredisReply reply(static_cast<redisReply*>(redisCommand(c->get(), "CLUSTER SLOTS")));
   if (reply == nullptr) {
-    return absl::UnavailableError(absl::StrCat("CLUSTER SLOTS on ", node.ToString(), ": ",
-                                               c->errstr));
+    return absl::UnavailableError(
+        absl::StrCat("CLUSTER SLOTS on ", node.ToString(), ": ", (*c)->errstr));
   }
   if (reply->type == REDIS_REPLY_ERROR) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "CLUSTER SLOTS on ", node.ToString(), ": ", absl::string_view(reply->str, reply->len)));
+    return absl::FailedPreconditionError(absl::StrCat("CLUSTER SLOTS on ", node.ToString(), ": ",
+                                                      absl::string_view(reply->str, reply->len)));
   }
   if (reply->type != REDIS_REPLY_ARRAY) {
     return absl::DataLossError("CLUSTER SLOTS: not an array");

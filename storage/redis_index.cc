@@ -13,18 +13,13 @@
 #include "absl/strings/str_cat.h"
 #include "platform/log.h"
 #include "storage/object_name.h"
+#include "storage/redis_blocking.h"
 #include "storage/redis_cluster.h"
 
 namespace kvcellar::storage {
 namespace {
 
-struct ContextFree {
-  void operator()(redisContext* c) const { redisFree(c); }
-};
-struct ReplyFree {
-  void operator()(redisReply* r) const { freeReplyObject(r); }
-};
-using Reply = std::unique_ptr<redisReply, ReplyFree>;
+using Reply = HiredisReply;
 
 void PutLe64(uint64_t v, char* out) {
   for (int i = 0; i < 8; ++i) out[i] = static_cast<char>(v >> (8 * i));
@@ -93,17 +88,9 @@ class Reader {
   bool ReadNode(const std::string& node) {
     absl::StatusOr<RedisAddress> a = ParseRedisAddress(node);
     if (!a.ok()) return false;
-    const absl::Duration t = o_.connect_timeout;
-    const timeval tv = {static_cast<time_t>(absl::ToInt64Seconds(t)),
-                        static_cast<suseconds_t>(absl::ToInt64Microseconds(t) % 1000000)};
-    ctx_.reset(a->is_unix ? redisConnectUnixWithTimeout(a->host.c_str(), tv)
-                          : redisConnectWithTimeout(a->host.c_str(), a->port, tv));
-    if (ctx_ == nullptr || ctx_->err != 0) return false;
-    redisSetTimeout(ctx_.get(), tv);
-    if (!o_.password.empty()) {
-      Reply r(static_cast<redisReply*>(redisCommand(ctx_.get(), "AUTH %s", o_.password.c_str())));
-      if (r == nullptr || r->type == REDIS_REPLY_ERROR) return false;
-    }
+    absl::StatusOr<HiredisContext> ctx = ConnectBlocking(*a, o_.connect_timeout, o_.password);
+    if (!ctx.ok()) return false;
+    ctx_ = *std::move(ctx);
     std::vector<std::string> keys;
     const std::string pattern = IndexKeyPattern(o_.key_prefix);
     std::string cursor = "0";
@@ -224,7 +211,7 @@ class Reader {
 
   const RedisIndexReadback& o_;
   RedisIndexResult* const out_;
-  std::unique_ptr<redisContext, ContextFree> ctx_;
+  HiredisContext ctx_;
   absl::flat_hash_map<core::PageKey, uint32_t> ns_slot_;
 };
 
