@@ -112,6 +112,7 @@ class RedisBackendImpl final : public RedisBackend {
   struct FollowUp {
     absl::InlinedVector<Redirected, 4> redirected;  // To resend elsewhere.
     absl::InlinedVector<uint32_t, 4> corrupt;       // To remove, then resolve.
+    absl::InlinedVector<uint32_t, 4> missing;       // Gets that found nothing: stale entries.
   };
 
   // Submission.
@@ -142,6 +143,7 @@ class RedisBackendImpl final : public RedisBackend {
   // HSET (Put) or HDEL (Delete, a corrupt object removed) of item i's index entry.
   void AddIndexCommand(RedisConnection* conn, const Batch* b, uint32_t i, bool set);
   void OnReply(Batch* b, const RedisConnection::Expect& e, const RedisReply& r, FollowUp* follow);
+  void PruneIndex(RedisConnection* conn, Batch* b, absl::Span<const uint32_t> missing);
   void OnErrorReply(Batch* b, uint32_t i, const RedisReply& r, FollowUp* follow);
   void OnGetReply(Batch* b, uint32_t i, const RedisReply& r, FollowUp* follow);
   void FailUnanswered(Node* node, RedisConnection* conn, Batch* b, size_t got,
@@ -569,6 +571,7 @@ void RedisBackendImpl::RunChunk(Node* node, RedisConnection* conn, Chunk* c) {
   }
   if (!status.ok()) FailUnanswered(node, conn, b, got, status);
   if (!follow.corrupt.empty()) RemoveCorrupt(conn, b, follow.corrupt);
+  if (!follow.missing.empty()) PruneIndex(conn, b, follow.missing);
   if (!follow.redirected.empty()) Resend(b, &follow.redirected);
 }
 
@@ -713,7 +716,16 @@ void RedisBackendImpl::OnErrorReply(Batch* b, uint32_t i, const RedisReply& r, F
 
 void RedisBackendImpl::OnGetReply(Batch* b, uint32_t i, const RedisReply& r, FollowUp* follow) {
   Item& it = b->items[i];
-  if (r.type == RedisReplyType::kNil) return Resolve(b, i, ObjectStatus::kNotFound, 0);
+  if (r.type == RedisReplyType::kNil) {
+    // The object expired (ttl_s), was evicted (maxmemory) or deleted by another node: its index
+    // entry, if any, is stale and goes after the pipeline (without the prune, a long-running
+    // daemon's hashes would keep every expired object's entry until the next readback).
+    if (options_.index) {
+      follow->missing.push_back(i);  // Resolved once the entry is gone.
+      return;
+    }
+    return Resolve(b, i, ObjectStatus::kNotFound, 0);
+  }
   if (r.type != RedisReplyType::kString) return Resolve(b, i, ObjectStatus::kDeviceError, 0);
   ExpectedObject expected;
   expected.ns = &b->ns;
@@ -744,6 +756,20 @@ void RedisBackendImpl::FailUnanswered(Node* node, RedisConnection* conn, Batch* 
   conn->Close();
   if (!timeout) NodeFailed(node);
   FailItems(b, unanswered, timeout);
+}
+
+// HDELs the index entries of objects a Get found missing, within the batch deadline, then settles
+// those objects (kNotFound); an entry left behind (deadline, connection lost) is only a stale hint.
+void RedisBackendImpl::PruneIndex(RedisConnection* conn, Batch* b,
+                                  absl::Span<const uint32_t> missing) {
+  if (conn->connected()) {
+    conn->Begin();
+    for (uint32_t i : missing) AddIndexCommand(conn, b, i, /*set=*/false);
+    absl::Status s;
+    conn->Run(b->deadline, &s, [](const RedisConnection::Expect&, const RedisReply&) {});
+    if (!s.ok()) conn->Close();
+  }
+  for (uint32_t i : missing) Resolve(b, i, ObjectStatus::kNotFound, 0);
 }
 
 // Removes what failed verification before answering, so a retry does not find it again.
