@@ -119,13 +119,18 @@ def wait_scanned(d):
                what="the startup scan")
 
 
-def test_sigkilled_daemon_finds_its_file_tier_without_lookups(daemon_factory, tmp_path):
-    l3 = tmp_path / "l3"
-    tiers = f"file:{l3}?name=nvme"
+def backed_up_then_killed(daemon_factory, tiers):
+    """Every test sequence backed up to `tiers` through a daemon that is then SIGKILLed."""
     d = scan_daemon(daemon_factory, tiers, "before", "v1")
     backup_all(d)
     d.proc.send_signal(signal.SIGKILL)
     d.proc.wait()
+
+
+def test_sigkilled_daemon_finds_its_file_tier_without_lookups(daemon_factory, tmp_path):
+    l3 = tmp_path / "l3"
+    tiers = f"file:{l3}?name=nvme"
+    backed_up_then_killed(daemon_factory, tiers)
 
     seqs = chains(l3)
     assert sorted(len(c) for c in seqs) == [PAGES] * len(TOKEN_SEEDS)
@@ -191,10 +196,7 @@ def rewrite_as_v1(path):
 def test_version_1_objects_are_not_placed_but_still_read(daemon_factory, tmp_path):
     l3 = tmp_path / "l3"
     tiers = f"file:{l3}?name=nvme"
-    d = scan_daemon(daemon_factory, tiers, "before", "v1")
-    backup_all(d)
-    d.proc.send_signal(signal.SIGKILL)
-    d.proc.wait()
+    backed_up_then_killed(daemon_factory, tiers)
     old = chains(l3)[0]
     for path in old[5:]:
         rewrite_as_v1(path)
@@ -236,10 +238,7 @@ def cluster(tmp_path):
 def sigkill_and_read_back(daemon_factory, tiers, store):
     """Backs pages up through one daemon, SIGKILLs it, adds a malformed index entry, and starts a
     second one whose readback must put every page back: found without lookups, loaded exactly."""
-    d = scan_daemon(daemon_factory, tiers, "before", "v1")
-    backup_all(d)
-    d.proc.send_signal(signal.SIGKILL)
-    d.proc.wait()
+    backed_up_then_killed(daemon_factory, tiers)
     total = PAGES * len(TOKEN_SEEDS)
     assert store.object_count() == total
     # Another writer's entry this build cannot read: dropped and counted, nothing else changes.
