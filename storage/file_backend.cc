@@ -9,7 +9,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -28,6 +27,7 @@
 #include "storage/file_layout.h"
 #include "storage/file_modes.h"
 #include "storage/file_startup_scan.h"
+#include "storage/result_handoff.h"
 
 namespace kvcellar::storage {
 namespace {
@@ -168,13 +168,9 @@ class FileBackendImpl final : public FileBackend, private FileObjectIo::Listener
   InFlightBatches in_flight_{"file backend"};
   absl::Time opened_at_;
 
-  // The scan's result until a sink takes it. Its own mutex, held while the sink runs (which
-  // inserts into the daemon's index), so that SetScanSink(nullptr) can wait it out without
-  // stalling I/O on mu_.
-  absl::Mutex sink_mu_;
-  FileScanSink sink_ ABSL_GUARDED_BY(sink_mu_);
-  std::optional<FileScanResult> scan_result_ ABSL_GUARDED_BY(sink_mu_);
-  bool scan_taken_ ABSL_GUARDED_BY(sink_mu_) = false;
+  // The scan's result until a sink takes it. Apart from mu_: the sink inserts into the daemon's
+  // index, and SetScanSink(nullptr) waits it out without stalling I/O.
+  ResultHandoff<FileScanResult> scan_handoff_;
 
   mutable absl::Mutex mu_;
   FileCapacity capacity_ ABSL_GUARDED_BY(mu_);
@@ -665,28 +661,10 @@ void FileBackendImpl::PublishScan() {
          {"evicted", victims.size()},
          {"bytes", r.payload_bytes},
          {"seconds", absl::StrFormat("%.3f", absl::ToDoubleSeconds(r.elapsed))}});
-  absl::MutexLock lock(&sink_mu_);
-  if (sink_ != nullptr) {
-    scan_taken_ = true;
-    sink_(std::move(r));
-    sink_ = nullptr;
-  } else {
-    scan_result_ = std::move(r);
-  }
+  scan_handoff_.Deliver(std::move(r));
 }
 
-void FileBackendImpl::SetScanSink(FileScanSink sink) {
-  absl::MutexLock lock(&sink_mu_);
-  if (scan_taken_) return;
-  if (scan_result_.has_value() && sink != nullptr) {
-    scan_taken_ = true;
-    FileScanResult r = *std::move(scan_result_);
-    scan_result_.reset();
-    sink(std::move(r));
-    return;
-  }
-  sink_ = std::move(sink);
-}
+void FileBackendImpl::SetScanSink(FileScanSink sink) { scan_handoff_.SetSink(std::move(sink)); }
 
 void FileBackendImpl::ScanThread() {
   if (scan_->ScanUntil(absl::InfiniteFuture())) PublishScan();

@@ -21,6 +21,7 @@
 #include "storage/object_name.h"
 #include "storage/redis_cluster.h"
 #include "storage/redis_connection.h"
+#include "storage/result_handoff.h"
 
 namespace kvcellar::storage {
 namespace {
@@ -194,12 +195,8 @@ class RedisBackendImpl final : public RedisBackend {
 
   std::thread readback_;
   std::atomic<bool> readback_stop_{false};
-  // Held while a sink runs, so SetIndexSink(nullptr) returns only once it is not running.
-  absl::Mutex index_mu_;
-  bool index_done_ ABSL_GUARDED_BY(index_mu_) = false;
-  bool index_delivered_ ABSL_GUARDED_BY(index_mu_) = false;
-  RedisIndexResult index_result_ ABSL_GUARDED_BY(index_mu_);
-  RedisIndexSink index_sink_ ABSL_GUARDED_BY(index_mu_);
+  // The readback's result until a sink takes it.
+  ResultHandoff<RedisIndexResult> index_handoff_;
 };
 
 // ---- Open and close ---------------------------------------------------------------------------
@@ -266,26 +263,11 @@ void RedisBackendImpl::ReadbackLoop() {
   }
   RedisIndexResult result = ReadRedisIndex(r);
   if (r.nodes.empty()) result.complete = false;
-  absl::MutexLock lock(&index_mu_);
-  index_done_ = true;
-  if (index_sink_ != nullptr) {
-    index_delivered_ = true;
-    std::move(index_sink_)(std::move(result));
-    index_sink_ = nullptr;
-  } else {
-    index_result_ = std::move(result);
-  }
+  index_handoff_.Deliver(std::move(result));
 }
 
 void RedisBackendImpl::SetIndexSink(RedisIndexSink sink) {
-  absl::MutexLock lock(&index_mu_);
-  if (index_delivered_) return;
-  if (!index_done_ || sink == nullptr) {
-    index_sink_ = std::move(sink);
-    return;
-  }
-  index_delivered_ = true;
-  std::move(sink)(std::move(index_result_));
+  index_handoff_.SetSink(std::move(sink));
 }
 
 RedisBackendImpl::~RedisBackendImpl() {
