@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "storage/crc32c.h"
+#include "storage/little_endian.h"
 
 namespace kvcellar::storage {
 namespace {
@@ -25,18 +26,6 @@ static_assert(kOffHeaderCrcV1 + 4 == kObjectHeaderBytesV1);
 static_assert(kOffParent + core::kPageKeyBytes <= kOffHeaderCrc);
 constexpr uint32_t kFlagParentKey = 1u << 0;
 constexpr uint32_t kFlagFirstPage = 1u << 1;
-
-// Explicit little-endian stores and loads: the format is the same on every host.
-template <typename T>
-void Store(uint8_t* p, T v) {
-  for (size_t i = 0; i < sizeof(T); ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
-}
-template <typename T>
-T Load(const uint8_t* p) {
-  T v = 0;
-  for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<T>(p[i]) << (8 * i);
-  return v;
-}
 
 }  // namespace
 
@@ -61,15 +50,15 @@ void EncodeCommon(const ObjectHeader& h, uint16_t version, size_t bytes, uint32_
                   uint8_t* out) {
   std::memset(out, 0, bytes);
   std::memcpy(out, kMagic, sizeof(kMagic));
-  Store<uint16_t>(out + kOffVersion, version);
-  Store<uint16_t>(out + kOffHeaderSize, static_cast<uint16_t>(bytes));
-  Store<uint32_t>(out + kOffFlags, flags);
+  StoreLe<uint16_t>(out + kOffVersion, version);
+  StoreLe<uint16_t>(out + kOffHeaderSize, static_cast<uint16_t>(bytes));
+  StoreLe<uint32_t>(out + kOffFlags, flags);
   std::memcpy(out + kOffNs, h.ns.bytes.data(), core::kPageKeyBytes);
   std::memcpy(out + kOffKey, h.key.bytes.data(), core::kPageKeyBytes);
-  Store<uint32_t>(out + kOffShard, h.shard);
-  Store<uint32_t>(out + kOffPayloadCrc, h.payload_crc);
-  Store<uint64_t>(out + kOffPayloadBytes, h.payload_bytes);
-  Store<uint64_t>(out + kOffCreated, h.created_unix_ms);
+  StoreLe<uint32_t>(out + kOffShard, h.shard);
+  StoreLe<uint32_t>(out + kOffPayloadCrc, h.payload_crc);
+  StoreLe<uint64_t>(out + kOffPayloadBytes, h.payload_bytes);
+  StoreLe<uint64_t>(out + kOffCreated, h.created_unix_ms);
 }
 
 void EncodeObjectHeader(const ObjectHeader& h, uint8_t* out) {
@@ -80,18 +69,18 @@ void EncodeObjectHeader(const ObjectHeader& h, uint8_t* out) {
   if (h.parent.kind == ParentLink::Kind::kKey) {
     std::memcpy(out + kOffParent, h.parent.key.bytes.data(), core::kPageKeyBytes);
   }
-  Store<uint32_t>(out + kOffHeaderCrc, Crc32c(out, kOffHeaderCrc));
+  StoreLe<uint32_t>(out + kOffHeaderCrc, Crc32c(out, kOffHeaderCrc));
 }
 
 void EncodeObjectHeaderV1(const ObjectHeader& h, uint8_t* out) {
   EncodeCommon(h, kObjectFormatVersionV1, kObjectHeaderBytesV1, 0, out);
-  Store<uint32_t>(out + kOffHeaderCrcV1, Crc32c(out, kOffHeaderCrcV1));
+  StoreLe<uint32_t>(out + kOffHeaderCrcV1, Crc32c(out, kOffHeaderCrcV1));
 }
 
 size_t DeclaredHeaderBytes(const uint8_t* in, size_t available) {
   if (available >= kOffHeaderSize + 2 && std::memcmp(in, kMagic, sizeof(kMagic)) == 0 &&
-      Load<uint16_t>(in + kOffVersion) == kObjectFormatVersionV1 &&
-      Load<uint16_t>(in + kOffHeaderSize) == kObjectHeaderBytesV1) {
+      LoadLe<uint16_t>(in + kOffVersion) == kObjectFormatVersionV1 &&
+      LoadLe<uint16_t>(in + kOffHeaderSize) == kObjectHeaderBytesV1) {
     return kObjectHeaderBytesV1;
   }
   return kObjectHeaderBytes;
@@ -115,7 +104,7 @@ ObjectDefect DecodeObjectHeader(const uint8_t* in, size_t available, ObjectHeade
   if (available < kObjectHeaderBytesV1) return ObjectDefect::kTruncated;
   if (std::memcmp(in, kMagic, sizeof(kMagic)) != 0) return ObjectDefect::kBadMagic;
   // Version before CRC: a newer format may lay out (and checksum) its header differently.
-  const uint16_t version = Load<uint16_t>(in + kOffVersion);
+  const uint16_t version = LoadLe<uint16_t>(in + kOffVersion);
   if (version != kObjectFormatVersion && version != kObjectFormatVersionV1) {
     return ObjectDefect::kBadVersion;
   }
@@ -123,9 +112,9 @@ ObjectDefect DecodeObjectHeader(const uint8_t* in, size_t available, ObjectHeade
   const size_t bytes = v1 ? kObjectHeaderBytesV1 : kObjectHeaderBytes;
   if (available < bytes) return ObjectDefect::kTruncated;
   const size_t crc_at = v1 ? kOffHeaderCrcV1 : kOffHeaderCrc;
-  if (Load<uint32_t>(in + crc_at) != Crc32c(in, crc_at)) return ObjectDefect::kBadHeaderCrc;
-  if (Load<uint16_t>(in + kOffHeaderSize) != bytes) return ObjectDefect::kBadVersion;
-  const uint32_t flags = v1 ? 0 : Load<uint32_t>(in + kOffFlags);
+  if (LoadLe<uint32_t>(in + crc_at) != Crc32c(in, crc_at)) return ObjectDefect::kBadHeaderCrc;
+  if (LoadLe<uint16_t>(in + kOffHeaderSize) != bytes) return ObjectDefect::kBadVersion;
+  const uint32_t flags = v1 ? 0 : LoadLe<uint32_t>(in + kOffFlags);
   // Both links at once, or a bit this version does not know: not a header it wrote.
   if ((flags & ~(kFlagParentKey | kFlagFirstPage)) != 0 ||
       flags == (kFlagParentKey | kFlagFirstPage)) {
@@ -140,10 +129,10 @@ ObjectDefect DecodeObjectHeader(const uint8_t* in, size_t available, ObjectHeade
   }
   std::memcpy(out->ns.bytes.data(), in + kOffNs, core::kPageKeyBytes);
   std::memcpy(out->key.bytes.data(), in + kOffKey, core::kPageKeyBytes);
-  out->shard = Load<uint32_t>(in + kOffShard);
-  out->payload_crc = Load<uint32_t>(in + kOffPayloadCrc);
-  out->payload_bytes = Load<uint64_t>(in + kOffPayloadBytes);
-  out->created_unix_ms = Load<uint64_t>(in + kOffCreated);
+  out->shard = LoadLe<uint32_t>(in + kOffShard);
+  out->payload_crc = LoadLe<uint32_t>(in + kOffPayloadCrc);
+  out->payload_bytes = LoadLe<uint64_t>(in + kOffPayloadBytes);
+  out->created_unix_ms = LoadLe<uint64_t>(in + kOffCreated);
   return ObjectDefect::kNone;
 }
 

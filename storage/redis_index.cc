@@ -1,17 +1,16 @@
 #include "storage/redis_index.h"
 
 #include <hiredis/hiredis.h>
-#include <sys/time.h>
 
 #include <array>
 #include <cstring>
 #include <memory>
-#include <mutex>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "platform/log.h"
+#include "storage/little_endian.h"
 #include "storage/object_name.h"
 #include "storage/redis_blocking.h"
 #include "storage/redis_cluster.h"
@@ -19,16 +18,8 @@
 namespace kvcellar::storage {
 namespace {
 
-using Reply = HiredisReply;
-
-void PutLe64(uint64_t v, char* out) {
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>(v >> (8 * i));
-}
-uint64_t GetLe64(const char* p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) v |= uint64_t{static_cast<uint8_t>(p[i])} << (8 * i);
-  return v;
-}
+uint8_t* Bytes(char* p) { return reinterpret_cast<uint8_t*>(p); }
+const uint8_t* Bytes(const char* p) { return reinterpret_cast<const uint8_t*>(p); }
 
 // Shortest tags first, over [0-9a-z]: 36 + 36^2 + 36^3 + 36^4 candidates cover every slot (the
 // first three lengths leave about 900 of 16384 slots uncovered; four leave none).
@@ -96,9 +87,9 @@ class Reader {
     std::string cursor = "0";
     do {
       if (Stopped(o_)) return false;
-      Reply r(static_cast<redisReply*>(redisCommand(ctx_.get(), "SCAN %s MATCH %b COUNT %d",
-                                                    cursor.c_str(), pattern.data(), pattern.size(),
-                                                    kReadbackCount)));
+      HiredisReply r(static_cast<redisReply*>(redisCommand(ctx_.get(), "SCAN %s MATCH %b COUNT %d",
+                                                           cursor.c_str(), pattern.data(),
+                                                           pattern.size(), kReadbackCount)));
       if (!ParseCursorReply(r.get(), &cursor)) return false;
       const redisReply* list = r->element[1];
       for (size_t i = 0; i < list->elements; ++i) {
@@ -119,8 +110,9 @@ class Reader {
     std::string cursor = "0";
     do {
       if (Stopped(o_)) return false;
-      Reply r(static_cast<redisReply*>(redisCommand(ctx_.get(), "HSCAN %b %s COUNT %d", key.data(),
-                                                    key.size(), cursor.c_str(), kReadbackCount)));
+      HiredisReply r(
+          static_cast<redisReply*>(redisCommand(ctx_.get(), "HSCAN %b %s COUNT %d", key.data(),
+                                                key.size(), cursor.c_str(), kReadbackCount)));
       if (!ParseCursorReply(r.get(), &cursor)) return false;
       const redisReply* list = r->element[1];
       std::vector<IndexEntry> page;
@@ -158,7 +150,7 @@ class Reader {
     for (size_t i = 0; i < page.size(); ++i) {
       void* raw = nullptr;
       if (redisGetReply(ctx_.get(), &raw) != REDIS_OK) return false;
-      Reply r(static_cast<redisReply*>(raw));
+      HiredisReply r(static_cast<redisReply*>(raw));
       if (r->type == REDIS_REPLY_INTEGER && r->integer == 0) {
         gone.push_back(i);
       } else {
@@ -219,7 +211,7 @@ class Reader {
 
 void EncodeIndexField(const core::PageKey& key, uint32_t shard, char out[kIndexFieldBytes]) {
   std::memcpy(out, key.bytes.data(), 32);
-  for (int i = 0; i < 4; ++i) out[32 + i] = static_cast<char>(shard >> (8 * i));
+  StoreLe<uint32_t>(Bytes(out + 32), shard);
 }
 
 void EncodeIndexEntry(const IndexEntry& e, char out[kIndexEntryBytes]) {
@@ -227,7 +219,7 @@ void EncodeIndexEntry(const IndexEntry& e, char out[kIndexEntryBytes]) {
   out[1] = static_cast<char>(e.version);
   out[2] = static_cast<char>(e.parent.kind);
   std::memcpy(out + 3, e.parent.key.bytes.data(), 32);
-  PutLe64(e.payload_bytes, out + 35);
+  StoreLe<uint64_t>(Bytes(out + 35), e.payload_bytes);
   std::memcpy(out + 43, e.ns.bytes.data(), 32);
 }
 
@@ -237,14 +229,12 @@ bool DecodeIndexEntry(absl::string_view field, absl::string_view entry, IndexEnt
   const uint8_t kind = static_cast<uint8_t>(entry[2]);
   if (kind > static_cast<uint8_t>(ParentLink::Kind::kKey)) return false;
   std::memcpy(out->key.bytes.data(), field.data(), 32);
-  out->shard = 0;
-  for (int i = 0; i < 4; ++i)
-    out->shard |= uint32_t{static_cast<uint8_t>(field[32 + i])} << (8 * i);
+  out->shard = LoadLe<uint32_t>(Bytes(field.data() + 32));
   out->version = static_cast<uint8_t>(entry[1]);
   out->parent.kind = static_cast<ParentLink::Kind>(kind);
   std::memcpy(out->parent.key.bytes.data(), entry.data() + 3, 32);
   if (out->parent.kind != ParentLink::Kind::kKey) out->parent.key = core::PageKey{};
-  out->payload_bytes = GetLe64(entry.data() + 35);
+  out->payload_bytes = LoadLe<uint64_t>(Bytes(entry.data() + 35));
   std::memcpy(out->ns.bytes.data(), entry.data() + 43, 32);
   return true;
 }
