@@ -34,29 +34,28 @@ L3Recovery::L3Recovery(L3Tiers* tiers, NamespaceRegistry* namespaces)
     absl::MutexLock lock(&mu_);
     stats_.resize(tiers_->size());
     for (size_t t = 0; t < tiers_->size(); ++t) {
-      stats_[t].file_tier = tiers_->tier(t).file != nullptr;
-      stats_[t].redis_tier = tiers_->tier(t).redis != nullptr;
+      stats_[t].file_tier = tiers_->tier(t).file() != nullptr;
+      stats_[t].redis_tier = tiers_->tier(t).redis_index() != nullptr;
     }
   }
+  // Outside mu_: a result that is already there arrives on this thread.
   for (size_t t = 0; t < tiers_->size(); ++t) {
-    storage::FileBackend* file = tiers_->tier(t).file;
-    if (file == nullptr) continue;
-    file->SetScanSink([this, t](storage::FileScanResult r) { OnScanned(t, std::move(r)); });
-  }
-  for (size_t t = 0; t < tiers_->size(); ++t) {
-    storage::RedisBackend* redis = tiers_->tier(t).redis;
-    if (redis == nullptr) continue;
-    redis->SetIndexSink(
-        [this, t](storage::RedisIndexResult r) { OnScanned(t, std::move(r.scan), !r.complete); });
+    if (storage::FileBackend* file = tiers_->tier(t).file(); file != nullptr) {
+      file->SetScanSink([this, t](storage::FileScanResult r) { OnScanned(t, std::move(r)); });
+    }
+    if (storage::RedisBackend* redis = tiers_->tier(t).redis_index(); redis != nullptr) {
+      redis->SetIndexSink(
+          [this, t](storage::RedisIndexResult r) { OnScanned(t, std::move(r.scan), !r.complete); });
+    }
   }
 }
 
 L3Recovery::~L3Recovery() {
   for (size_t t = 0; t < tiers_->size(); ++t) {
-    if (storage::FileBackend* file = tiers_->tier(t).file; file != nullptr) {
+    if (storage::FileBackend* file = tiers_->tier(t).file(); file != nullptr) {
       file->SetScanSink(nullptr);
     }
-    if (storage::RedisBackend* redis = tiers_->tier(t).redis; redis != nullptr) {
+    if (storage::RedisBackend* redis = tiers_->tier(t).redis_index(); redis != nullptr) {
       redis->SetIndexSink(nullptr);
     }
   }

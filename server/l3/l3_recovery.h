@@ -57,10 +57,10 @@
 
 namespace kvcellar::server {
 
-// One file tier's startup scan and what became of its objects.
+// One tier's startup scan or index readback and what became of its objects.
 struct L3ScanStats {
   bool file_tier = false;   // File tiers scan their directory,
-  bool redis_tier = false;  // Redis tiers read their index back; the rest are zero.
+  bool redis_tier = false;  // Redis tiers with index=true read it back; the rest are zero.
   bool complete = false;    // The scan finished and its result arrived.
   bool partial = false;     // Redis: the readback was cut short (node down, time bound).
   // From the scan (storage/file_backend.h FileScanResult).

@@ -63,12 +63,6 @@ absl::StatusOr<std::unique_ptr<L3Tiers>> L3Tiers::Open(const StorageConfig& conf
     L3Tier tier;
     tier.shared = (*backend)->capabilities().shared_across_nodes;
     tier.backend = *std::move(backend);
-    // OpenBackend made a FileBackend for this kind.
-    if (spec.kind == L3TierSpec::Kind::kFile) {
-      tier.file = static_cast<storage::FileBackend*>(tier.backend.get());
-    } else {
-      tier.redis = static_cast<storage::RedisBackend*>(tier.backend.get());
-    }
     tier.spec = std::move(spec);
     KVLOG(Info, "l3 tier opened",
           {{"tier", tier.spec.name},

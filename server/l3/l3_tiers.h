@@ -1,6 +1,6 @@
 // L3Tiers: the daemon's ordered list of L3 storage backends (DESIGN.md "Tiers"), opened from
-// `storage.tiers` (server/config/l3_tier_spec.h), with what the layers above need to know of each: its
-// name, its admission threshold, whether other nodes share it.
+// `storage.tiers` (server/config/l3_tier_spec.h), with what the layers above need to know of each:
+// its name, its admission threshold, whether other nodes share it.
 //
 // Tier i is bit i of the index's per-shard L3 mask (core/radix_index.h) and index i of
 // MatchResult.l3_hit_pages_by_tier and RegisterEngineResponse.l3_tier_names. Lookup order is
@@ -31,10 +31,18 @@ namespace kvcellar::server {
 struct L3Tier {
   L3TierSpec spec;
   std::unique_ptr<storage::Backend> backend;
-  // The same backend when it is a file tier (its startup scan, l3_recovery.h); else nullptr.
-  storage::FileBackend* file = nullptr;
-  // The same backend when it is a Redis tier (its index readback, l3_recovery.h); else nullptr.
-  storage::RedisBackend* redis = nullptr;
+  // The backend when it is a file tier (its startup scan, l3_recovery.h); else nullptr.
+  storage::FileBackend* file() const {
+    return spec.kind == L3TierSpec::Kind::kFile ? static_cast<storage::FileBackend*>(backend.get())
+                                                : nullptr;
+  }
+  // The backend when it is a Redis tier that keeps an index (spec.index: its readback at start,
+  // l3_recovery.h); else nullptr.
+  storage::RedisBackend* redis_index() const {
+    return spec.kind != L3TierSpec::Kind::kFile && spec.index
+               ? static_cast<storage::RedisBackend*>(backend.get())
+               : nullptr;
+  }
   // Other nodes write to this tier too: the index never knows all of it (lookups ask it).
   bool shared = false;
 };

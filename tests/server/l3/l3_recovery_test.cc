@@ -60,7 +60,8 @@ class L3RecoveryTest : public ::testing::Test {
     }
     storage::BatchResult r =
         storage::testing::PutSync(**b, {spec_.Digest(), absl::MakeConstSpan(items), {}});
-    for (const storage::ItemResult& item : r.items) ASSERT_EQ(item.status, storage::ObjectStatus::kOk);
+    for (const storage::ItemResult& item : r.items)
+      ASSERT_EQ(item.status, storage::ObjectStatus::kOk);
   }
 
   // Opens the tier as a restarted daemon does (its scan runs) and the recovery over it.
@@ -70,7 +71,7 @@ class L3RecoveryTest : public ::testing::Test {
     absl::StatusOr<std::unique_ptr<L3Tiers>> t = L3Tiers::Open(c);
     ASSERT_TRUE(t.ok()) << t.status();
     tiers_ = *std::move(t);
-    ASSERT_TRUE(tiers_->tier(0).file->WaitForIndex(absl::Seconds(10)));
+    ASSERT_TRUE(tiers_->tier(0).file()->WaitForIndex(absl::Seconds(10)));
     recovery_ = std::make_unique<L3Recovery>(tiers_.get(), &world_.namespaces());
   }
 
