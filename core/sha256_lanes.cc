@@ -27,8 +27,6 @@ alignas(16) constexpr uint32_t kInitial[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372
                                               0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
 constexpr int kLanes = 4;
 
-constexpr uint32_t Rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
-
 bool DetectShaExtensions() {
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
@@ -219,18 +217,6 @@ KVC_SHA_TARGET void PrefixedSuffixes(const uint8_t* first_block, const uint8_t* 
   }
 }
 
-}  // namespace
-
-bool HaveShaExtensions() {
-  static const bool have = DetectShaExtensions();
-  return have;
-}
-
-void HashAfterBlock(const uint8_t* first_block, const uint8_t* suffixes, size_t n, uint8_t tag,
-                    uint8_t* out) {
-  PrefixedSuffixes(first_block, suffixes, n, tag, out);
-}
-
 // The chain for pages of exactly one block (16 tokens): each page's second block is its parent
 // key and constant padding, so its message words come straight from the previous digest's
 // registers; and it is compressed in lockstep with the next page's token block, which does not
@@ -264,6 +250,18 @@ KVC_SHA_TARGET void ChainBlockPages(const uint8_t* parent, const uint8_t* pages,
     StoreDigest(abef[0], cdgh[0], out + 32 * i);
     DigestWords(abef[0], cdgh[0], abcd, efgh);
   }
+}
+
+}  // namespace
+
+bool HaveShaExtensions() {
+  static const bool have = DetectShaExtensions();
+  return have;
+}
+
+void HashAfterBlock(const uint8_t* first_block, const uint8_t* suffixes, size_t n, uint8_t tag,
+                    uint8_t* out) {
+  PrefixedSuffixes(first_block, suffixes, n, tag, out);
 }
 
 void ChainSuffixed(const uint8_t* parent, const uint8_t* pages, size_t page_bytes, size_t n,

@@ -293,9 +293,10 @@ void FileObjectIo::PutOpened(FileIoTask* t, int64_t res) {
   t->fd = static_cast<int>(res);
   modes_.FixObject(t->fd);
   std::memset(t->block, 0, kBlock);
-  EncodeObjectHeader(MakeObjectHeader(*t->ns, t->id.key, t->id.shard, t->buf, t->len,
-                                      static_cast<uint64_t>(absl::ToUnixMillis(absl::Now())), t->parent),
-                     t->block);
+  EncodeObjectHeader(
+      MakeObjectHeader(*t->ns, t->id.key, t->id.shard, t->buf, t->len,
+                       static_cast<uint64_t>(absl::ToUnixMillis(absl::Now())), t->parent),
+      t->block);
   t->stage = FileIoTask::kWrite;
   t->io_done = 0;
   t->io_total = kBlock + t->len;

@@ -109,7 +109,6 @@ ObjectDefect FileStartupScan::ReadHeader(int dfd, const char* name, const FileOb
   const int fd = ::openat(dfd, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
   if (fd < 0) return ObjectDefect::kTruncated;  // Gone since listed, or not ours: skipped.
   struct stat st;
-  ObjectDefect defect = ObjectDefect::kNone;
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
     return ObjectDefect::kTruncated;  // Not a regular file: skipped, never unlinked.
@@ -119,7 +118,7 @@ ObjectDefect FileStartupScan::ReadHeader(int dfd, const char* name, const FileOb
   const ssize_t got = ::pread(fd, buf, sizeof(buf), 0);
   ::close(fd);
   ObjectHeader h;
-  defect = DecodeObjectHeader(buf, got > 0 ? static_cast<size_t>(got) : 0, &h);
+  const ObjectDefect defect = DecodeObjectHeader(buf, got > 0 ? static_cast<size_t>(got) : 0, &h);
   if (defect != ObjectDefect::kNone) return defect;
   if (h.key != id.key) return ObjectDefect::kForeignKey;
   if (h.shard != id.shard) return ObjectDefect::kForeignShard;
