@@ -2,10 +2,13 @@
 
 #include <cstring>
 
-#include "storage/crc32c.h"
+#include "core/crc32c.h"
 #include "storage/little_endian.h"
 
 namespace kvcellar::storage {
+
+using core::Crc32c;
+
 namespace {
 
 constexpr char kMagic[8] = {'K', 'V', 'C', 'E', 'L', 'L', 'A', 'R'};

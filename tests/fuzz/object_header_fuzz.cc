@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "core/page_key.h"
-#include "storage/crc32c.h"
+#include "core/crc32c.h"
 #include "storage/object_format.h"
 #include "tests/fuzz/fuzz_util.h"
 
@@ -46,13 +46,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const uint8_t* payload = whole_header ? object.data() + header_bytes : nullptr;
   const uint64_t payload_available = whole_header ? object.size() - header_bytes : 0;
   if (whole_header && (flags & 2)) {
-    Store32(object.data() + kOffPayloadCrc, storage::Crc32c(payload, payload_available));
+    Store32(object.data() + kOffPayloadCrc, core::Crc32c(payload, payload_available));
   }
   if (whole_header && (flags & 3)) {
-    Store32(object.data() + header_crc_at, storage::Crc32c(object.data(), header_crc_at));
+    Store32(object.data() + header_crc_at, core::Crc32c(object.data(), header_crc_at));
   }
-  FUZZ_CHECK(storage::Crc32c(object.data(), object.size()) ==
-             storage::Crc32cSoftware(object.data(), object.size()));
+  FUZZ_CHECK(core::Crc32c(object.data(), object.size()) ==
+             core::Crc32cSoftware(object.data(), object.size()));
 
   storage::ObjectHeader decoded;
   const storage::ObjectDefect d =
@@ -92,6 +92,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FUZZ_CHECK(!(flags & 4));
   FUZZ_CHECK(verified.payload_bytes == payload_available);
   FUZZ_CHECK(verified.payload_bytes <= expected.capacity);
-  FUZZ_CHECK(storage::Crc32cSoftware(slot.data(), verified.payload_bytes) == verified.payload_crc);
+  FUZZ_CHECK(core::Crc32cSoftware(slot.data(), verified.payload_bytes) == verified.payload_crc);
   return 0;
 }

@@ -4,10 +4,13 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "storage/crc32c.h"
+#include "core/crc32c.h"
 #include "storage_test_util.h"
 
 namespace kvcellar::storage {
+
+using core::Crc32c;
+
 namespace {
 
 using testing::TestKey;

@@ -66,11 +66,15 @@
 #include "absl/time/clock.h"
 #include "benchmark/benchmark.h"
 #include "platform/log.h"
-#include "storage/crc32c.h"
+#include "core/crc32c.h"
 #include "storage/file_backend.h"
 #include "storage/redis_backend.h"
 
 namespace kvcellar::storage {
+
+using core::Crc32c;
+using core::Crc32cHardwareAvailable;
+using core::Crc32cSoftware;
 namespace {
 
 namespace fs = std::filesystem;

@@ -1,4 +1,4 @@
-#include "storage/crc32c.h"
+#include "core/crc32c.h"
 
 #include <cstring>
 #include <random>
@@ -7,7 +7,7 @@
 
 #include "gtest/gtest.h"
 
-namespace kvcellar::storage {
+namespace kvcellar::core {
 namespace {
 
 TEST(Crc32cTest, KnownVectors) {
@@ -50,4 +50,4 @@ TEST(Crc32cTest, Extends) {
 }
 
 }  // namespace
-}  // namespace kvcellar::storage
+}  // namespace kvcellar::core

@@ -1,4 +1,4 @@
-#include "storage/crc32c.h"
+#include "core/crc32c.h"
 
 #include <bit>
 #include <cstring>
@@ -7,7 +7,7 @@
 #include <nmmintrin.h>
 #endif
 
-namespace kvcellar::storage {
+namespace kvcellar::core {
 namespace {
 
 // The slicing loop reads words as little-endian; kvcellar targets x86-64 and aarch64.
@@ -202,4 +202,4 @@ uint32_t Crc32c(const void* data, size_t n, uint32_t crc) {
   return Crc32cSoftware(data, n, crc);
 }
 
-}  // namespace kvcellar::storage
+}  // namespace kvcellar::core
