@@ -92,7 +92,7 @@ absl::StatusOr<std::unique_ptr<HostMemory>> HostMemory::Map(const HostMemoryOpti
           "be hugetlb-backed; use huge_pages=auto (transparent huge pages, per "
           "transparent_hugepage/shmem_enabled) or drop shm_name");
     }
-    absl::StatusOr<std::unique_ptr<ShmObject>> shm = ShmObject::Open(*name, options.bytes);
+    absl::StatusOr<std::unique_ptr<ShmObject>> shm = ShmObject::Open(*name, options.bytes, options.recreate_on_size_change);
     if (!shm.ok()) return shm.status();
     memory->shm_ = *std::move(shm);
     mapping = MapShm(*memory->shm_, options.bytes, options.huge_pages);

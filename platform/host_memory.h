@@ -37,6 +37,9 @@ struct HostMemoryOptions {
   // name ("/" prepended if missing) that a later mapping of the same size re-attaches. One live
   // mapping per object: a second Map while the first lives fails.
   std::string shm_name;
+  // An existing shm object of another size is emptied and resized instead of refused (its bytes
+  // were laid out for another geometry; the daemon's warm restart then starts empty).
+  bool recreate_on_size_change = false;
   // Remove the shm object when the mapping is destroyed. Off by default: surviving the process is
   // the point of named memory. Use UnlinkShm to remove it later.
   bool unlink_on_destroy = false;
@@ -66,8 +69,13 @@ class HostMemory {
   // page size (transparent huge pages do not change what the mapping promises).
   uint64_t page_bytes() const { return page_bytes_; }
   HugePageBacking backing() const { return backing_; }
-  // True when Map attached an existing shm object rather than creating it.
-  bool reattached() const { return shm_ != nullptr && !shm_->created(); }
+  // True when Map attached an existing shm object, with its bytes, rather than creating it (or
+  // recreating it at another size).
+  bool reattached() const {
+    return shm_ != nullptr && !shm_->created() && shm_->previous_bytes() == 0;
+  }
+  // The size the shm object had when Map recreated it at this size; 0 otherwise.
+  uint64_t previous_bytes() const { return shm_ != nullptr ? shm_->previous_bytes() : 0; }
   // Normalized shm object name ("/..."), empty for anonymous memory.
   const std::string& shm_name() const { return shm_name_; }
 

@@ -46,7 +46,8 @@ absl::StatusOr<std::pair<int, bool>> OpenOrCreate(const std::string& name) {
 
 // Takes the object for this owner and gives it `bytes`: the lock, then the size check of an
 // existing object or the sizing of a new one.
-absl::Status LockAndSize(int fd, const std::string& name, uint64_t bytes) {
+absl::Status LockAndSize(int fd, const std::string& name, uint64_t bytes, bool recreate,
+                         uint64_t* previous_bytes) {
   // One owner per object: two allocators over the same bytes would hand out the same slots.
   if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
@@ -62,6 +63,16 @@ absl::Status LockAndSize(int fd, const std::string& name, uint64_t bytes) {
   }
   if (st.st_size != 0) {
     if (static_cast<uint64_t>(st.st_size) == bytes) return absl::OkStatus();
+    if (recreate) {
+      // Its bytes were laid out for another size: dropped, and the object sized anew below.
+      *previous_bytes = static_cast<uint64_t>(st.st_size);
+      if (ftruncate(fd, 0) != 0) {
+        return absl::InternalError(
+            absl::StrCat("ftruncate of shm object ", name, " to 0: ", Errno(errno)));
+      }
+    }
+  }
+  if (st.st_size != 0 && !recreate) {
     return absl::FailedPreconditionError(absl::StrCat(
         "shm object ", name, " has ", st.st_size, " bytes but the pool wants ", bytes,
         "; the geometry changed: remove the object (HostMemory::UnlinkShm) or restore the "
@@ -98,7 +109,7 @@ absl::StatusOr<std::string> ShmObject::NormalizeName(absl::string_view name) {
 }
 
 absl::StatusOr<std::unique_ptr<ShmObject>> ShmObject::Open(const std::string& name,
-                                                           uint64_t bytes) {
+                                                           uint64_t bytes, bool recreate) {
   absl::StatusOr<std::string> normalized = NormalizeName(name);
   if (!normalized.ok()) return normalized.status();
   absl::StatusOr<std::pair<int, bool>> opened = OpenOrCreate(*normalized);
@@ -107,7 +118,9 @@ absl::StatusOr<std::unique_ptr<ShmObject>> ShmObject::Open(const std::string& na
   // if this call created it.
   std::unique_ptr<ShmObject> object(
       new ShmObject(*std::move(normalized), opened->first, opened->second));
-  if (absl::Status s = LockAndSize(object->fd_, object->name_, bytes); !s.ok()) {
+  if (absl::Status s =
+          LockAndSize(object->fd_, object->name_, bytes, recreate, &object->previous_bytes_);
+      !s.ok()) {
     if (object->created_) object->UnlinkOnDestroy();
     return s;
   }

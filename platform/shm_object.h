@@ -34,8 +34,10 @@ class ShmObject {
   // a new one is sized to `bytes` once /dev/shm is seen to have room for it (ResourceExhausted
   // otherwise: tmpfs would fail the first write past its free space with SIGBUS, not an error).
   // FailedPrecondition when another owner holds the lock. On any error nothing is left behind:
-  // an object this call created is removed.
-  static absl::StatusOr<std::unique_ptr<ShmObject>> Open(const std::string& name, uint64_t bytes);
+  // an object this call created is removed. With `recreate`, an existing object of another size
+  // is emptied and sized anew instead (its bytes are lost; previous_bytes() says it happened).
+  static absl::StatusOr<std::unique_ptr<ShmObject>> Open(const std::string& name, uint64_t bytes,
+                                                         bool recreate = false);
 
   // Removes the object's name ("/" prepended if missing); owners that have it open keep their
   // bytes. NotFound if absent.
@@ -54,6 +56,8 @@ class ShmObject {
   int fd() const { return fd_; }
   // True when Open created the object; false when it opened an existing one.
   bool created() const { return created_; }
+  // The size an existing object had when Open recreated it at another size; 0 otherwise.
+  uint64_t previous_bytes() const { return previous_bytes_; }
   // The normalized name ("/...").
   const std::string& name() const { return name_; }
 
@@ -64,6 +68,7 @@ class ShmObject {
   const std::string name_;
   const int fd_;
   const bool created_;
+  uint64_t previous_bytes_ = 0;
   bool unlink_on_destroy_ = false;
 };
 

@@ -158,6 +158,39 @@ TEST(HostMemoryTest, ShmSizeChangeIsRefused) {
   EXPECT_EQ(HostMemory::UnlinkShm(name).code(), absl::StatusCode::kNotFound);
 }
 
+// The daemon's choice (pool.shm_name, docs/restart.md): a pool of another capacity starts empty
+// at its new size instead of not starting; the old bytes are gone and the mapping says so.
+TEST(HostMemoryTest, ShmSizeChangeRecreatesWhenAsked) {
+  const std::string name = ShmName("recreate");
+  HostMemoryOptions o = Options(2 * kMiB);
+  o.shm_name = name;
+  {
+    std::unique_ptr<HostMemory> a = MustMap(o);
+    ASSERT_NE(a, nullptr);
+    std::memset(a->data(), 0x77, 64 * kKiB);
+  }
+  o.bytes = 4 * kMiB;
+  o.recreate_on_size_change = true;
+  o.unlink_on_destroy = true;
+  {
+    std::unique_ptr<HostMemory> b = MustMap(o);
+    ASSERT_NE(b, nullptr);
+    EXPECT_FALSE(b->reattached());
+    EXPECT_EQ(b->previous_bytes(), 2 * kMiB);
+    EXPECT_EQ(b->size(), 4 * kMiB);
+    EXPECT_TRUE(std::all_of(b->data(), b->data() + 64 * kKiB, [](uint8_t x) { return x == 0; }));
+  }
+  EXPECT_FALSE(ShmExists(name));
+  // And an object of the same size is re-attached as ever.
+  o.unlink_on_destroy = false;
+  ASSERT_NE(MustMap(o), nullptr);
+  o.unlink_on_destroy = true;
+  std::unique_ptr<HostMemory> c = MustMap(o);
+  ASSERT_NE(c, nullptr);
+  EXPECT_TRUE(c->reattached());
+  EXPECT_EQ(c->previous_bytes(), 0u);
+}
+
 // ---- Huge pages ---------------------------------------------------------------------------------
 
 TEST(HostMemoryTest, HugePagesOnFailsClearlyWithoutHugetlbPages) {
