@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "core/slot_journal.h"
 
 namespace kvcellar::core {
 namespace {
@@ -251,6 +252,8 @@ absl::Status HostPool::Free(SlotRef ref) {
   SizeClass& sc = classes_[ref.size_class];
   MutexLock lock(&sc.mu);
   if (!IsAllocated(sc, ref)) return NotAllocatedError(ref);
+  // The record first: once the slot is on the free stack another thread may take it.
+  if (journal_ != nullptr) journal_->Clear(ref);
   Region& g = regions_[ref.region];
   g.allocated[ref.index >> 6] &= ~(uint64_t{1} << (ref.index & 63));
   g.free_stack[g.free_top++] = ref.index;
@@ -281,6 +284,12 @@ uint32_t HostPool::TakeFreeRegion(SizeClass& sc, uint16_t c) {
     r = free_regions_.back();
     free_regions_.pop_back();
   }
+  AssignRegion(sc, c, r);
+  PushPartial(sc, r);
+  return r;
+}
+
+void HostPool::AssignRegion(SizeClass& sc, uint16_t c, uint32_t r) {
   // The region is now this class's; its fields are guarded by sc.mu from here on.
   Region& g = regions_[r];
   const uint32_t n = sc.slots_per_region;
@@ -297,8 +306,69 @@ uint32_t HostPool::TakeFreeRegion(SizeClass& sc, uint16_t c) {
   g.free_top = 0;
   g.owner.store(c, std::memory_order_relaxed);
   ++sc.regions;
-  PushPartial(sc, r);
-  return r;
+}
+
+absl::Status HostPool::Restore(std::span<const OwnedSlot> slots) {
+  // Checked whole before anything changes.
+  std::vector<uint16_t> region_class(region_count_, kNoClass);
+  for (const OwnedSlot& s : slots) {
+    if (!InRange(s.slot)) return RangeError(s.slot);
+    uint16_t& c = region_class[s.slot.region];
+    if (c != kNoClass && c != s.slot.size_class) {
+      return absl::InvalidArgumentError(absl::StrCat("restore: region ", s.slot.region,
+                                                     " is named by size classes ", c, " and ",
+                                                     s.slot.size_class));
+    }
+    c = s.slot.size_class;
+  }
+  {
+    MutexLock lock(&free_mu_);
+    if (free_regions_.size() != region_count_) {
+      return absl::FailedPreconditionError("restore: the host pool is already in use");
+    }
+  }
+  // Per region, (slot index, position in `slots`), sorted by index.
+  std::vector<std::vector<std::pair<uint32_t, size_t>>> region_slots(region_count_);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    region_slots[slots[i].slot.region].push_back({slots[i].slot.index, i});
+  }
+  for (uint32_t r = 0; r < region_count_; ++r) {
+    std::vector<std::pair<uint32_t, size_t>>& v = region_slots[r];
+    std::sort(v.begin(), v.end());
+    for (size_t i = 1; i < v.size(); ++i) {
+      if (v[i].first == v[i - 1].first) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("restore: slot ", v[i].first, " of region ", r, " is named twice"));
+      }
+    }
+  }
+
+  for (uint32_t r = 0; r < region_count_; ++r) {
+    const uint16_t c = region_class[r];
+    if (c == kNoClass) continue;
+    SizeClass& sc = classes_[c];
+    MutexLock lock(&sc.mu);
+    AssignRegion(sc, c, r);
+    Region& g = regions_[r];
+    for (const auto& [index, at] : region_slots[r]) {
+      g.allocated[index >> 6] |= uint64_t{1} << (index & 63);
+      g.owners[index] = slots[at].owner;
+      ++g.used;
+    }
+    // Every slot is carved; the free ones wait on the stack, lowest handed out first.
+    g.bump = sc.slots_per_region;
+    for (uint32_t i = sc.slots_per_region; i-- > 0;) {
+      if ((g.allocated[i >> 6] >> (i & 63) & 1) == 0) g.free_stack[g.free_top++] = i;
+    }
+    sc.slots_used += g.used;
+    if (g.used < sc.slots_per_region) PushPartial(sc, r);
+  }
+  MutexLock lock(&free_mu_);
+  free_regions_.clear();
+  for (uint32_t r = region_count_; r-- > 0;) {
+    if (region_class[r] == kNoClass) free_regions_.push_back(r);
+  }
+  return absl::OkStatus();
 }
 
 void HostPool::ReturnRegion(SizeClass& sc, uint32_t r) {

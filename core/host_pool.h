@@ -13,14 +13,12 @@
 // slot bytes itself.
 //
 // Warm restart: when the memory is a named shared memory object (platform::HostMemory with a
-// shm_name) it outlives the daemon, and a restarted daemon with the same capacity re-attaches the
-// same bytes. Only the data survives: the allocator state and the index do not, so the new pool
-// starts empty and the bytes are unreachable until something says which slot holds which page.
-// Making them reachable needs (a) the allocator's region/slot state and (b) per slot the
-// (namespace, page key, shard, length, checksum) of its object, both in a second small shm object
-// written when an object is published and cleared before its slot is freed; on restart the daemon
-// rebuilds its index from the records whose checksum verifies (never trusting a torn write) and
-// frees the rest. That is not implemented yet.
+// shm_name) it outlives the daemon, and a restarted daemon with the same geometry re-attaches the
+// same bytes. The allocator's state is not kept there: a slot journal (core/slot_journal.h, a
+// second small shm object) records per slot whose object it holds, and a restarted daemon hands
+// the slots whose records and bytes verify back to a fresh pool with Restore before it serves
+// (server/l2/l2_recovery.h). Free clears the slot's record (set_journal) before the slot can be
+// handed out again, so a record never outlives its object.
 //
 // Owners and region release. Whoever allocates a slot may say whose object it holds (SlotOwner:
 // namespace id, page key, shard). The pool stores that record with the slot and never reads it; it
@@ -117,6 +115,8 @@ struct SizeClassStats {
   uint64_t bytes_used = 0;  // slots_used * slot_bytes (slot capacity, not object bytes).
 };
 
+class SlotJournal;
+
 class HostPool {
  public:
   // Called with one chunk of the pool's memory; see ForEachChunk.
@@ -166,6 +166,17 @@ class HostPool {
 
   // True when `ref` names a slot of this pool that is currently allocated.
   bool Owns(SlotRef ref) const;
+
+  // Warm restart: marks `slots` allocated, with their owner records, in a pool nothing has been
+  // allocated from yet. Each slot's region is assigned to the slot's class. InvalidArgument when
+  // a slot names no slot of the pool, appears twice, or its region is named by two classes;
+  // FailedPrecondition when the pool is in use. Nothing changes on error.
+  absl::Status Restore(std::span<const OwnedSlot> slots);
+
+  // The journal whose record of a slot Free clears before the slot can be reused; nullptr: none.
+  // Set before the pool is shared between threads; the journal outlives the pool.
+  void set_journal(SlotJournal* journal) { journal_ = journal; }
+  SlotJournal* journal() const { return journal_; }
 
   // The slot's first byte. `ref` must be a live allocation of this pool (unchecked: hot path).
   uint8_t* Address(SlotRef ref) const {
@@ -270,6 +281,8 @@ class HostPool {
 
   // Takes a free region for class `c` and puts it on c's partial list. kNil when none is left.
   uint32_t TakeFreeRegion(SizeClass& sc, uint16_t c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(sc.mu);
+  // Gives region r (off the free list) to class `c`, empty, with arrays for its slots.
+  void AssignRegion(SizeClass& sc, uint16_t c, uint32_t r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(sc.mu);
   // Gives an empty region of class `sc` back to the free list.
   void ReturnRegion(SizeClass& sc, uint32_t r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(sc.mu);
   void PushPartial(SizeClass& sc, uint32_t r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(sc.mu);
@@ -296,6 +309,7 @@ class HostPool {
 
   std::unique_ptr<SizeClass[]> classes_;
   std::unique_ptr<Region[]> regions_;
+  SlotJournal* journal_ = nullptr;  // See set_journal.
 
   // Taken after a class mutex, never before one.
   mutable Mutex free_mu_;

@@ -641,5 +641,69 @@ TEST(HostPoolTest, HugePageSizeMustDivideRegions) {
   EXPECT_THAT(pool.status().message(), HasSubstr("with huge_pages=on"));
 }
 
+// Warm restart: slots handed back to a fresh pool are allocated (with their owners), their
+// regions belong to their classes, the rest of each region is free, and nothing else changed.
+TEST(HostPoolTest, RestoreMarksSlotsAllocatedInTheirRegions) {
+  absl::StatusOr<std::unique_ptr<HostPool>> pool =
+      HostPool::Create(SmallOptions(4, {64 * kKiB, 256 * kKiB}));
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  HostPool& p = **pool;
+  SlotOwner owner;
+  owner.ns = 7;
+  owner.shard = 3;
+  owner.key.bytes[0] = 0xab;
+  const std::vector<OwnedSlot> slots = {
+      {{0, 2, 5}, owner}, {{0, 2, 0}, owner}, {{1, 0, 3}, owner}};
+  ASSERT_TRUE(p.Restore(slots).ok());
+  for (const OwnedSlot& s : slots) EXPECT_TRUE(p.Owns(s.slot)) << s.slot.Packed();
+  EXPECT_EQ(SumUsed(p), 3u);
+  EXPECT_EQ(p.FreeRegions(), 2u);
+  std::vector<OwnedSlot> in_region;
+  ASSERT_TRUE(p.RegionSlots(2, 0, &in_region).ok());
+  ASSERT_EQ(in_region.size(), 2u);
+  EXPECT_EQ(in_region[0].owner.ns, 7u);
+  EXPECT_EQ(in_region[0].owner.shard, 3u);
+  // The free slots of region 2 serve class 0 before any free region does; none of them is a
+  // restored one.
+  absl::flat_hash_set<uint64_t> handed;
+  for (uint32_t i = 0; i < kRegion / (64 * kKiB) - 2; ++i) {
+    absl::StatusOr<SlotRef> s = p.AllocateInClass(0);
+    ASSERT_TRUE(s.ok());
+    EXPECT_EQ(s->region, 2u);
+    EXPECT_NE(s->index, 5u);
+    EXPECT_NE(s->index, 0u);
+    EXPECT_TRUE(handed.insert(s->Packed()).second);
+  }
+  EXPECT_EQ(p.FreeRegions(), 2u);
+  // Restored slots free like any other, and a region emptied goes back to the free list.
+  ASSERT_TRUE(p.Free({1, 0, 3}).ok());
+  EXPECT_EQ(p.FreeRegions(), 3u);
+  EXPECT_EQ(p.Restore(slots).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(HostPoolTest, RestoreRefusesWhatNoPoolCouldHoldAndChangesNothing) {
+  auto fresh = [] {
+    absl::StatusOr<std::unique_ptr<HostPool>> pool =
+        HostPool::Create(SmallOptions(4, {64 * kKiB, 256 * kKiB}));
+    EXPECT_TRUE(pool.ok());
+    return *std::move(pool);
+  };
+  std::unique_ptr<HostPool> p = fresh();
+  // Two classes in one region.
+  std::vector<OwnedSlot> two_classes = {{{0, 1, 0}, {}}, {{1, 1, 1}, {}}};
+  EXPECT_EQ(p->Restore(two_classes).code(), absl::StatusCode::kInvalidArgument);
+  // A slot twice.
+  std::vector<OwnedSlot> twice = {{{0, 1, 4}, {}}, {{0, 1, 4}, {}}};
+  EXPECT_EQ(p->Restore(twice).code(), absl::StatusCode::kInvalidArgument);
+  // Out of the geometry: class 1 has 4 slots per region.
+  std::vector<OwnedSlot> outside = {{{1, 0, 4}, {}}};
+  EXPECT_EQ(p->Restore(outside).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SumUsed(*p), 0u);
+  EXPECT_EQ(p->FreeRegions(), 4u);
+  // And the same pool still restores a good set.
+  EXPECT_TRUE(p->Restore(std::vector<OwnedSlot>{{{1, 3, 2}, {}}}).ok());
+  EXPECT_EQ(p->FreeRegions(), 3u);
+}
+
 }  // namespace
 }  // namespace kvcellar::core
