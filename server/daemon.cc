@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "core/host_pool.h"
+#include "core/slot_journal.h"
 #include "platform/host_memory.h"
 #include "platform/huge_pages.h"
 #include "platform/log.h"
@@ -141,6 +142,9 @@ void Daemon::CreateServices(MetricsRegistry& registry) {
   CacheOptions cache_options;
   cache_options.config = config_;
   cache_options.pool = pool_.get();
+  cache_options.journal = journal_.get();
+  cache_options.journal_attached = journal_attached_;
+  cache_options.cold_reason = cold_reason_;
   cache_options.devices = devices_;
   cache_options.l3 = l3_.get();
   cache_options.metrics = &registry;
@@ -262,7 +266,10 @@ DaemonInfo Daemon::Info() const {
     info.pool_huge_pages = pool_memory_->backing() != platform::HugePageBacking::kNone;
     info.pool_reattached = pool_memory_->reattached();
   }
-  if (cache_ != nullptr) cache_->FillInfo(&info);
+  if (cache_ != nullptr) {
+    cache_->FillInfo(&info);
+    info.l2_recovery = cache_->l2_recovery();
+  }
   if (device_ != nullptr) info.device_kind = std::string(device_->name());
   if (l3_ != nullptr) {
     const std::vector<L3ScanStats> recovery =
@@ -283,6 +290,8 @@ DaemonInfo Daemon::Info() const {
 absl::Status Daemon::CreateHostPool() {
   platform::HostMemoryOptions memory;
   memory.shm_name = config_.pool.shm_name;
+  // A pool of another capacity starts empty (AttachJournal says why) rather than not at all.
+  memory.recreate_on_size_change = true;
   switch (config_.pool.huge_pages) {
     case HugePages::kAuto: memory.huge_pages = platform::HugePages::kAuto; break;
     case HugePages::kOn: memory.huge_pages = platform::HugePages::kOn; break;
@@ -309,6 +318,9 @@ absl::Status Daemon::CreateHostPool() {
       core::HostPool::Create(options, pool_memory_->bytes());
   if (!pool.ok()) return pool_error(pool.status());
   pool_ = std::move(*pool);
+  if (!config_.pool.shm_name.empty()) {
+    if (absl::Status s = AttachJournal(); !s.ok()) return pool_error(s);
+  }
   KVLOG(Info, "host pool mapped",
         {{"capacity_bytes", pool_->capacity_bytes()},
          {"region_bytes", pool_->region_bytes()},
@@ -340,6 +352,54 @@ absl::Status Daemon::CreateHostPool() {
                    static_cast<double>(c.slots_used), labels);
     }
   });
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::AttachJournal() {
+  const core::SlotJournalGeometry geometry{pool_->capacity_bytes(), pool_->region_bytes(),
+                                           pool_->region_count(), pool_->slot_sizes()};
+  absl::StatusOr<uint64_t> bytes = core::SlotJournal::Bytes(geometry);
+  if (!bytes.ok()) return bytes.status();
+  platform::HostMemoryOptions memory;
+  // Whole base pages; never huge pages: it is small, and re-attached by size.
+  memory.bytes = (*bytes + 4095) / 4096 * 4096;
+  memory.huge_pages = platform::HugePages::kOff;
+  memory.shm_name = absl::StrCat(config_.pool.shm_name, ".journal");
+  memory.recreate_on_size_change = true;
+  absl::StatusOr<std::unique_ptr<platform::HostMemory>> mapped = platform::HostMemory::Map(memory);
+  if (!mapped.ok()) {
+    return absl::Status(mapped.status().code(),
+                        absl::StrCat("slot journal: ", mapped.status().message()));
+  }
+  journal_memory_ = *std::move(mapped);
+  const std::span<uint8_t> journal_bytes = journal_memory_->bytes();
+  if (!pool_memory_->reattached()) {
+    cold_reason_ =
+        pool_memory_->previous_bytes() != 0
+            ? absl::StrCat("pool.capacity changed: the pool's shm object had ",
+                           pool_memory_->previous_bytes(), " bytes, the pool now maps ",
+                           pool_memory_->size())
+            : "the pool's shm object was created (first start, or it was removed: a reboot "
+              "clears /dev/shm)";
+  } else if (!journal_memory_->reattached()) {
+    cold_reason_ = "the pool's journal was missing or of another size";
+  } else {
+    absl::StatusOr<std::unique_ptr<core::SlotJournal>> attached =
+        core::SlotJournal::Attach(geometry, journal_bytes);
+    if (attached.ok()) {
+      journal_ = *std::move(attached);
+      journal_attached_ = true;
+    } else {
+      cold_reason_ = std::string(attached.status().message());
+    }
+  }
+  if (journal_ == nullptr) {
+    absl::StatusOr<std::unique_ptr<core::SlotJournal>> formatted =
+        core::SlotJournal::Format(geometry, journal_bytes);
+    if (!formatted.ok()) return formatted.status();
+    journal_ = *std::move(formatted);
+  }
+  pool_->set_journal(journal_.get());
   return absl::OkStatus();
 }
 

@@ -80,6 +80,9 @@ class Daemon {
   void AddListener(ListenerInfo listener);
 
   absl::Status CreateHostPool();
+  // With pool.shm_name: maps the pool's slot journal beside it (core/slot_journal.h) and decides
+  // whether this start is warm (pool and journal re-attached, same geometry) or why not.
+  absl::Status AttachJournal();
   // The device backend of config device.kind, with the host pool registered with it; with a CUDA
   // primary and device.host_memory_engines, also a sim backend for host-memory engines.
   absl::Status CreateDeviceBackend();
@@ -88,6 +91,11 @@ class Daemon {
   // The pool's memory, mapped per pool.*; unmapped last, after everything that uses the pool.
   std::unique_ptr<platform::HostMemory> pool_memory_;
   std::unique_ptr<core::HostPool> pool_;  // Carves pool_memory_.
+  // The pool's journal and its memory (nullptr without pool.shm_name); outlive the pool's users.
+  std::unique_ptr<platform::HostMemory> journal_memory_;
+  std::unique_ptr<core::SlotJournal> journal_;
+  bool journal_attached_ = false;  // Warm start: recover L2 from journal_.
+  std::string cold_reason_;        // Otherwise, why L2 starts empty.
   std::unique_ptr<gpu::DeviceBackend> device_;  // Destroyed after the service, before the pool.
   std::vector<void*> registered_chunks_;        // Pool chunks registered with device_.
   // The sim backend serving DEVICE_KIND_SIM engines beside a CUDA device_, or nullptr. Destroyed

@@ -104,6 +104,22 @@ int Status(const Options& options, v1::AdminService::Stub& stub) {
   std::printf("config digest:  %s\n", reply.config_digest().c_str());
   std::printf("host pool:      %s used of %s\n", HumanBytes(reply.pool().used_bytes()).c_str(),
               HumanBytes(reply.pool().capacity_bytes()).c_str());
+  const v1::L2RecoveryStatus& l2 = reply.pool().recovery();
+  if (l2.warm()) {
+    std::printf(
+        "l2 start:       warm: %llu pages (%s) recovered in %.3f s; dropped in_flight=%llu "
+        "torn=%llu checksum=%llu mismatch=%llu orphan=%llu\n",
+        static_cast<unsigned long long>(l2.pages()), HumanBytes(l2.bytes()).c_str(), l2.seconds(),
+        static_cast<unsigned long long>(l2.dropped_in_flight()),
+        static_cast<unsigned long long>(l2.dropped_torn()),
+        static_cast<unsigned long long>(l2.dropped_checksum()),
+        static_cast<unsigned long long>(l2.dropped_mismatch()),
+        static_cast<unsigned long long>(l2.dropped_orphan()));
+  } else if (l2.enabled()) {
+    std::printf("l2 start:       cold (%s)\n", l2.cold_reason().c_str());
+  } else {
+    std::printf("l2 start:       cold (no pool.shm_name: L2 does not survive a restart)\n");
+  }
   std::printf("sessions:       %u\n", reply.sessions());
   if (!reply.l3_tiers().empty()) std::printf("l3 tiers:\n");
   for (const v1::L3TierStatus& t : reply.l3_tiers()) {

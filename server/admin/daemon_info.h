@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/time/time.h"
+#include "server/l2/l2_recovery.h"
 #include "server/l3/l3_recovery.h"
 
 namespace kvcellar::server {
@@ -45,6 +46,7 @@ struct DaemonInfo {
   uint64_t pool_in_flight_bytes = 0;
   bool pool_huge_pages = false;
   bool pool_reattached = false;
+  L2RecoveryStats l2_recovery;  // What this start recovered of L2 (Cache::l2_recovery).
   // CacheService: live sessions, distinct instances among them, namespaces known; the device
   // backend ("sim", "cuda", or "" when none).
   uint64_t sessions = 0;

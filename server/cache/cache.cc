@@ -1,7 +1,10 @@
 #include "server/cache/cache.h"
 
+#include <algorithm>
+#include <thread>
 #include <utility>
 
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "platform/log.h"
 #include "server/errors/cache_error.h"
@@ -44,6 +47,7 @@ Cache::Cache(CacheOptions options)
                          absl::Milliseconds(config_.storage.max_lookup_ms)}),
       admin_(&namespaces_, &sessions_, &pins_, &l2_, &metrics_, absl::Now()) {
   metrics_.SetL3Tiers(l3_->names());
+  StartL2(options);
   l2_.set_eviction_observer(&writer_);
   if (!l3_->empty()) {
     metrics_.AddCollector([this](MetricWriter& out) {
@@ -68,6 +72,33 @@ Cache::~Cache() {
   for (SessionRegistry::Removed& r : sessions_.TakeAll()) {
     EndSession(r.session, r.last_of_instance, absl::ZeroDuration(), "daemon shutdown");
   }
+}
+
+void Cache::StartL2(const CacheOptions& options) {
+  L2RecoveryStats& r = l2_recovery_;
+  if (options.journal != nullptr && options.journal_attached) {
+    const int threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+    r = RecoverL2(*options.pool, *options.journal, namespaces_, threads,
+                  [this](Namespace& ns) { recovery_.OnIndexed(ns); });
+    KVLOG(Info, "l2 recovered",
+          {{"warm", "true"},
+           {"namespaces", r.namespaces},
+           {"pages", r.pages},
+           {"objects", r.objects},
+           {"bytes", r.bytes},
+           {"dropped", r.dropped()},
+           {"dropped_in_flight", r.dropped_in_flight},
+           {"dropped_torn", r.dropped_torn},
+           {"dropped_checksum", r.dropped_checksum},
+           {"dropped_mismatch", r.dropped_mismatch},
+           {"dropped_orphan", r.dropped_orphan},
+           {"seconds", absl::StrFormat("%.3f", r.seconds)}});
+  } else {
+    r.enabled = options.journal != nullptr;
+    r.cold_reason = r.enabled ? options.cold_reason : "pool.shm_name is empty";
+    KVLOG(Info, "l2 started empty", {{"warm", "false"}, {"reason", r.cold_reason}});
+  }
+  metrics_.AddCollector([this](MetricWriter& out) { CollectL2Recovery(l2_recovery_, out); });
 }
 
 void Cache::AddCollectors() {

@@ -11,6 +11,7 @@
 //   L3Writer           L2 -> L3 writes under the write policies          l3/l3_writer.h
 //   L3Prefetcher       L3 -> L2 prefetch ops                             l3/l3_prefetcher.h
 //   L3Recovery         file tiers' startup scans back into the index     l3/l3_recovery.h
+//   L2 recovery        a re-attached pool's journal back into the index  l2/l2_recovery.h
 //   DeviceMover        Load and Backup as batched device ops             datapath/device_mover.h
 //   Matcher            group-consistent lookups and the step memo        datapath/matcher.h
 //   CacheAdmin         AdminService listings, stats, Evict and Clear     admin/cache_admin.h
@@ -43,6 +44,7 @@
 #include "server/cache/housekeeper.h"
 #include "server/l2/l2_space.h"
 #include "server/l3/l3_prefetcher.h"
+#include "server/l2/l2_recovery.h"
 #include "server/l3/l3_recovery.h"
 #include "server/l3/l3_tiers.h"
 #include "server/l3/l3_writer.h"
@@ -66,6 +68,12 @@ struct CacheOptions {
   MetricsRegistry* metrics = nullptr;
   // The L3 tiers; nullptr or empty: none. Outlives the cache.
   L3Tiers* l3 = nullptr;
+  // Warm restart (l2/l2_recovery.h): the pool's slot journal, nullptr without pool.shm_name.
+  // When `journal_attached`, the pool and journal survived from an earlier daemon and the cache
+  // rebuilds L2 from them before serving; otherwise `cold_reason` says why L2 starts empty.
+  core::SlotJournal* journal = nullptr;
+  bool journal_attached = false;
+  std::string cold_reason;
   // How often the housekeeper runs. Pin and session leases lapse at most this late.
   absl::Duration housekeeping_interval = absl::Milliseconds(20);
 };
@@ -141,6 +149,8 @@ class Cache {
   L3Writer& l3_writer() { return writer_; }
   L3Prefetcher& l3_prefetcher() { return prefetcher_; }
   L3Recovery& l3_recovery() { return recovery_; }
+  // What this start recovered of L2 (immutable after construction).
+  const L2RecoveryStats& l2_recovery() const { return l2_recovery_; }
   DeviceMover& mover() { return mover_; }
   Matcher& matcher() { return matcher_; }
   // The AdminService's view of the cache (listings, statistics, Evict, Clear).
@@ -148,6 +158,8 @@ class Cache {
 
  private:
   void AddCollectors();
+  // Recovers L2 from the journal, or says why it starts empty (l2_recovery_), before serving.
+  void StartL2(const CacheOptions& options);
 
   const Config config_;
   const CacheLimits limits_;
@@ -169,6 +181,7 @@ class Cache {
   L3Writer writer_;
   L3Prefetcher prefetcher_;
   L3Recovery recovery_;
+  L2RecoveryStats l2_recovery_;
   DeviceMover mover_;
   Matcher matcher_;
   CacheAdmin admin_;

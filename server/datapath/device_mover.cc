@@ -131,6 +131,7 @@ class BackupCompletion final : public OpCompletion {
   std::shared_ptr<Session> session;
   uint64_t op_id = 0;
   std::vector<core::ObjectId> objects;  // In flight in the index, one per PENDING page.
+  std::vector<core::SlotRef> slots;     // Each object's slot.
   std::vector<uint32_t> object_page;    // Each object's page (flat index).
   std::vector<uint32_t> blocks;         // Blocks the copy reads.
   uint32_t ready_timeout_ms = 0;
@@ -146,7 +147,10 @@ class BackupCompletion final : public OpCompletion {
     core::RadixIndex* index = session->info().ns->index();
     OpOutcome out;
     if (device.ok()) {
-      // Every byte has landed: the pages become visible (once their group is complete).
+      // Every byte has landed: recorded for a warm restart, then visible (once their group is
+      // complete).
+      const Namespace& ns = *session->info().ns;
+      for (core::SlotRef slot : slots) l2->JournalCommitted(ns, slot);
       std::vector<absl::Status> committed(objects.size());
       index->Commit(objects, absl::MakeSpan(committed));
       std::vector<core::ObjectId> stored;
@@ -378,6 +382,7 @@ struct DeviceMover::BackupBatch {
   bool protected_pages = false;  // Whether eviction protection is pinned under the op id.
 
   std::vector<core::ObjectId> objects;  // Being copied, in flight in the index.
+  std::vector<core::SlotRef> object_slots;  // The slot of each object.
   std::vector<uint32_t> object_page;    // The page of each object.
   std::vector<gpu::CopyItem> items;     // The copies: device block -> L2 slot.
   std::vector<uint32_t> used_blocks;
@@ -410,6 +415,7 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Backup(
   completion->session = session;
   completion->op_id = batch.record->id;
   completion->objects = std::move(batch.objects);
+  completion->slots = std::move(batch.object_slots);
   completion->object_page = std::move(batch.object_page);
   completion->blocks = std::move(batch.used_blocks);
   completion->ready_timeout_ms = batch.ready_timeout_ms;
@@ -510,6 +516,7 @@ void DeviceMover::SettlePages(BackupBatch& batch, absl::Span<const absl::Status>
   core::HostPool* pool = l2_->pool();
   std::vector<core::ObjectId> to_abort;
   batch.objects.reserve(batch.requests.size());
+  batch.object_slots.reserve(batch.requests.size());
   batch.object_page.reserve(batch.requests.size());
   batch.items.reserve(batch.requests.size());
   batch.used_blocks.reserve(batch.requests.size());
@@ -539,7 +546,9 @@ void DeviceMover::SettlePages(BackupBatch& batch, absl::Span<const absl::Status>
       if (begun[r].ok()) {
         status = v1::PAGE_STATUS_PENDING;
         batch.objects.push_back({keys[p], info.shard});
+        batch.object_slots.push_back(batch.requests[r].slot);
         batch.object_page.push_back(p);
+        l2_->JournalWriting(batch.ns, batch.requests[r]);
         batch.items.push_back({batch.blocks[p], pool->Address(batch.requests[r].slot)});
         batch.used_blocks.push_back(batch.blocks[p]);
         continue;

@@ -1,7 +1,10 @@
 #include "server/l2/l2_space.h"
+
 #include <utility>
 #include <vector>
 
+#include "core/crc32c.h"
+#include "core/slot_journal.h"
 #include "platform/log.h"
 
 namespace kvcellar::server {
@@ -61,6 +64,19 @@ absl::StatusOr<core::SlotRef> L2Space::Allocate(Namespace& ns, const core::PageK
     if (released.ok()) return released;
   }
   return slot;
+}
+
+void L2Space::JournalWriting(const Namespace& ns, const core::WriteRequest& w) {
+  if (core::SlotJournal* journal = pool_->journal(); journal != nullptr) {
+    journal->MarkWriting(w.slot, ns.id(), ns.geometry_epoch(), w.shard, w.key, w.parent);
+  }
+}
+
+void L2Space::JournalCommitted(const Namespace& ns, core::SlotRef slot) {
+  if (core::SlotJournal* journal = pool_->journal(); journal != nullptr) {
+    const uint64_t length = ns.object_bytes();
+    journal->MarkCommitted(slot, length, core::Crc32c(pool_->Address(slot), length));
+  }
 }
 
 void L2Space::Free(core::SlotRef slot) {

@@ -89,6 +89,13 @@ class L2Space {
   }
 
   void Free(core::SlotRef slot);
+
+  // Warm restart records (core/slot_journal.h, through the pool's journal); no-ops without one.
+  // A write into the slot of `w` began (after the index accepted it).
+  void JournalWriting(const Namespace& ns, const core::WriteRequest& w);
+  // Every byte of the object in `slot` has landed: its CRC-32C, then COMMITTED. Called before
+  // the index commits the object, so a recorded page is one whose bytes were whole.
+  void JournalCommitted(const Namespace& ns, core::SlotRef slot);
   // Frees every valid slot of `released`.
   void FreeReleased(absl::Span<const core::ReleasedObject> released);
 

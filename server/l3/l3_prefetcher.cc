@@ -331,8 +331,10 @@ v1::PageStatus L3Prefetcher::BeginPage(Plan& plan, const core::PageKey& key,
       failed = v1::PAGE_STATUS_NO_SPACE;
       break;
     }
-    absl::Status b = plan.index->BeginWrite(
-        {key, parent, static_cast<uint16_t>(s), *slot, core::WriteKind::kPrefetch});
+    const core::WriteRequest write{key, parent, static_cast<uint16_t>(s), *slot,
+                                   core::WriteKind::kPrefetch};
+    absl::Status b = plan.index->BeginWrite(write);
+    if (b.ok()) l2_->JournalWriting(plan.ns, write);
     if (!b.ok()) {
       l2_->Free(*slot);
       failed = b.code() == absl::StatusCode::kFailedPrecondition
@@ -450,7 +452,10 @@ void L3Prefetcher::Land(Fetch& fetch) {
       if (!page.slots[s].valid()) continue;
       (page.result == v1::PAGE_STATUS_OK ? commit : abort).push_back({page.key,
                                                                      static_cast<uint16_t>(s)});
-      if (page.result == v1::PAGE_STATUS_OK) landed_bytes += ns.object_bytes();
+      if (page.result == v1::PAGE_STATUS_OK) {
+        landed_bytes += ns.object_bytes();
+        l2_->JournalCommitted(ns, page.slots[s]);  // Checked already; recorded before visible.
+      }
       if (page.result == v1::PAGE_STATUS_MISS || page.result == v1::PAGE_STATUS_CHECKSUM_ERROR) {
         gone.push_back({page.key, std::nullopt, static_cast<uint16_t>(s),
                         static_cast<uint8_t>(page.tier), false});

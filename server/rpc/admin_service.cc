@@ -114,7 +114,22 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetStatus(grpc::CallbackServerContex
   pool->set_in_flight_bytes(info.pool_in_flight_bytes);
   pool->set_huge_pages(info.pool_huge_pages);
   pool->set_shm_name(config_.pool.shm_name);
-  pool->set_warm_restarted(info.pool_reattached);
+  const L2RecoveryStats& l2 = info.l2_recovery;
+  pool->set_warm_restarted(l2.warm);
+  v1::L2RecoveryStatus* recovery = pool->mutable_recovery();
+  recovery->set_enabled(l2.enabled);
+  recovery->set_warm(l2.warm);
+  recovery->set_cold_reason(l2.cold_reason);
+  recovery->set_namespaces(l2.namespaces);
+  recovery->set_pages(l2.pages);
+  recovery->set_objects(l2.objects);
+  recovery->set_bytes(l2.bytes);
+  recovery->set_dropped_in_flight(l2.dropped_in_flight);
+  recovery->set_dropped_torn(l2.dropped_torn);
+  recovery->set_dropped_checksum(l2.dropped_checksum);
+  recovery->set_dropped_mismatch(l2.dropped_mismatch);
+  recovery->set_dropped_orphan(l2.dropped_orphan);
+  recovery->set_seconds(l2.seconds);
   response->set_device_kind(info.device_kind == "sim"    ? v1::DEVICE_KIND_SIM
                             : info.device_kind == "cuda" ? v1::DEVICE_KIND_CUDA
                                                          : v1::DEVICE_KIND_UNSPECIFIED);

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "core/slot_journal.h"
 #include "platform/log.h"
 #include "server/errors/cache_error.h"
 
@@ -18,14 +19,16 @@ absl::Status GroupMismatch(absl::string_view field, absl::string_view message) {
 }  // namespace
 
 Namespace::Namespace(core::NamespaceSpec spec, core::HostPool* pool,
-                     core::EvictionPolicyKind policy, int l3_tiers, uint32_t id)
+                     core::EvictionPolicyKind policy, int l3_tiers, uint32_t id,
+                     core::SlotJournal* journal)
     : spec_(std::move(spec)),
       digest_(spec_.Digest()),
       shards_(static_cast<int>(spec_.ShardsPerPage())),
       pool_(pool),
       policy_(policy),
       l3_tiers_(l3_tiers),
-      id_(id) {}
+      id_(id),
+      journal_(journal) {}
 
 Namespace::~Namespace() = default;
 
@@ -75,7 +78,6 @@ absl::Status Namespace::CheckGeometry(const core::KvLayout& layout) const {
 
 absl::Status Namespace::AdoptLayout(const core::KvLayout& layout) {
   absl::MutexLock lock(&mu_);
-  core::RadixIndex* const index = index_.load(std::memory_order_acquire);
   absl::Status mismatch;
   if (has_geometry_) {
     mismatch = CheckGeometry(layout);
@@ -84,10 +86,44 @@ absl::Status Namespace::AdoptLayout(const core::KvLayout& layout) {
       return mismatch;
     }
     // Another geometry: refused while a session or a page holds the current one.
-    if (holders_ > 0 || !index->Empty()) return mismatch;
+    if (holders_ > 0 || !index_.load(std::memory_order_acquire)->Empty()) return mismatch;
   }
+  Geometry g;
+  g.layers = static_cast<uint32_t>(layout.layers.size());
+  for (const core::LayerLayout& l : layout.layers) {
+    g.buffer_bytes.emplace_back(l.k.bytes_per_block, l.v.has_value() ? l.v->bytes_per_block : 0);
+  }
+  if (absl::Status s = FixGeometryLocked(std::move(g)); !s.ok()) {
+    // An index that gained a page since Empty() (e.g. an L3 prefetch of a scheduler's Match)
+    // keeps the geometry it has: the caller gets the mismatch.
+    return s.code() == absl::StatusCode::kAborted ? mismatch : s;
+  }
+  ++holders_;
+  if (journal_ != nullptr) {
+    if (absl::Status s = journal_->AppendGeometry(id_, geometry_epoch(), geometry_.buffer_bytes);
+        !s.ok()) {
+      KVLOG(Warn, "namespace geometry not journaled", {{"error", s.ToString()}});
+    }
+  }
+  return absl::OkStatus();
+}
 
-  const uint64_t object_bytes = layout.PageObjectBytes();
+absl::Status Namespace::RestoreGeometry(
+    const std::vector<std::pair<uint64_t, uint64_t>>& buffer_bytes, uint16_t geometry_epoch) {
+  absl::MutexLock lock(&mu_);
+  if (has_geometry_) return absl::FailedPreconditionError("namespace geometry already fixed");
+  Geometry g;
+  g.layers = static_cast<uint32_t>(buffer_bytes.size());
+  g.buffer_bytes = buffer_bytes;
+  absl::Status s = FixGeometryLocked(std::move(g));
+  if (s.ok()) geometry_epoch_.store(geometry_epoch, std::memory_order_release);
+  return s;
+}
+
+absl::Status Namespace::FixGeometryLocked(Geometry g) {
+  core::RadixIndex* const index = index_.load(std::memory_order_acquire);
+  uint64_t object_bytes = 0;
+  for (const auto& [k, v] : g.buffer_bytes) object_bytes += k + v;
   absl::StatusOr<uint16_t> size_class = pool_->ClassFor(object_bytes);
   if (!size_class.ok()) {
     return InvalidField(
@@ -97,8 +133,10 @@ absl::Status Namespace::AdoptLayout(const core::KvLayout& layout) {
   const uint64_t slot_bytes = pool_->slot_sizes()[*size_class];
   if (index != nullptr) {
     // Accounting in slot bytes, as at creation. Fails (and the geometry stays) if a page
-    // arrived since Empty(), e.g. an L3 prefetch of a scheduler's Match.
-    if (!index->ResetObjectBytes(slot_bytes).ok()) return mismatch;
+    // arrived since Empty().
+    if (!index->ResetObjectBytes(slot_bytes).ok()) {
+      return absl::AbortedError("a page arrived before the geometry could be fixed anew");
+    }
   } else {
     core::RadixIndexOptions options;
     options.shards_per_page = shards_;
@@ -113,16 +151,12 @@ absl::Status Namespace::AdoptLayout(const core::KvLayout& layout) {
   }
 
   const bool refixed = has_geometry_;
-  Geometry g;
-  g.layers = static_cast<uint32_t>(layout.layers.size());
-  for (const core::LayerLayout& l : layout.layers) {
-    g.buffer_bytes.emplace_back(l.k.bytes_per_block, l.v.has_value() ? l.v->bytes_per_block : 0);
-  }
   geometry_ = std::move(g);
   has_geometry_ = true;
-  ++holders_;
   object_bytes_.store(object_bytes, std::memory_order_release);
   slot_bytes_.store(slot_bytes, std::memory_order_release);
+  geometry_epoch_.store(static_cast<uint16_t>(geometry_epoch_.load(std::memory_order_relaxed) + 1),
+                        std::memory_order_release);
   index_.store(owned_index_.get(), std::memory_order_release);
   KVLOG(Info, refixed ? "namespace geometry fixed anew" : "namespace geometry fixed",
         {{"ns_digest", digest_.Hex().substr(0, 16)},
@@ -144,13 +178,29 @@ NamespaceRegistry::NamespaceRegistry(core::HostPool* pool, core::EvictionPolicyK
     : pool_(pool), policy_(policy), l3_tiers_(l3_tiers) {}
 
 std::shared_ptr<Namespace> NamespaceRegistry::GetOrCreate(const core::NamespaceSpec& spec) {
+  return Create(spec, /*journal=*/true);
+}
+
+std::shared_ptr<Namespace> NamespaceRegistry::Recreate(const core::NamespaceSpec& spec) {
+  return Create(spec, /*journal=*/false);
+}
+
+std::shared_ptr<Namespace> NamespaceRegistry::Create(const core::NamespaceSpec& spec,
+                                                     bool journal_it) {
   const core::PageKey digest = spec.Digest();
   absl::MutexLock lock(&mu_);
   auto [it, inserted] = by_digest_.try_emplace(digest);
   if (inserted) {
-    it->second = std::make_shared<Namespace>(spec, pool_, policy_, l3_tiers_,
-                                             static_cast<uint32_t>(by_id_.size() + 1));
+    const uint32_t id = static_cast<uint32_t>(by_id_.size() + 1);
+    core::SlotJournal* journal = pool_->journal();
+    it->second = std::make_shared<Namespace>(spec, pool_, policy_, l3_tiers_, id, journal);
     by_id_.push_back(it->second);
+    // Logged before any page of it can be: a restarted daemon recreates it under the same id.
+    if (journal != nullptr && journal_it) {
+      if (absl::Status s = journal->AppendNamespace(id, spec); !s.ok()) {
+        KVLOG(Warn, "namespace not journaled", {{"error", s.ToString()}});
+      }
+    }
     KVLOG(Info, "namespace created",
           {{"ns_digest", digest.Hex().substr(0, 16)},
            {"tenant", spec.tenant},

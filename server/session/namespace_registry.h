@@ -41,6 +41,7 @@
 #include "core/namespace_spec.h"
 #include "core/page_key.h"
 #include "core/radix_index.h"
+#include "core/slot_journal.h"
 #include "server/session/namespace_counters.h"
 
 namespace kvcellar::server {
@@ -49,8 +50,9 @@ class Namespace {
  public:
   // `l3_tiers`: how many L3 tiers the daemon has (the index keeps a bit per tier). `id`: the
   // registry's number for it (see id()).
+  // `journal` (nullable, outlives it): where a fixed geometry is logged for a warm restart.
   Namespace(core::NamespaceSpec spec, core::HostPool* pool, core::EvictionPolicyKind policy,
-            int l3_tiers = 0, uint32_t id = 0);
+            int l3_tiers = 0, uint32_t id = 0, core::SlotJournal* journal = nullptr);
   ~Namespace();
   Namespace(const Namespace&) = delete;
   Namespace& operator=(const Namespace&) = delete;
@@ -86,6 +88,15 @@ class Namespace {
   absl::Status AdoptLayout(const core::KvLayout& layout);
   // A session that adopted the layout ended (or its registration failed after adopting).
   void ReleaseLayout();
+  // Warm restart (server/l2/l2_recovery.h): fixes the geometry a previous daemon logged, per
+  // layer (K or latent bytes per block, V bytes), with no session holding it; the recovered
+  // pages then hold it as pages do. FailedPrecondition when a geometry is fixed already;
+  // INVALID_ARGUMENT when the object no longer fits a slot.
+  absl::Status RestoreGeometry(const std::vector<std::pair<uint64_t, uint64_t>>& buffer_bytes,
+                               uint16_t geometry_epoch);
+  // How many times the geometry was fixed (1 for the first; core/slot_journal.h: a record of
+  // another epoch is of another geometry), modulo 2^16.
+  uint16_t geometry_epoch() const { return geometry_epoch_.load(std::memory_order_acquire); }
 
   // Lookups, hits and churn of this namespace since daemon start.
   NamespaceCounters& counters() const { return counters_; }
@@ -98,6 +109,9 @@ class Namespace {
   };
   // OK when `layout` has the current geometry; else GROUP_MISMATCH naming the field.
   absl::Status CheckGeometry(const core::KvLayout& layout) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Makes `g` the geometry: creates the index, or resets an empty one's object size (Aborted
+  // when a page arrived meanwhile). Nothing changes on error.
+  absl::Status FixGeometryLocked(Geometry g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const core::NamespaceSpec spec_;
   const core::PageKey digest_;
@@ -106,6 +120,7 @@ class Namespace {
   const core::EvictionPolicyKind policy_;
   const int l3_tiers_;
   const uint32_t id_;
+  core::SlotJournal* const journal_;
 
   absl::Mutex mu_;
   bool has_geometry_ ABSL_GUARDED_BY(mu_) = false;
@@ -116,6 +131,7 @@ class Namespace {
   std::atomic<core::RadixIndex*> index_{nullptr};
   std::atomic<uint64_t> object_bytes_{0};
   std::atomic<uint64_t> slot_bytes_{0};
+  std::atomic<uint16_t> geometry_epoch_{0};
   mutable NamespaceCounters counters_;
 };
 
@@ -126,6 +142,9 @@ class NamespaceRegistry {
 
   // The namespace of `spec` (which passed Validate()), created on first use.
   std::shared_ptr<Namespace> GetOrCreate(const core::NamespaceSpec& spec) ABSL_LOCKS_EXCLUDED(mu_);
+  // Warm restart: the same, for a namespace the pool's journal logged already (so it is not
+  // logged again). Recreated in log order on an empty registry, each gets its old id.
+  std::shared_ptr<Namespace> Recreate(const core::NamespaceSpec& spec) ABSL_LOCKS_EXCLUDED(mu_);
   // Every namespace, in the order they were created (namespaces are never removed, so a prefix
   // of this list never changes: per-namespace metric series rely on it).
   std::vector<std::shared_ptr<Namespace>> Snapshot() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -134,6 +153,9 @@ class NamespaceRegistry {
   size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  std::shared_ptr<Namespace> Create(const core::NamespaceSpec& spec, bool journal)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   core::HostPool* const pool_;
   const core::EvictionPolicyKind policy_;
   const int l3_tiers_;
