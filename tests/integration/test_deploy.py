@@ -50,3 +50,19 @@ def test_systemd_unit_verifies(tmp_path):
     # The check is real: a unit whose binary is missing fails it.
     unit.write_text(text.replace("/usr/local/bin/kvcellard", str(tmp_path / "missing")))
     assert run(["systemd-analyze", "verify", str(unit)]).returncode != 0
+
+
+def test_systemd_unit_keeps_the_warm_restart_pool():
+    """The pool and its journal (pool.shm_name, docs/restart.md) are shm objects of the service's
+    user: the unit must not let systemd remove them when the service stops or crashes, and must
+    not hide the host's /dev/shm from the daemon."""
+    keys = {}
+    for line in open(UNIT):
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            k, v = line.split("=", 1)
+            keys[k] = v
+    assert keys.get("RemoveIPC") == "no", keys
+    assert keys.get("DynamicUser", "no") == "no"  # DynamicUser implies RemoveIPC=yes.
+    assert keys.get("PrivateIPC", "no") == "no" and keys.get("PrivateDevices", "no") == "no"
+
