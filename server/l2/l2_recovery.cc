@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "core/crc32c.h"
 #include "core/radix_index.h"
@@ -114,13 +115,17 @@ void Add(L2RecoveryStats& to, const L2RecoveryStats& from) {
 void IndexNamespace(Namespace& ns, std::vector<const Kept*>& objects, core::HostPool& pool,
                     L2RecoveryStats& stats) {
   core::RadixIndex& index = *ns.index();
+  // Most pages have one shard and one child: inline, so that a million pages do not cost two
+  // million heap allocations.
   struct Page {
     std::optional<core::PageKey> parent;
-    std::vector<const Kept*> shards;
+    absl::InlinedVector<const Kept*, 1> shards;
     bool queued = false;
   };
   absl::flat_hash_map<core::PageKey, Page> pages;
-  absl::flat_hash_map<core::PageKey, std::vector<core::PageKey>> children;
+  absl::flat_hash_map<core::PageKey, absl::InlinedVector<core::PageKey, 1>> children;
+  pages.reserve(objects.size());
+  children.reserve(objects.size());
   for (const Kept* k : objects) {
     Page& p = pages[k->slot.owner.key];
     if (p.shards.empty()) {

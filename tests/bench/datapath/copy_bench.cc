@@ -12,6 +12,14 @@
 // (untimed), so timed Backups run in the steady state where each one evicts as much as it adds.
 // Load reads back one batch backed up before the loop, after a few untimed Loads (the first one
 // verified byte for byte against the pattern the blocks were filled with).
+//
+// BM_BackupJournal: what recording pages for a warm restart costs Backup (core/slot_journal.h:
+// a record per slot, and the CRC-32C of every page at commit). A second kvcellard with
+// pool.shm_name (so with a journal) runs beside the benchmark's daemon (no journal); each
+// iteration times one Backup on each, in alternating order, after both pools were filled past
+// capacity. ratio = journal GB/s / plain GB/s.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -20,6 +28,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "benchmark/benchmark.h"
+#include "platform/host_memory.h"
 #include "tests/bench/datapath/benchmarks.h"
 
 namespace kvcellar::bench {
@@ -102,32 +111,72 @@ std::string OpError(const client::OpResult& r, uint32_t want) {
   return out;
 }
 
-void RunCopy(benchmark::State& state, DatapathEnv* env, Summary* summary, const BenchConfig& config,
-             bool load) {
-  const uint64_t kib = state.range(0);
-  const uint32_t layers = static_cast<uint32_t>(state.range(1));
-  CopyCase c;
-  c.items = static_cast<uint32_t>(std::max<uint64_t>(1, config.batch_bytes / (kib << 10)));
+// A registered engine whose page objects are `kib` KiB over `layers` layers, with blocks for one
+// op's pages to read (src) and as many to write (dst).
+absl::Status SetUpCase(DatapathEnv* env, const BenchConfig& config, uint64_t kib, uint32_t layers,
+                       CopyCase* c) {
+  c->items = static_cast<uint32_t>(std::max<uint64_t>(1, config.batch_bytes / (kib << 10)));
   EngineSpec spec;
   // One namespace per geometry: a namespace's page object size is fixed.
   spec.model = absl::StrCat("bench-copy-", kib, "k-", layers, "l");
   spec.opaque_keys = true;
   spec.layers = layers;
   spec.bytes_per_block = std::max<uint64_t>(64, (kib << 10) / (2 * layers) / 64 * 64);
-  spec.blocks = 2 * c.items;
+  spec.blocks = 2 * c->items;
   absl::StatusOr<SimEngineRank> rank = env->RegisterEngine(spec);
-  if (!rank.ok()) {
-    state.SkipWithError(rank.status().ToString().c_str());
+  if (!rank.ok()) return rank.status();
+  c->rank = *std::move(rank);
+  client::SimEngine& sim = *c->rank.sim;
+  c->object = sim.page_bytes();
+  c->src = BlockRange(0, c->items);
+  c->dst = BlockRange(c->items, c->items);
+  c->host.assign(c->items * c->object, 1);  // Faults the host pages in.
+  for (uint32_t b = 0; b < sim.num_blocks(); ++b) sim.ClearBlock(b, 2);
+  return absl::OkStatus();
+}
+
+struct Warmup {
+  // The slowest untimed Backup: the first ones of a new object size take regions from other
+  // size classes (evicting their objects), which the steady state does not show.
+  absl::Duration max;
+  int no_space = 0;  // Warm-up Backups that found no slot (NO_SPACE) and were retried.
+};
+
+// Fills the pool past its capacity with fresh keys, so every timed Backup evicts as much as it
+// stores. The first Backups of a new object size may find no slot: the pool is full of the
+// previous case's size class, and evicting a region's worth of its objects (in policy order)
+// frees slots spread over many regions rather than a whole region this class could take. Each
+// retry evicts more; the count is reported (warmup_no_space) as a finding, not hidden.
+absl::Status FillPastCapacity(DatapathEnv* env, CopyCase& c, Warmup* warmup) {
+  const uint64_t warm = env->options().pool_bytes / (c.items * c.object) + 2;
+  for (uint64_t i = 0; i < warm; ++i) {
+    std::vector<core::PageKey> keys(c.items);
+    for (core::PageKey& k : keys) k = env->NextKey();
+    const absl::Time t0 = absl::Now();
+    client::OpResult r = Backup(c, keys);
+    warmup->max = std::max(warmup->max, absl::Now() - t0);
+    if (r.usable_pages(0) != c.items && HasNoSpace(r) && warmup->no_space < kMaxNoSpaceRetries) {
+      ++warmup->no_space;
+      --i;
+      continue;
+    }
+    if (r.usable_pages(0) != c.items) {
+      return absl::InternalError(absl::StrCat("warm-up backup: ", OpError(r, c.items)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void RunCopy(benchmark::State& state, DatapathEnv* env, Summary* summary, const BenchConfig& config,
+             bool load) {
+  const uint64_t kib = state.range(0);
+  const uint32_t layers = static_cast<uint32_t>(state.range(1));
+  CopyCase c;
+  if (absl::Status s = SetUpCase(env, config, kib, layers, &c); !s.ok()) {
+    state.SkipWithError(s.ToString().c_str());
     return;
   }
-  c.rank = *std::move(rank);
   client::SimEngine& sim = *c.rank.sim;
-  c.object = sim.page_bytes();
-  c.src = BlockRange(0, c.items);
-  c.dst = BlockRange(c.items, c.items);
-  c.host.assign(c.items * c.object, 1);  // Faults the host pages in.
-  for (uint32_t b = 0; b < sim.num_blocks(); ++b) sim.ClearBlock(b, 2);
-
   auto fresh_keys = [&] {
     std::vector<core::PageKey> keys(c.items);
     for (core::PageKey& k : keys) k = env->NextKey();
@@ -135,37 +184,16 @@ void RunCopy(benchmark::State& state, DatapathEnv* env, Summary* summary, const 
   };
   const std::vector<core::PageKey> load_keys = fresh_keys();
   for (uint32_t i = 0; i < c.items; ++i) sim.FillBlock(c.src[i], kSeed, load_keys[i], 0);
-  // The slowest untimed Backup: the first ones of a new object size take regions from other size
-  // classes (evicting their objects), which the steady state does not show.
-  absl::Duration warmup_max;
-  int no_space = 0;  // Warm-up Backups that found no slot (NO_SPACE) and were retried.
+  Warmup warmup;
   if (load) {
     client::OpResult r = Backup(c, load_keys);
     if (r.usable_pages(0) != c.items) {
       state.SkipWithError(absl::StrCat("setup backup: ", OpError(r, c.items)).c_str());
       return;
     }
-  } else {
-    // Fill the pool past its capacity so every timed Backup evicts as much as it stores. The
-    // first Backups of a new object size may find no slot: the pool is full of the previous
-    // case's size class, and evicting a region's worth of its objects (in policy order) frees
-    // slots spread over many regions rather than a whole region this class could take. Each
-    // retry evicts more; the count is reported (warmup_no_space) as a finding, not hidden.
-    const uint64_t warm = env->options().pool_bytes / (c.items * c.object) + 2;
-    for (uint64_t i = 0; i < warm; ++i) {
-      const absl::Time t0 = absl::Now();
-      client::OpResult r = Backup(c, fresh_keys());
-      warmup_max = std::max(warmup_max, absl::Now() - t0);
-      if (r.usable_pages(0) != c.items && HasNoSpace(r) && no_space < kMaxNoSpaceRetries) {
-        ++no_space;
-        --i;
-        continue;
-      }
-      if (r.usable_pages(0) != c.items) {
-        state.SkipWithError(absl::StrCat("warm-up backup: ", OpError(r, c.items)).c_str());
-        return;
-      }
-    }
+  } else if (absl::Status s = FillPastCapacity(env, c, &warmup); !s.ok()) {
+    state.SkipWithError(s.ToString().c_str());
+    return;
   }
 
   if (load) {
@@ -217,12 +245,80 @@ void RunCopy(benchmark::State& state, DatapathEnv* env, Summary* summary, const 
   state.counters["memcpy_GBps"] = memcpy_gbps;
   state.counters["ratio"] = kv_gbps / memcpy_gbps;
   if (!load) {
-    state.counters["warmup_max_ms"] = absl::ToDoubleMilliseconds(warmup_max);
-    state.counters["warmup_no_space"] = no_space;
+    state.counters["warmup_max_ms"] = absl::ToDoubleMilliseconds(warmup.max);
+    state.counters["warmup_no_space"] = warmup.no_space;
   }
   summary->AddCopy(absl::StrCat(load ? "Load" : "Backup", " ", kib, " KiB x ", layers, " layers, ",
                                 c.items, " pages/op"),
                    kv_gbps, memcpy_gbps);
+}
+
+void RunBackupJournal(benchmark::State& state, DatapathEnv* env, Summary* summary,
+                      const BenchConfig& config) {
+  const uint64_t kib = state.range(0);
+  const uint32_t layers = static_cast<uint32_t>(state.range(1));
+  // The second daemon: the same options, its pool a named shm object with a slot journal.
+  const std::string shm = absl::StrCat("kvc-bench-journal-", getpid());
+  EnvOptions options = env->options();
+  options.extra_sets.push_back(absl::StrCat("pool.shm_name=", shm));
+  absl::StatusOr<std::unique_ptr<DatapathEnv>> journal_env = DatapathEnv::Start(options);
+  if (!journal_env.ok()) {
+    state.SkipWithError(journal_env.status().ToString().c_str());
+    return;
+  }
+  struct Side {
+    DatapathEnv* env;
+    CopyCase c;
+    absl::Duration time;
+  };
+  Side sides[2] = {{env, {}, {}}, {journal_env->get(), {}, {}}};
+  absl::Status failed;
+  for (Side& side : sides) {
+    Warmup warmup;
+    failed = SetUpCase(side.env, config, kib, layers, &side.c);
+    if (failed.ok()) failed = FillPastCapacity(side.env, side.c, &warmup);
+    if (!failed.ok()) break;
+  }
+  int64_t op = 0;
+  for (auto _ : state) {
+    if (!failed.ok()) break;
+    const absl::Time start = absl::Now();
+    for (int k = 0; k < 2; ++k) {
+      Side& side = sides[(op + k) % 2];  // Alternating which goes first.
+      std::vector<core::PageKey> keys(side.c.items);
+      for (core::PageKey& key : keys) key = side.env->NextKey();
+      const absl::Time t0 = absl::Now();
+      client::OpResult r = Backup(side.c, keys);
+      side.time += absl::Now() - t0;
+      if (r.usable_pages(0) != side.c.items) {
+        failed = absl::InternalError(OpError(r, side.c.items));
+        break;
+      }
+    }
+    ++op;
+    state.SetIterationTime(absl::ToDoubleSeconds(absl::Now() - start));
+  }
+  const int daemon_status = (*journal_env)->StopDaemon();
+  journal_env->reset();
+  (void)platform::HostMemory::UnlinkShm(shm);
+  (void)platform::HostMemory::UnlinkShm(shm + ".journal");
+  if (!failed.ok()) {
+    state.SkipWithError(failed.ToString().c_str());
+    return;
+  }
+  if (daemon_status != 0) {
+    state.SkipWithError(absl::StrCat("journal kvcellard exited with ", daemon_status).c_str());
+    return;
+  }
+  const double bytes = double(state.iterations()) * sides[0].c.items * sides[0].c.object;
+  const double plain = bytes / absl::ToDoubleSeconds(sides[0].time) / 1e9;
+  const double journal = bytes / absl::ToDoubleSeconds(sides[1].time) / 1e9;
+  state.counters["plain_GBps"] = plain;
+  state.counters["journal_GBps"] = journal;
+  state.counters["ratio"] = journal / plain;
+  summary->AddJournal(absl::StrCat("Backup ", kib, " KiB x ", layers, " layers, ",
+                                   sides[0].c.items, " pages/op"),
+                      journal, plain);
 }
 
 }  // namespace
@@ -240,6 +336,16 @@ void RegisterCopyBenchmarks(DatapathEnv* env, Summary* summary, const BenchConfi
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);
   }
+  benchmark::RegisterBenchmark("BM_BackupJournal",
+                               [=](benchmark::State& state) {
+                                 RunBackupJournal(state, env, summary, config);
+                               })
+      ->Args({64, 32})
+      ->Args({2048, 80})
+      ->ArgNames({"object_KiB", "layers"})
+      ->Iterations(config.copy_iterations)
+      ->UseManualTime()
+      ->Unit(benchmark::kMillisecond);
 }
 
 }  // namespace kvcellar::bench

@@ -21,6 +21,12 @@ void Summary::AddCopy(std::string name, double kvcellar_gbps, double memcpy_gbps
                                   kvcellar_gbps / memcpy_gbps));
 }
 
+void Summary::AddJournal(std::string name, double journal_gbps, double plain_gbps) {
+  absl::MutexLock lock(&mu_);
+  journal_.push_back(absl::StrFormat("| %s | %.2f | %.2f | %.3fx |", name, journal_gbps,
+                                     plain_gbps, journal_gbps / plain_gbps));
+}
+
 void Summary::AddLatency(std::string name, std::string baseline, double p50_us, double p99_us,
                          double base_p50_us, double base_p99_us) {
   absl::MutexLock lock(&mu_);
@@ -50,6 +56,11 @@ void Summary::Print(std::FILE* out) const {
       "Load/Backup end to end (RPC + copy + WaitOps) vs memcpy of the same bytes, same "
       "per-layer chunks (goal >= 0.8x)",
       "| case | kvcellar GB/s | memcpy GB/s | ratio |", "|---|---|---|---|", copy_);
+  PrintMarkdownTable(out,
+                     "Backup with the warm-restart journal (pool.shm_name) vs without, same run, "
+                     "alternating (goal: no measurable difference)",
+                     "| case | journal GB/s | no journal GB/s | ratio |", "|---|---|---|---|",
+                     journal_);
   PrintMarkdownTable(
       out,
       "Match latency vs no-op gRPC call with the same request bytes + SHA-256 of the same "
