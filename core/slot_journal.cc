@@ -353,7 +353,46 @@ void SlotJournal::MarkCommitted(SlotRef slot, uint64_t length, uint32_t payload_
   SealRecord(rec);
 }
 
-void SlotJournal::Clear(SlotRef slot) { ClearAt(slot.region, slot.index); }
+PageKey SlotJournal::MarkLanded(SlotRef slot, uint64_t length) {
+  uint8_t* rec = RecordAt(slot.region, slot.index);
+  Put<uint64_t>(rec + kRecLength, length);
+  Put<uint32_t>(rec + kRecPayloadCrc, 0);
+  Put<uint8_t>(rec + kRecState, static_cast<uint8_t>(SlotRecordState::kLanded));
+  SealRecord(rec);
+  PageKey key;
+  std::memcpy(key.bytes.data(), rec + kRecKey, kPageKeyBytes);
+  return key;
+}
+
+bool SlotJournal::BeginSeal(SlotRef slot, const PageKey& key) {
+  std::lock_guard<std::mutex> lock(seal_mu_);
+  const uint8_t* rec = RecordAt(slot.region, slot.index);
+  if (rec[kRecState] != static_cast<uint8_t>(SlotRecordState::kLanded) ||
+      std::memcmp(rec + kRecKey, key.bytes.data(), kPageKeyBytes) != 0 ||
+      Get<uint16_t>(rec + kRecSizeClass) != slot.size_class) {
+    return false;  // Freed (and maybe reused) since it landed: nothing to seal.
+  }
+  sealing_ = slot.Packed();
+  return true;
+}
+
+void SlotJournal::EndSeal(SlotRef slot, uint32_t payload_crc) {
+  {
+    std::lock_guard<std::mutex> lock(seal_mu_);
+    uint8_t* rec = RecordAt(slot.region, slot.index);
+    Put<uint32_t>(rec + kRecPayloadCrc, payload_crc);
+    Put<uint8_t>(rec + kRecState, static_cast<uint8_t>(SlotRecordState::kCommitted));
+    SealRecord(rec);
+    sealing_ = kNotSealing;
+  }
+  seal_cv_.notify_all();
+}
+
+void SlotJournal::Clear(SlotRef slot) {
+  std::unique_lock<std::mutex> lock(seal_mu_);
+  seal_cv_.wait(lock, [&] { return sealing_ != slot.Packed(); });
+  ClearAt(slot.region, slot.index);
+}
 
 void SlotJournal::ClearAt(uint32_t region, uint32_t index) {
   uint8_t* rec = RecordAt(region, index);
@@ -368,7 +407,8 @@ SlotRecord SlotJournal::Read(uint32_t region, uint32_t index) const {
   const uint8_t state = rec[kRecState];
   if (state == static_cast<uint8_t>(SlotRecordState::kEmpty)) return r;
   if (Get<uint32_t>(rec + kRecCrc) != RecordCrc(rec) ||
-      state > static_cast<uint8_t>(SlotRecordState::kCommitted)) {
+      state == static_cast<uint8_t>(SlotRecordState::kTorn) ||
+      state > static_cast<uint8_t>(SlotRecordState::kLanded)) {
     r.state = SlotRecordState::kTorn;
     return r;
   }

@@ -108,9 +108,10 @@ int Status(const Options& options, v1::AdminService::Stub& stub) {
   if (l2.warm()) {
     std::printf(
         "l2 start:       warm: %llu pages (%s) recovered in %.3f s; dropped in_flight=%llu "
-        "torn=%llu checksum=%llu mismatch=%llu orphan=%llu\n",
+        "unsealed=%llu torn=%llu checksum=%llu mismatch=%llu orphan=%llu\n",
         static_cast<unsigned long long>(l2.pages()), HumanBytes(l2.bytes()).c_str(), l2.seconds(),
         static_cast<unsigned long long>(l2.dropped_in_flight()),
+        static_cast<unsigned long long>(l2.dropped_unsealed()),
         static_cast<unsigned long long>(l2.dropped_torn()),
         static_cast<unsigned long long>(l2.dropped_checksum()),
         static_cast<unsigned long long>(l2.dropped_mismatch()),

@@ -88,6 +88,7 @@ void Cache::StartL2(const CacheOptions& options) {
            {"bytes", r.bytes},
            {"dropped", r.dropped()},
            {"dropped_in_flight", r.dropped_in_flight},
+           {"dropped_unsealed", r.dropped_unsealed},
            {"dropped_torn", r.dropped_torn},
            {"dropped_checksum", r.dropped_checksum},
            {"dropped_mismatch", r.dropped_mismatch},
@@ -98,7 +99,20 @@ void Cache::StartL2(const CacheOptions& options) {
     r.cold_reason = r.enabled ? options.cold_reason : "pool.shm_name is empty";
     KVLOG(Info, "l2 started empty", {{"warm", "false"}, {"reason", r.cold_reason}});
   }
-  metrics_.AddCollector([this](MetricWriter& out) { CollectL2Recovery(l2_recovery_, out); });
+  metrics_.AddCollector([this](MetricWriter& out) {
+    CollectL2Recovery(l2_recovery_, out);
+    const L2Sealer* sealer = l2_.sealer();
+    out.AddGauge("kvcellar_l2_journal_pending_seals",
+                 "L2 pages landed and waiting for the sealer's checksum (pool.shm_name): after a "
+                 "SIGKILL these would not be recovered.",
+                 sealer != nullptr ? sealer->pending() : 0);
+    out.AddCounter("kvcellar_l2_journal_sealed_total",
+                   "L2 pages the sealer checksummed and recorded for a warm restart.",
+                   sealer != nullptr ? sealer->sealed() : 0);
+    out.AddCounter("kvcellar_l2_journal_overflowed_total",
+                   "L2 pages not queued for sealing (queue full): sealed only at shutdown.",
+                   sealer != nullptr ? sealer->overflowed() : 0);
+  });
 }
 
 void Cache::AddCollectors() {

@@ -80,6 +80,7 @@ void ScanRegions(uint32_t begin, uint32_t end, core::SlotJournal& journal,
       switch (rec.state) {
         case core::SlotRecordState::kTorn: ++c.dropped_torn; break;
         case core::SlotRecordState::kWriting: ++c.dropped_in_flight; break;
+        case core::SlotRecordState::kLanded: ++c.dropped_unsealed; break;
         default:
           if (!Fits(rec, i, table, pool) ||
               (region_class >= 0 && region_class != rec.size_class)) {
@@ -103,6 +104,7 @@ void ScanRegions(uint32_t begin, uint32_t end, core::SlotJournal& journal,
 
 void Add(L2RecoveryStats& to, const L2RecoveryStats& from) {
   to.dropped_in_flight += from.dropped_in_flight;
+  to.dropped_unsealed += from.dropped_unsealed;
   to.dropped_torn += from.dropped_torn;
   to.dropped_checksum += from.dropped_checksum;
   to.dropped_mismatch += from.dropped_mismatch;
@@ -275,7 +277,8 @@ void CollectL2Recovery(const L2RecoveryStats& stats, MetricWriter& out) {
   out.AddGauge("kvcellar_l2_recovery_bytes", "Object bytes of the L2 pages recovered at this start.",
                stats.bytes);
   const std::pair<const char*, uint64_t> dropped[] = {
-      {"in_flight", stats.dropped_in_flight}, {"torn", stats.dropped_torn},
+      {"in_flight", stats.dropped_in_flight}, {"unsealed", stats.dropped_unsealed},
+      {"torn", stats.dropped_torn},
       {"checksum", stats.dropped_checksum},   {"mismatch", stats.dropped_mismatch},
       {"orphan", stats.dropped_orphan}};
   for (const auto& [reason, n] : dropped) {

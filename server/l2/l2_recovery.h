@@ -9,7 +9,8 @@
 //      remain). The caller's `on_indexed` runs for it then (the cache hands it to L3Recovery, so
 //      L3 objects waiting for that namespace enter its index before the L2 pages do).
 //   2. Records, in parallel over the pool's regions: a record that is torn (its own checksum
-//      fails), still WRITING (its copy was in flight), names an unknown namespace or a geometry
+//      fails), still WRITING (its copy was in flight), LANDED but not yet sealed (its checksum
+//      was never computed: the sealer had not reached it), names an unknown namespace or a geometry
 //      that does not fit (shard, size class, length), or whose slot bytes fail their CRC-32C is
 //      dropped and counted by reason; its record is cleared. Every byte of every kept page is
 //      read once here: that is the price of never serving a torn page.
@@ -47,6 +48,7 @@ struct L2RecoveryStats {
   // Dropped objects, by reason. A page that was being written when the daemon stopped is
   // `in_flight`; one torn mid-record `torn`; bytes that fail their checksum `checksum`.
   uint64_t dropped_in_flight = 0;
+  uint64_t dropped_unsealed = 0;  // Landed, checksum not computed before the stop.
   uint64_t dropped_torn = 0;
   uint64_t dropped_checksum = 0;
   uint64_t dropped_mismatch = 0;  // Unknown namespace, or a shard/class/length that does not fit.
@@ -55,7 +57,8 @@ struct L2RecoveryStats {
   double seconds = 0;             // Steps 1-4.
 
   uint64_t dropped() const {
-    return dropped_in_flight + dropped_torn + dropped_checksum + dropped_mismatch + dropped_orphan;
+    return dropped_in_flight + dropped_unsealed + dropped_torn + dropped_checksum +
+           dropped_mismatch + dropped_orphan;
   }
 };
 

@@ -3,7 +3,6 @@
 #include <utility>
 #include <vector>
 
-#include "core/crc32c.h"
 #include "core/slot_journal.h"
 #include "platform/log.h"
 
@@ -15,7 +14,11 @@ L2Space::L2Space(core::HostPool* pool, NamespaceRegistry* namespaces, double hig
       namespaces_(namespaces),
       high_watermark_(high_watermark),
       low_watermark_(low_watermark),
-      metrics_(metrics) {}
+      metrics_(metrics),
+      sealer_(pool->journal() != nullptr ? std::make_unique<L2Sealer>(pool, pool->journal())
+                                         : nullptr) {}
+
+L2Space::~L2Space() = default;
 
 absl::StatusOr<core::SlotRef> L2Space::Allocate(Namespace& ns, const core::PageKey& key,
                                                 uint16_t shard, uint64_t evict_bytes) {
@@ -75,7 +78,8 @@ void L2Space::JournalWriting(const Namespace& ns, const core::WriteRequest& w) {
 void L2Space::JournalCommitted(const Namespace& ns, core::SlotRef slot) {
   if (core::SlotJournal* journal = pool_->journal(); journal != nullptr) {
     const uint64_t length = ns.object_bytes();
-    journal->MarkCommitted(slot, length, core::Crc32c(pool_->Address(slot), length));
+    const core::PageKey key = journal->MarkLanded(slot, length);
+    sealer_->Enqueue(slot, key, length);
   }
 }
 

@@ -46,6 +46,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -55,6 +56,7 @@
 #include "absl/types/span.h"
 #include "core/host_pool.h"
 #include "core/radix_index.h"
+#include "server/l2/l2_sealer.h"
 #include "server/metrics/cache_metrics.h"
 #include "server/session/namespace_registry.h"
 
@@ -74,8 +76,11 @@ class L2EvictionObserver {
 class L2Space {
  public:
   // Every pointer outlives this object. Watermarks are fractions of the pool capacity.
+  // With a journal on the pool (pool.shm_name), starts its sealer.
   L2Space(core::HostPool* pool, NamespaceRegistry* namespaces, double high_watermark,
           double low_watermark, CacheMetrics* metrics);
+  // Stops the sealer, which seals every landed page first.
+  ~L2Space();
 
   // A slot for shard `shard` of page `key` of `ns` (whose geometry is fixed). On a full pool,
   // releases a region or evicts at least `evict_bytes` (at least one slot's worth) and retries,
@@ -93,9 +98,12 @@ class L2Space {
   // Warm restart records (core/slot_journal.h, through the pool's journal); no-ops without one.
   // A write into the slot of `w` began (after the index accepted it).
   void JournalWriting(const Namespace& ns, const core::WriteRequest& w);
-  // Every byte of the object in `slot` has landed: its CRC-32C, then COMMITTED. Called before
-  // the index commits the object, so a recorded page is one whose bytes were whole.
+  // Every byte of the object in `slot` has landed: LANDED, and queued for the sealer (its
+  // CRC-32C, then COMMITTED, off the data path: l2/l2_sealer.h). Called before the index commits
+  // the object, so a recorded page is one whose bytes were whole.
   void JournalCommitted(const Namespace& ns, core::SlotRef slot);
+  // nullptr without a journal.
+  const L2Sealer* sealer() const { return sealer_.get(); }
   // Frees every valid slot of `released`.
   void FreeReleased(absl::Span<const core::ReleasedObject> released);
 
@@ -165,6 +173,7 @@ class L2Space {
   std::atomic<L2EvictionObserver*> observer_{nullptr};
   absl::Mutex release_mu_;
   std::atomic<uint64_t> regions_released_{0};
+  std::unique_ptr<L2Sealer> sealer_;
 };
 
 }  // namespace kvcellar::server

@@ -125,6 +125,7 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetStatus(grpc::CallbackServerContex
   recovery->set_objects(l2.objects);
   recovery->set_bytes(l2.bytes);
   recovery->set_dropped_in_flight(l2.dropped_in_flight);
+  recovery->set_dropped_unsealed(l2.dropped_unsealed);
   recovery->set_dropped_torn(l2.dropped_torn);
   recovery->set_dropped_checksum(l2.dropped_checksum);
   recovery->set_dropped_mismatch(l2.dropped_mismatch);

@@ -4,9 +4,12 @@
 // log, a damaged entry).
 #include "core/slot_journal.h"
 
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -201,6 +204,46 @@ TEST(SlotJournalTest, ADamagedEntryIsSkippedAndAFullLogRefusesAppends) {
   EXPECT_THAT(s.message(), HasSubstr("will not survive a restart"));
   EXPECT_GT(id, 300u);
   EXPECT_EQ((*j)->Namespaces().size(), id - 1);
+}
+
+// Deferred sealing: LANDED until the checksum is stored; a slot freed (and reused) since it
+// landed is not sealed; Clear of a slot being sealed waits for EndSeal.
+TEST(SlotJournalTest, LandedRecordsAreSealedOnlyIfStillTheirs) {
+  Memory m(*SlotJournal::Bytes(Geometry()));
+  auto j = SlotJournal::Format(Geometry(), m.span());
+  ASSERT_TRUE(j.ok());
+  SlotJournal& journal = **j;
+  const SlotRef slot{0, 2, 7};
+  journal.MarkWriting(slot, 1, 1, 0, Key(3), Key(2));
+  EXPECT_EQ(journal.MarkLanded(slot, 4096), Key(3));
+  SlotRecord r = journal.Read(2, 7);
+  EXPECT_EQ(r.state, SlotRecordState::kLanded);
+  EXPECT_EQ(r.length, 4096u);
+  EXPECT_FALSE(journal.BeginSeal(slot, Key(4)));  // Another page's key: reused meanwhile.
+  ASSERT_TRUE(journal.BeginSeal(slot, Key(3)));
+  journal.EndSeal(slot, 0xabcd);
+  r = journal.Read(2, 7);
+  EXPECT_EQ(r.state, SlotRecordState::kCommitted);
+  EXPECT_EQ(r.payload_crc, 0xabcdu);
+  EXPECT_EQ(*r.parent, Key(2));
+  EXPECT_FALSE(journal.BeginSeal(slot, Key(3)));  // Committed already.
+
+  // Clear waits while the slot is being sealed.
+  const SlotRef other{0, 1, 1};
+  journal.MarkWriting(other, 1, 1, 0, Key(5), std::nullopt);
+  journal.MarkLanded(other, 64);
+  ASSERT_TRUE(journal.BeginSeal(other, Key(5)));
+  std::atomic<bool> cleared{false};
+  std::thread freer([&] {
+    journal.Clear(other);
+    cleared = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(cleared.load());
+  journal.EndSeal(other, 1);
+  freer.join();
+  EXPECT_TRUE(cleared.load());
+  EXPECT_EQ(journal.Read(1, 1).state, SlotRecordState::kEmpty);
 }
 
 }  // namespace

@@ -304,5 +304,62 @@ TEST(L2RecoveryTest, PagesOfAnEarlierGeometryAreNotRecoveredUnderTheNextOne) {
   EXPECT_TRUE(ns->AdoptLayout(TestLayout(2 * kLayers, kBytesPerBlock / 2)).ok());
 }
 
+// A daemon killed before its sealer reached a page leaves the record LANDED: whole bytes, no
+// checksum. It is not served: dropped as unsealed, and so are the pages under it.
+TEST(L2RecoveryTest, PagesLandedButNotSealedAreDropped) {
+  Shared shared;
+  const core::NamespaceSpec spec = NsSpec(1);
+  const std::vector<core::PageKey> keys = PromptKeys(spec, 1, 5);
+  core::SlotRef third;
+  {
+    Life first(shared, /*attach=*/false);
+    std::shared_ptr<Namespace> ns = first.namespaces().GetOrCreate(spec);
+    ASSERT_TRUE(ns->AdoptLayout(TestLayout()).ok());
+    first.Backup(*ns, keys);
+    third = first.SlotOf(*ns, keys[2], 0);
+  }
+  {
+    // What the record of page 2 would be had the daemon died before sealing it.
+    std::unique_ptr<core::HostPool> pool =
+        *core::HostPool::Create(PoolOptions(), {shared.pool, kPoolBytes});
+    auto journal = core::SlotJournal::Attach(JournalGeometry(*pool),
+                                             {shared.journal, shared.journal_bytes});
+    ASSERT_TRUE(journal.ok());
+    (*journal)->MarkLanded(third, kObjectBytes);
+  }
+  Life second(shared, /*attach=*/true);
+  const L2RecoveryStats stats = second.Recover();
+  EXPECT_EQ(stats.dropped_unsealed, 1u);
+  EXPECT_EQ(stats.dropped_orphan, 2u);
+  EXPECT_EQ(stats.pages, 2u);
+  core::MatchOptions m;
+  EXPECT_EQ(second.namespaces().ById(1)->index()->Match(keys, m)->l2_pages, 2u);
+}
+
+// The sealer keeps up in the background; the pages a life backed up are sealed before it ends
+// (a SIGTERM's clean stop) and all come back.
+TEST(L2RecoveryTest, TheSealerSealsEveryLandedPageByTheEnd) {
+  Shared shared;
+  const core::NamespaceSpec spec = NsSpec(2);
+  {
+    Life first(shared, /*attach=*/false);
+    std::shared_ptr<Namespace> ns = first.namespaces().GetOrCreate(spec);
+    ASSERT_TRUE(ns->AdoptLayout(TestLayout()).ok());
+    for (uint32_t p = 0; p < 8; ++p) first.Backup(*ns, PromptKeys(spec, p, 10));
+    const L2Sealer* sealer = first.l2().sealer();
+    ASSERT_NE(sealer, nullptr);
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (sealer->sealed() < 8 * 10 * 2 && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    EXPECT_EQ(sealer->sealed(), 160u);
+    EXPECT_EQ(sealer->pending(), 0u);
+  }
+  Life second(shared, /*attach=*/true);
+  const L2RecoveryStats stats = second.Recover();
+  EXPECT_EQ(stats.pages, 80u);
+  EXPECT_EQ(stats.dropped(), 0u);
+}
+
 }  // namespace
 }  // namespace kvcellar::server::testing
