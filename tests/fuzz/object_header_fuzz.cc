@@ -18,6 +18,7 @@
 #include "storage/object_format.h"
 #include "tests/fuzz/fuzz_util.h"
 
+namespace core = kvcellar::core;
 namespace storage = kvcellar::storage;
 using storage::kObjectHeaderBytes;
 
