@@ -72,6 +72,13 @@ void SealRecord(uint8_t* rec) {
   Put<uint32_t>(rec + kRecCrc, crc);
 }
 
+// COMMITTED with the payload's checksum (MarkCommitted, EndSeal).
+void StoreCommitted(uint8_t* rec, uint32_t payload_crc) {
+  Put<uint32_t>(rec + kRecPayloadCrc, payload_crc);
+  Put<uint8_t>(rec + kRecState, static_cast<uint8_t>(SlotRecordState::kCommitted));
+  SealRecord(rec);
+}
+
 std::atomic_ref<uint64_t> LogUsed(uint8_t* base) {
   return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(base + kOffLogUsed));
 }
@@ -153,7 +160,6 @@ absl::StatusOr<uint64_t> SlotJournal::Bytes(const SlotJournalGeometry& g) {
 
 SlotJournal::SlotJournal(const SlotJournalGeometry& g, std::span<uint8_t> memory)
     : base_(memory.data()),
-      bytes_(memory.size()),
       region_count_(g.region_count),
       max_slots_per_region_(static_cast<uint32_t>(g.region_bytes / g.slot_sizes[0])),
       log_(memory.data() + kHeaderBytes),
@@ -348,9 +354,7 @@ void SlotJournal::MarkWriting(SlotRef slot, uint32_t ns, uint16_t geometry_epoch
 void SlotJournal::MarkCommitted(SlotRef slot, uint64_t length, uint32_t payload_crc) {
   uint8_t* rec = RecordAt(slot.region, slot.index);
   Put<uint64_t>(rec + kRecLength, length);
-  Put<uint32_t>(rec + kRecPayloadCrc, payload_crc);
-  Put<uint8_t>(rec + kRecState, static_cast<uint8_t>(SlotRecordState::kCommitted));
-  SealRecord(rec);
+  StoreCommitted(rec, payload_crc);
 }
 
 PageKey SlotJournal::MarkLanded(SlotRef slot, uint64_t length) {
@@ -379,10 +383,7 @@ bool SlotJournal::BeginSeal(SlotRef slot, const PageKey& key) {
 void SlotJournal::EndSeal(SlotRef slot, uint32_t payload_crc) {
   {
     std::lock_guard<std::mutex> lock(seal_mu_);
-    uint8_t* rec = RecordAt(slot.region, slot.index);
-    Put<uint32_t>(rec + kRecPayloadCrc, payload_crc);
-    Put<uint8_t>(rec + kRecState, static_cast<uint8_t>(SlotRecordState::kCommitted));
-    SealRecord(rec);
+    StoreCommitted(RecordAt(slot.region, slot.index), payload_crc);
     sealing_ = kNotSealing;
   }
   seal_cv_.notify_all();

@@ -66,6 +66,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "core/host_pool.h"
 #include "core/namespace_spec.h"
 #include "core/page_key.h"
 #include "core/slot_ref.h"
@@ -78,6 +79,10 @@ struct SlotJournalGeometry {
   uint64_t region_bytes = 0;
   uint32_t region_count = 0;
   std::vector<uint64_t> slot_sizes;  // Strictly increasing; slot_sizes[0] is the smallest.
+
+  static SlotJournalGeometry Of(const HostPool& pool) {
+    return {pool.capacity_bytes(), pool.region_bytes(), pool.region_count(), pool.slot_sizes()};
+  }
 };
 
 // One logged namespace: its spec, and its page geometry when one was fixed (per layer, the bytes
@@ -167,7 +172,6 @@ class SlotJournal {
 
   uint32_t region_count() const { return region_count_; }
   uint32_t max_slots_per_region() const { return max_slots_per_region_; }
-  uint64_t bytes() const { return bytes_; }
 
  private:
   SlotJournal(const SlotJournalGeometry& geometry, std::span<uint8_t> memory);
@@ -178,7 +182,6 @@ class SlotJournal {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   uint8_t* const base_;
-  uint64_t bytes_ = 0;
   uint32_t region_count_ = 0;
   uint32_t max_slots_per_region_ = 0;
   uint8_t* log_ = nullptr;

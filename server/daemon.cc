@@ -264,7 +264,6 @@ DaemonInfo Daemon::Info() const {
     info.pool_capacity_bytes = pool_->capacity_bytes();
     for (const core::SizeClassStats& c : pool_->Stats()) info.pool_used_bytes += c.bytes_used;
     info.pool_huge_pages = pool_memory_->backing() != platform::HugePageBacking::kNone;
-    info.pool_reattached = pool_memory_->reattached();
   }
   if (cache_ != nullptr) {
     cache_->FillInfo(&info);
@@ -356,8 +355,7 @@ absl::Status Daemon::CreateHostPool() {
 }
 
 absl::Status Daemon::AttachJournal() {
-  const core::SlotJournalGeometry geometry{pool_->capacity_bytes(), pool_->region_bytes(),
-                                           pool_->region_count(), pool_->slot_sizes()};
+  const core::SlotJournalGeometry geometry = core::SlotJournalGeometry::Of(*pool_);
   absl::StatusOr<uint64_t> bytes = core::SlotJournal::Bytes(geometry);
   if (!bytes.ok()) return bytes.status();
   platform::HostMemoryOptions memory;

@@ -45,7 +45,6 @@ struct DaemonInfo {
   uint64_t pool_pinned_bytes = 0;
   uint64_t pool_in_flight_bytes = 0;
   bool pool_huge_pages = false;
-  bool pool_reattached = false;
   L2RecoveryStats l2_recovery;  // What this start recovered of L2 (Cache::l2_recovery).
   // CacheService: live sessions, distinct instances among them, namespaces known; the device
   // backend ("sim", "cuda", or "" when none).

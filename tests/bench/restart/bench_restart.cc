@@ -105,8 +105,7 @@ absl::StatusOr<Mapped> MapBoth(const Names& names) {
       core::HostPool::Create(options, m.pool_memory->bytes());
   if (!pool.ok()) return pool.status();
   m.pool = *std::move(pool);
-  m.geometry = {m.pool->capacity_bytes(), m.pool->region_bytes(), m.pool->region_count(),
-                m.pool->slot_sizes()};
+  m.geometry = core::SlotJournalGeometry::Of(*m.pool);
   absl::StatusOr<uint64_t> journal_bytes = core::SlotJournal::Bytes(m.geometry);
   if (!journal_bytes.ok()) return journal_bytes.status();
   memory.shm_name = names.journal;

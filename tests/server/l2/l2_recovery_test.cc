@@ -30,10 +30,6 @@ core::HostPoolOptions PoolOptions() {
   return o;
 }
 
-core::SlotJournalGeometry JournalGeometry(const core::HostPool& pool) {
-  return {pool.capacity_bytes(), pool.region_bytes(), pool.region_count(), pool.slot_sizes()};
-}
-
 // Memory that outlives a daemon life, like the pool's and the journal's shm objects.
 struct Shared {
   Shared()
@@ -60,8 +56,8 @@ class Life {
     pool_ = *core::HostPool::Create(PoolOptions(), {shared.pool, kPoolBytes});
     const std::span<uint8_t> j{shared.journal, shared.journal_bytes};
     absl::StatusOr<std::unique_ptr<core::SlotJournal>> journal =
-        attach ? core::SlotJournal::Attach(JournalGeometry(*pool_), j)
-               : core::SlotJournal::Format(JournalGeometry(*pool_), j);
+        attach ? core::SlotJournal::Attach(core::SlotJournalGeometry::Of(*pool_), j)
+               : core::SlotJournal::Format(core::SlotJournalGeometry::Of(*pool_), j);
     EXPECT_TRUE(journal.ok()) << journal.status();
     journal_ = *std::move(journal);
     pool_->set_journal(journal_.get());
@@ -322,7 +318,7 @@ TEST(L2RecoveryTest, PagesLandedButNotSealedAreDropped) {
     // What the record of page 2 would be had the daemon died before sealing it.
     std::unique_ptr<core::HostPool> pool =
         *core::HostPool::Create(PoolOptions(), {shared.pool, kPoolBytes});
-    auto journal = core::SlotJournal::Attach(JournalGeometry(*pool),
+    auto journal = core::SlotJournal::Attach(core::SlotJournalGeometry::Of(*pool),
                                              {shared.journal, shared.journal_bytes});
     ASSERT_TRUE(journal.ok());
     (*journal)->MarkLanded(third, kObjectBytes);
