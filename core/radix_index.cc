@@ -497,6 +497,7 @@ absl::Status RadixIndex::CommitLocked(const ObjectId& object, Cursor& cursor) {
   if (first) {
     ++counters_.l2_pages;
     policy_->OnInsert(&n->hook, KeyFingerprint(n->key));
+    if (sink_ != nullptr) Emit(IndexEvent::Kind::kStored, kMediumL2, n);
   } else {
     NotifyIfEvictable(n);  // It may have been parked for this shard's write.
   }
@@ -665,9 +666,11 @@ absl::Status RadixIndex::UpdateL3Locked(const L3Update& update) {
     }
     ShardState& s = n->shards()[update.shard];
     if ((s.l3_tiers & bit) == 0) {
+      const bool first = sink_ != nullptr && (PageTiers(n) & bit) == 0;
       s.l3_tiers |= bit;
       ++n->l3_copies;
       ++counters_.l3_objects[update.tier];
+      if (first) Emit(IndexEvent::Kind::kStored, static_cast<int8_t>(update.tier), n);
     }
     return absl::OkStatus();
   }
@@ -677,6 +680,9 @@ absl::Status RadixIndex::UpdateL3Locked(const L3Update& update) {
     s.l3_tiers &= ~bit;
     --n->l3_copies;
     --counters_.l3_objects[update.tier];
+    if (sink_ != nullptr && (PageTiers(n) & bit) == 0) {
+      Emit(IndexEvent::Kind::kRemoved, static_cast<int8_t>(update.tier), n);
+    }
     CollectUpwards(n);
   }
   return absl::OkStatus();
@@ -714,6 +720,7 @@ size_t RadixIndex::EvictNode(Node* n, std::vector<ReleasedObject>* evicted) {
   n->doomed = false;  // Its L2 copies are gone; a later write makes it visible again.
   counters_.l2_objects -= objects;
   --counters_.l2_pages;
+  if (sink_ != nullptr) Emit(IndexEvent::Kind::kRemoved, kMediumL2, n);
   ++counters_.evicted_pages;
   counters_.evicted_objects += objects;
   AfterL2Change(n, /*held_l2_before=*/true);
@@ -803,6 +810,30 @@ HolderEvictResult RadixIndex::EvictHolders(absl::Span<const SlotHolder> holders,
   return result;
 }
 
+void RadixIndex::SetEventSink(IndexEventSink* sink) {
+  absl::MutexLock lock(&mu_);
+  sink_ = sink;
+}
+
+void RadixIndex::Emit(IndexEvent::Kind kind, int8_t medium, const Node* n) {
+  IndexEvent event;
+  event.kind = kind;
+  event.medium = medium;
+  event.key = n->key;
+  if (kind == IndexEvent::Kind::kStored && n->parent != nullptr) {
+    event.has_parent = true;
+    event.parent = n->parent->key;
+  }
+  sink_->OnIndexEvent(event);
+}
+
+uint8_t RadixIndex::PageTiers(const Node* n) const {
+  uint8_t tiers = 0;
+  const ShardState* shards = n->shards();
+  for (int s = 0; s < shards_per_page_; ++s) tiers |= shards[s].l3_tiers;
+  return tiers;
+}
+
 uint64_t RadixIndex::L2BytesLocked() const {
   return (counters_.l2_objects + counters_.l2_inflight_objects) * object_bytes();
 }
@@ -830,6 +861,7 @@ uint64_t RadixIndex::EvictToLowWatermark(std::vector<ReleasedObject>* evicted) {
 
 void RadixIndex::DropCopies(Node* n, std::vector<ReleasedObject>* released) {
   const bool held = n->HoldsL2();
+  const uint8_t tiers = sink_ != nullptr ? PageTiers(n) : 0;
   ShardState* shards = n->shards();
   for (int s = 0; s < shards_per_page_; ++s) {
     const bool resident = (n->resident >> s) & 1;
@@ -845,6 +877,10 @@ void RadixIndex::DropCopies(Node* n, std::vector<ReleasedObject>* released) {
     n->resident = 0;
     --counters_.l2_pages;
     policy_->OnRemove(&n->hook);
+    if (sink_ != nullptr) Emit(IndexEvent::Kind::kRemoved, kMediumL2, n);
+  }
+  for (uint32_t t = tiers; t != 0; t &= t - 1) {
+    Emit(IndexEvent::Kind::kRemoved, static_cast<int8_t>(LowBit(t)), n);
   }
   AfterL2Change(n, held);
 }

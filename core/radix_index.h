@@ -65,6 +65,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "core/eviction_policy.h"
+#include "core/index_events.h"
 #include "core/page_key.h"
 #include "core/slot_ref.h"
 
@@ -399,6 +400,10 @@ class RadixIndex {
   absl::Status ResetObjectBytes(uint64_t object_bytes) ABSL_LOCKS_EXCLUDED(mu_);
   absl::string_view policy_name() const { return policy_name_; }
 
+  // Reports every page's first copy and last copy per medium to `sink` from now on
+  // (core/index_events.h); nullptr stops. `sink` outlives the index or is reset first.
+  void SetEventSink(IndexEventSink* sink) ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   struct Node;
   struct ShardState;
@@ -483,6 +488,10 @@ class RadixIndex {
   // Removes n and then each ancestor while it is an empty leaf.
   void CollectUpwards(Node* n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t L2BytesLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The sink's events for n: stored (with n's parent) or removed, in `medium`.
+  void Emit(IndexEvent::Kind kind, int8_t medium, const Node* n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Bit t: some shard of n has a copy in L3 tier t.
+  uint8_t PageTiers(const Node* n) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   uint64_t MemoryBytesLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status CheckShardSet(ShardMask shards) const;
 
@@ -509,6 +518,7 @@ class RadixIndex {
   std::vector<PageKey> doomed_ ABSL_GUARDED_BY(mu_);
   // Counters behind Stats.
   RadixIndexStats counters_ ABSL_GUARDED_BY(mu_);
+  IndexEventSink* sink_ ABSL_GUARDED_BY(mu_) = nullptr;
 };
 
 }  // namespace kvcellar::core

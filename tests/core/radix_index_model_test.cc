@@ -8,6 +8,9 @@
 //    no parked page left evictable, no slot held twice);
 //  - Stats equal to the model's counts; the pool's slots_used equal to the objects holding a slot;
 //  - each page's state (parent, per-shard L2 state and slot, L3 tiers, pins) equal to the model.
+// The index's events (core/index_events.h) drive a shadow of which media hold each page: every
+// stored event must find the page absent from its medium and name the page's parent, every removed
+// event must find it present, and after every operation the shadow must equal the model.
 // Match results are predicted exactly by the model (so in-flight pages are invisible, and pins
 // are exact). Eviction order is the policy's business, so each victim is checked instead: it must
 // be evictable in the model at that moment (unpinned, nothing in flight, no child holding L2),
@@ -277,6 +280,47 @@ struct Coverage {
 
 // --- One seed's run ----------------------------------------------------------------------------
 
+// Which media hold each page, as the index's events tell it.
+class EventShadow : public IndexEventSink {
+ public:
+  explicit EventShadow(const Universe* universe) : universe_(universe) {}
+
+  void OnIndexEvent(const IndexEvent& e) override {
+    if (!error.empty()) return;
+    auto it = universe_->id.find(e.key);
+    if (it == universe_->id.end()) {
+      error = "event for a key outside the universe";
+      return;
+    }
+    const int u = it->second;
+    const uint32_t bit = 1u << (e.medium + 1);  // Bit 0: L2; bit t+1: L3 tier t.
+    uint32_t& media = media_[u];
+    if (e.kind == IndexEvent::Kind::kStored) {
+      const int parent = e.has_parent ? universe_->id.at(e.parent) : -1;
+      if ((media & bit) != 0) error = absl::StrCat("page ", u, " stored twice in ", e.medium);
+      if (parent != universe_->parent[u]) error = absl::StrCat("page ", u, ": stored parent");
+      media |= bit;
+    } else {
+      if ((media & bit) == 0) error = absl::StrCat("page ", u, " removed from ", e.medium,
+                                                   " where it was not");
+      media &= ~bit;
+    }
+    ++events;
+  }
+
+  uint32_t Media(int u) const {
+    auto it = media_.find(u);
+    return it == media_.end() ? 0 : it->second;
+  }
+
+  std::string error;
+  uint64_t events = 0;
+
+ private:
+  const Universe* universe_;
+  absl::flat_hash_map<int, uint32_t> media_;
+};
+
 class ModelRun {
  public:
   ModelRun(uint64_t seed, Coverage* coverage) : seed_(seed), rng_(seed), cov_(*coverage) {}
@@ -299,6 +343,8 @@ class ModelRun {
     auto index = RadixIndex::Create(o);
     if (!index.ok()) return index.status().ToString();
     index_ = std::move(*index);
+    shadow_ = std::make_unique<EventShadow>(&universe_);
+    index_->SetEventSink(shadow_.get());
 
     HostPoolOptions po;
     po.capacity_bytes = kRegionBytes * kPoolRegions;
@@ -1014,6 +1060,7 @@ class ModelRun {
 
   void CheckAll() {
     if (absl::Status s = index_->CheckInvariants(); !s.ok()) return Fail(s.ToString());
+    if (!shadow_->error.empty()) return Fail(absl::StrCat("events: ", shadow_->error));
     // Counts.
     RadixIndexStats want;
     absl::flat_hash_set<uint64_t> slots;
@@ -1064,6 +1111,15 @@ class ModelRun {
         return Fail(absl::StrCat("page ", u, (info ? " indexed" : " missing"),
                                  " but the model says otherwise"));
       }
+      uint32_t media = 0;  // As EventShadow numbers them.
+      if (it != model_.pages.end()) {
+        media |= Model::AnyResident(it->second) ? 1u : 0u;
+        for (const MShard& s : it->second.shards) media |= uint32_t{s.l3} << 1;
+      }
+      if (shadow_->Media(u) != media) {
+        return Fail(absl::StrCat("page ", u, ": events say media ", shadow_->Media(u),
+                                 ", the model ", media));
+      }
       if (!info) continue;
       const MPage& p = it->second;
       const int parent = info->parent ? universe_.id.at(*info->parent) : -1;
@@ -1088,6 +1144,7 @@ class ModelRun {
   std::mt19937_64 rng_;
   Universe universe_;
   Model model_;
+  std::unique_ptr<EventShadow> shadow_;  // Declared first: destroyed after the index.
   std::unique_ptr<RadixIndex> index_;
   std::unique_ptr<HostPool> pool_;
   absl::Time now_ = kStart;
