@@ -27,6 +27,9 @@ namespace kvcellar::storage {
 namespace {
 
 constexpr size_t kMaxPrefixBytes = 64;
+// After a node fails, how long the slot map is refreshed every refresh_interval: Redis's default
+// cluster-node-timeout (15 s) plus the replica's election, with room.
+constexpr absl::Duration kFailoverWatch = absl::Seconds(60);
 // "<prefix><ns16>:<key64>:<shard>" fits with room to spare.
 constexpr size_t kMaxKeyBytes = kMaxPrefixBytes + 16 + 1 + 64 + 1 + 10 + 1;
 
@@ -151,6 +154,9 @@ class RedisBackendImpl final : public RedisBackend {
                       const absl::Status& status);
   void RemoveCorrupt(RedisConnection* conn, Batch* b, absl::Span<const uint32_t> corrupt);
   void Resend(Batch* b, absl::InlinedVector<Redirected, 4>* redirected);
+  // `node` failed with `items` unsent or unanswered: in a cluster, those whose slot has another
+  // primary after a refresh go there; the rest fail transiently.
+  void Reroute(Node* node, Batch* b, absl::Span<const uint32_t> items);
 
   // Resolution.
   void Resolve(Batch* b, uint32_t item, ObjectStatus status, uint64_t bytes);
@@ -167,6 +173,9 @@ class RedisBackendImpl final : public RedisBackend {
   void RequestRefresh();
   void RefreshLoop();
   bool RefreshNow();
+  // A worker's refresh after a node failed: at most one per refresh_interval; a worker arriving
+  // while another refreshes waits for that map.
+  void RefreshFromWorker();
   bool CallbackWake() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return stopping_ || !deferred_.empty();
   }
@@ -191,6 +200,11 @@ class RedisBackendImpl final : public RedisBackend {
   std::vector<std::unique_ptr<Node>> nodes_ ABSL_GUARDED_BY(mu_);  // Indexed by SlotMap node id.
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool refresh_requested_ ABSL_GUARDED_BY(mu_) = false;
+  // Until then (absl::ToUnixNanos) the map is refreshed every refresh_interval: a node failed,
+  // and a failover may promote its replica at any moment (cluster-node-timeout plus an election).
+  std::atomic<int64_t> watch_until_ns_{0};
+  absl::Mutex worker_refresh_mu_;
+  absl::Time last_worker_refresh_ ABSL_GUARDED_BY(worker_refresh_mu_) = absl::InfinitePast();
   std::deque<Batch*> deferred_ ABSL_GUARDED_BY(mu_);  // Completed while submitting.
 
   std::thread readback_;
@@ -527,7 +541,7 @@ void RedisBackendImpl::RunChunk(Node* node, RedisConnection* conn, Chunk* c) {
   const absl::Time now = absl::Now();
   if (now >= b->deadline) return FailItems(b, c->items, /*timeout=*/true);
   const bool pooled = conn->connected();
-  if (!EnsureConnected(node, conn, b, now)) return FailItems(b, c->items, /*timeout=*/false);
+  if (!EnsureConnected(node, conn, b, now)) return Reroute(node, b, c->items);
 
   FollowUp follow;
   absl::Status status;
@@ -545,9 +559,7 @@ void RedisBackendImpl::RunChunk(Node* node, RedisConnection* conn, Chunk* c) {
     // connection runs it again; without this every pooled connection would fail one chunk after
     // a server restart.
     conn->Close();
-    if (!EnsureConnected(node, conn, b, absl::Now())) {
-      return FailItems(b, c->items, /*timeout=*/false);
-    }
+    if (!EnsureConnected(node, conn, b, absl::Now())) return Reroute(node, b, c->items);
     status = absl::OkStatus();
     got = run();
   }
@@ -576,9 +588,33 @@ bool RedisBackendImpl::EnsureConnected(Node* node, RedisConnection* conn, const 
 // The node did not answer: no new connect before the backoff ends; in a cluster the primary may
 // have moved.
 void RedisBackendImpl::NodeFailed(Node* node) {
-  node->retry_after_ns.store(absl::ToUnixNanos(absl::Now() + options_.reconnect_backoff),
+  const absl::Time now = absl::Now();
+  node->retry_after_ns.store(absl::ToUnixNanos(now + options_.reconnect_backoff),
                              std::memory_order_relaxed);
+  watch_until_ns_.store(absl::ToUnixNanos(now + kFailoverWatch), std::memory_order_relaxed);
   RequestRefresh();
+}
+
+void RedisBackendImpl::Reroute(Node* node, Batch* b, absl::Span<const uint32_t> items) {
+  absl::InlinedVector<Redirected, 4> moved;
+  absl::InlinedVector<uint32_t, 16> failed;
+  if (options_.cluster && absl::Now() < b->deadline) {
+    RefreshFromWorker();
+    const int self = slots_.NodeId(node->address_text);
+    for (uint32_t i : items) {
+      Item& it = b->items[i];
+      const int target = slots_.Lookup(it.slot);
+      if (target >= 0 && target != self && ++it.redirects <= options_.max_redirects) {
+        moved.push_back({i, target, /*asking=*/false});
+      } else {
+        failed.push_back(i);
+      }
+    }
+  } else {
+    failed.assign(items.begin(), items.end());
+  }
+  FailItems(b, failed, /*timeout=*/false);
+  Resend(b, &moved);
 }
 
 void RedisBackendImpl::BuildPipeline(RedisConnection* conn, const Chunk* c) {
@@ -736,8 +772,9 @@ void RedisBackendImpl::FailUnanswered(Node* node, RedisConnection* conn, Batch* 
     unanswered.push_back(conn->expect(k).item);
   }
   conn->Close();
-  if (!timeout) NodeFailed(node);
-  FailItems(b, unanswered, timeout);
+  if (timeout) return FailItems(b, unanswered, /*timeout=*/true);
+  NodeFailed(node);
+  Reroute(node, b, unanswered);
 }
 
 // HDELs the index entries of objects a Get found missing, within the batch deadline, then settles
@@ -871,12 +908,29 @@ bool RedisBackendImpl::RefreshNow() {
   return false;
 }
 
+void RedisBackendImpl::RefreshFromWorker() {
+  absl::MutexLock lock(&worker_refresh_mu_);
+  const absl::Time now = absl::Now();
+  if (now < last_worker_refresh_ + options_.refresh_interval) return;
+  last_worker_refresh_ = now;
+  RefreshNow();
+}
+
 void RedisBackendImpl::RefreshLoop() {
   absl::Time last = absl::InfinitePast();
   for (;;) {
     {
       absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(this, &RedisBackendImpl::RefreshWake));
+      // While a failed node's replica may be promoted, refresh every interval even when no
+      // request fails: a daemon idle through a failover must not meet the dead primary first.
+      const absl::Time watch_until =
+          absl::FromUnixNanos(watch_until_ns_.load(std::memory_order_relaxed));
+      if (absl::Now() < watch_until) {
+        mu_.AwaitWithTimeout(absl::Condition(this, &RedisBackendImpl::RefreshWake),
+                             options_.refresh_interval);
+      } else {
+        mu_.Await(absl::Condition(this, &RedisBackendImpl::RefreshWake));
+      }
       if (stopping_) return;
       // Rate limit: requests arriving meanwhile fold into the next refresh.
       const absl::Time next = last + options_.refresh_interval;

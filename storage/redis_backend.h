@@ -25,6 +25,10 @@
 // timeout, and after a failed connect a node is not retried for `reconnect_backoff` (objects fail
 // at once meanwhile); a stalled server fails them at the deadline, and the connection is dropped
 // (replies might still arrive). When the server comes back the next batch reconnects.
+// In a cluster a failed node may have been replaced by its replica: objects it failed are resent
+// to their slot's primary after an immediate refresh of the slot map when that moved them, and
+// for a minute after a failure the map is refreshed every refresh_interval, so that a daemon
+// idle through a failover learns the new primary before its next request.
 //
 // Cluster: see redis_cluster.h. MOVED updates the slot and resends (up to max_redirects per
 // object), ASK resends once with ASKING; either, and connection errors, schedule a topology

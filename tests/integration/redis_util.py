@@ -1,6 +1,8 @@
 """Real redis-server processes for the L3 integration tests (Debian's redis-server and
 redis-cli), started by the test in its temp directory: a standalone server on a Unix socket, and
-a 3-primary Redis Cluster on loopback ports built with CLUSTER ADDSLOTSRANGE and MEET.
+a 3-primary Redis Cluster on loopback ports built with CLUSTER ADDSLOTSRANGE and MEET, optionally
+with one replica per primary (CLUSTER REPLICATE) that Redis Cluster's own failover promotes when
+its primary dies.
 """
 import os
 import signal
@@ -12,13 +14,14 @@ REDIS_SERVER = "/usr/bin/redis-server"
 REDIS_CLI = "/usr/bin/redis-cli"
 
 
-def free_cluster_port():
-    """A loopback port whose cluster bus port (+10000) is free too."""
+def free_cluster_port(taken=()):
+    """A loopback port whose cluster bus port (+10000) is free too, neither of them in `taken`
+    (the ports of the cluster's other nodes, which may not have bound them yet)."""
     for _ in range(100):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port + 10000 > 65535:
+        if port + 10000 > 65535 or port in taken or port + 10000 in taken:
             continue
         with socket.socket() as bus:
             try:
@@ -30,11 +33,18 @@ def free_cluster_port():
 
 
 class RedisServer:
-    def __init__(self, directory, port=0, cluster=False):
+    def __init__(self, directory, port=0, cluster=False, node_timeout_ms=2000,
+                 full_coverage=True):
         self.dir = str(directory)
         os.makedirs(self.dir, exist_ok=True)
         self.port = port
         self.cluster = cluster
+        # cluster-node-timeout: how long a node may be unreachable before it is failing; a
+        # replica's failover starts about then.
+        self.node_timeout_ms = node_timeout_ms
+        # cluster-require-full-coverage: `no` keeps the other slots served while some have no
+        # live primary.
+        self.full_coverage = full_coverage
         self.socket = os.path.join(self.dir, "redis.sock")
         self.proc = None
 
@@ -54,10 +64,19 @@ class RedisServer:
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file",
                      os.path.join(self.dir, f"nodes-{self.port}.conf"),
-                     "--cluster-node-timeout", "2000"]
+                     "--cluster-node-timeout", str(self.node_timeout_ms),
+                     "--cluster-require-full-coverage", "yes" if self.full_coverage else "no",
+                     # A replica's first sync starts at once, not after the default 5 s wait
+                     # for more replicas.
+                     "--repl-diskless-sync-delay", "0"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
+            if self.proc.poll() is not None:  # A port taken meanwhile: its PONG is not ours.
+                log = os.path.join(self.dir, "redis.log")
+                tail = open(log).read()[-2000:] if os.path.exists(log) else ""
+                raise AssertionError(f"redis-server exited ({self.proc.returncode}) in {self.dir}:"
+                                     f"\n{tail}")
             if self.cli("PING", check=False).strip() == "PONG":
                 return self
             time.sleep(0.02)
@@ -84,6 +103,14 @@ class RedisServer:
             self.proc.wait(timeout=10)
         self.proc = None
 
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def role(self):
+        """"master" or "slave" (ROLE), "" when the server does not answer."""
+        out = self.cli("ROLE", check=False).split("\n")
+        return out[0].strip() if out else ""
+
     def dbsize(self):
         return int(self.cli("DBSIZE").strip())
 
@@ -96,40 +123,134 @@ class RedisServer:
 
 
 class RedisCluster:
+    """Three primaries with the slots split evenly, each with `replicas` replicas (0 or more).
+    `nodes` are the primaries as started; `replicas[i]` replicate nodes[i]."""
     NODES = 3
 
-    def __init__(self, directory):
-        self.nodes = [RedisServer(os.path.join(str(directory), f"node{i}"), free_cluster_port(),
-                                  cluster=True) for i in range(self.NODES)]
+    def __init__(self, directory, replicas=0, node_timeout_ms=2000):
+        # With replicas, the surviving primaries keep serving their slots while a dead one's
+        # replica takes over (cluster-require-full-coverage no).
+        opts = dict(cluster=True, node_timeout_ms=node_timeout_ms, full_coverage=replicas == 0)
+        taken = set()
+
+        def server(name):
+            port = free_cluster_port(taken)
+            taken.update((port, port + 10000))
+            return RedisServer(os.path.join(str(directory), name), port, **opts)
+
+        self.nodes = [server(f"node{i}") for i in range(self.NODES)]
+        self.replicas = [[server(f"node{i}-replica{r}") for r in range(replicas)]
+                         for i in range(self.NODES)]
+
+    @property
+    def all_nodes(self):
+        return self.nodes + [r for rs in self.replicas for r in rs]
 
     @staticmethod
     def first_slot(i):
         return 16384 * i // RedisCluster.NODES
 
     def start(self):
-        for n in self.nodes:
+        """Starts and joins every node; on failure stops those started (no server outlives a
+        test whose fixture failed)."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self):
+        for n in self.all_nodes:
             n.start()
         for i, n in enumerate(self.nodes):
             n.cli("CLUSTER", "SET-CONFIG-EPOCH", str(i + 1))
             n.cli("CLUSTER", "ADDSLOTSRANGE", str(self.first_slot(i)),
                   str(self.first_slot(i + 1) - 1))
-        for n in self.nodes[1:]:
+        for n in self.all_nodes[1:]:
             self.nodes[0].cli("CLUSTER", "MEET", "127.0.0.1", str(n.port))
         self.wait_ok()
+        if any(self.replicas):
+            for i, rs in enumerate(self.replicas):
+                for r in rs:
+                    r.cli("CLUSTER", "REPLICATE", self.node_id(i))
+            self.wait_replicas_synced()
         return self
 
     def wait_ok(self, timeout=20):
+        known = f"cluster_known_nodes:{len(self.all_nodes)}"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if all("cluster_state:ok" in n.cli("CLUSTER", "INFO", check=False) and
-                   f"cluster_known_nodes:{self.NODES}" in n.cli("CLUSTER", "INFO", check=False)
-                   for n in self.nodes):
+                   known in n.cli("CLUSTER", "INFO", check=False)
+                   for n in self.all_nodes):
                 return
             time.sleep(0.05)
-        raise AssertionError("redis cluster did not converge")
+        seen = {n.port: [line.strip()
+                         for line in n.cli("CLUSTER", "INFO", check=False).splitlines()
+                         if line.startswith(("cluster_state", "cluster_known_nodes"))]
+                for n in self.all_nodes}
+        raise AssertionError(f"redis cluster did not converge: {seen}")
+
+    def wait_replicas_synced(self, timeout=20):
+        """Every replica's link to its primary is up and every node lists it as that primary's
+        replica: from then on a failover can promote it."""
+        deadline = time.monotonic() + timeout
+        want = {(r.cli("CLUSTER", "MYID").strip(), self.node_id(i))
+                for i, rs in enumerate(self.replicas) for r in rs}
+        while time.monotonic() < deadline:
+            linked = all("master_link_status:up" in r.cli("INFO", "replication", check=False)
+                         for rs in self.replicas for r in rs)
+            if linked and all(want <= self._replica_pairs(n) for n in self.all_nodes):
+                return
+            time.sleep(0.05)
+        raise AssertionError("redis cluster replicas did not sync")
+
+    @staticmethod
+    def _cluster_nodes(node):
+        """CLUSTER NODES of `node` as [(id, flags, primary id, slot ranges)]."""
+        rows = []
+        for line in node.cli("CLUSTER", "NODES", check=False).splitlines():
+            f = line.split()
+            if len(f) >= 8:
+                rows.append((f[0], f[2].split(","), f[3], f[8:]))
+        return rows
+
+    def _replica_pairs(self, node):
+        return {(nid, primary) for nid, flags, primary, _ in self._cluster_nodes(node)
+                if "slave" in flags}
 
     def node_id(self, i):
         return self.nodes[i].cli("CLUSTER", "MYID").strip()
+
+    def kill_primary(self, i):
+        """SIGKILLs primary i (no persistence: its data lives on only in its replicas)."""
+        self.nodes[i].stop(signal.SIGKILL)
+
+    def failover_done(self, i):
+        """Whether a replica of dead primary i is now a primary, and every live node says it
+        owns i's slots."""
+        promoted = [r for r in self.replicas[i] if r.alive() and r.role() == "master"]
+        if not promoted:
+            return False
+        new_id = promoted[0].cli("CLUSTER", "MYID").strip()
+        slots = f"{self.first_slot(i)}-{self.first_slot(i + 1) - 1}"
+        for n in self.all_nodes:
+            if not n.alive():
+                continue
+            owners = [nid for nid, flags, _, ranges in self._cluster_nodes(n)
+                      if "master" in flags and slots in ranges]
+            if owners != [new_id]:
+                return False
+        return True
+
+    def wait_failover(self, i, timeout=30):
+        """Waits for failover_done(i); returns the seconds it took."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.failover_done(i):
+                return time.monotonic() - t0
+            time.sleep(0.05)
+        raise AssertionError(f"no replica of redis primary {i} took over in {timeout}s")
 
     def move_slots(self, first, last, to):
         """Gives slots [first, last] to node `to` on every node, without moving keys: a client
@@ -140,6 +261,7 @@ class RedisCluster:
             n.cli(stdin=script)
 
     def seeds(self):
+        """The primaries as started (a client learns replicas and later primaries from them)."""
         return ",".join(n.address for n in self.nodes)
 
     def dbsize(self):
@@ -149,5 +271,5 @@ class RedisCluster:
         return sum(n.object_count() for n in self.nodes)
 
     def stop(self):
-        for n in self.nodes:
+        for n in self.all_nodes:
             n.stop()
