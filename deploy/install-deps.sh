@@ -18,6 +18,8 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   # Core libraries.
   libabsl-dev liburing-dev libssl-dev libyaml-cpp-dev libhiredis-dev
+  # KV events for routers: ZeroMQ and msgpack (server/events).
+  libzmq3-dev libmsgpack-cxx-dev
   # Metrics: prometheus-cpp's core library (the pull and push parts come with it, unused).
   prometheus-cpp-dev
   # Tests and benchmarks; clang and libFuzzer for the fuzz targets (tests/fuzz).
@@ -26,6 +28,8 @@ PACKAGES=(
   redis-server prometheus
   # Python side of the integration tests (for /usr/bin/python3).
   python3 python3-grpcio python3-grpc-tools python3-yaml python3-protobuf python3-pytest
+  # KV events: a ZMQ subscriber that decodes msgpack (tests/integration/test_events.py).
+  python3-zmq python3-msgpack
   # The kvcellar package's test venv, when it is made from Debian's Python.
   python3-venv
   # Tools the tests call.

@@ -101,6 +101,7 @@ absl::Status Daemon::StartListeners() {
   absl::StatusOr<std::unique_ptr<L3Tiers>> l3 = L3Tiers::Open(config_.storage);
   if (!l3.ok()) return l3.status();
   l3_ = *std::move(l3);
+  if (absl::Status s = StartEvents(); !s.ok()) return s;
   CreateServices(registry);
 
   unix_socket_ = ResolveUnixSocketPath(config_);
@@ -148,6 +149,7 @@ void Daemon::CreateServices(MetricsRegistry& registry) {
   cache_options.devices = devices_;
   cache_options.l3 = l3_.get();
   cache_options.metrics = &registry;
+  cache_options.events = events_.get();
   {
     absl::MutexLock lock(&mu_);
     cache_options.daemon_epoch = info_.epoch;
@@ -160,9 +162,30 @@ void Daemon::CreateServices(MetricsRegistry& registry) {
   auto info = [this] { return Info(); };
   // Without L3 tiers the admin services get no L3Admin (nullptr): TIER_L3 reports nothing.
   engine_admin_service_ = std::make_unique<AdminServiceImpl>(
-      info, config_, /*allow_mutations=*/false, &cache_->admin(), l3_admin_.get());
+      info, config_, /*allow_mutations=*/false, &cache_->admin(), l3_admin_.get(), events_.get());
   admin_service_ = std::make_unique<AdminServiceImpl>(
-      info, config_, /*allow_mutations=*/true, &cache_->admin(), l3_admin_.get());
+      info, config_, /*allow_mutations=*/true, &cache_->admin(), l3_admin_.get(), events_.get());
+}
+
+absl::Status Daemon::StartEvents() {
+  const EventsConfig& c = config_.events;
+  EventHubOptions o;
+  o.endpoint = c.endpoint;
+  o.replay_endpoint = c.replay_endpoint;
+  o.topic = c.topic;
+  o.node = c.node;
+  o.buffer_steps = c.buffer_steps;
+  o.hwm = c.hwm;
+  o.max_queue_size = c.max_queue_size;
+  o.batch_interval = absl::Milliseconds(c.batch_interval_ms);
+  for (size_t i = 0; i < l3_->size(); ++i) {
+    o.l3_names.push_back(l3_->tier(i).spec.name);
+    o.l3_shared.push_back(l3_->tier(i).shared);
+  }
+  absl::StatusOr<std::unique_ptr<EventHub>> hub = EventHub::Start(std::move(o));
+  if (!hub.ok()) return hub.status();
+  events_ = *std::move(hub);
+  return absl::OkStatus();
 }
 
 void Daemon::ConfigureServer(grpc::ServerBuilder& builder) const {

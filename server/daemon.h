@@ -30,6 +30,7 @@
 #include "server/l3/l3_tiers.h"
 #include "server/admin/daemon_info.h"
 #include "server/datapath/device_set.h"
+#include "server/events/event_hub.h"
 #include "server/rpc/peer_credentials.h"
 #include "server/rpc/unix_listener.h"
 
@@ -67,6 +68,8 @@ class Daemon {
   absl::Status StartListeners();
   // The phases of StartListeners, in order.
   // The cache, its RPC service, and the admin services (engine-facing and operator-facing).
+  // The KV event hub (config_.events): binds its ZMQ endpoints.
+  absl::Status StartEvents();
   void CreateServices(MetricsRegistry& registry);
   // The engine-facing server (Unix socket, TCP when configured); returns the TCP address or
   // "none".
@@ -105,6 +108,8 @@ class Daemon {
   // L3 backends: destroyed after the service (whose writes and reads they complete), before the
   // pool (whose slots their I/O reads and writes).
   std::unique_ptr<L3Tiers> l3_;
+  // KV events: the indexes report to it, WatchEvents streams watch it; outlives both.
+  std::unique_ptr<EventHub> events_;
   std::unique_ptr<Cache> cache_;  // The composition root; outlives its service.
   PeerCredentials peer_credentials_;  // Of engine-socket connections; outlives the service.
   std::unique_ptr<CacheServiceImpl> cache_service_;

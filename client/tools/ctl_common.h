@@ -35,6 +35,10 @@ struct Options {
   bool dry_run = false;
   bool yes = false;  // Clear's confirm.
   bool per_namespace = false;
+  // events.
+  std::optional<uint64_t> from_seq;
+  uint64_t count = 0;  // 0: until interrupted.
+  std::string model;
 };
 
 // Sets the deadline from --timeout-ms.
@@ -72,6 +76,7 @@ int Namespaces(const Options& options, v1::AdminService::Stub& stub);
 int Stats(const Options& options, v1::AdminService::Stub& stub);
 int Evict(const Options& options, v1::AdminService::Stub& stub);
 int Clear(const Options& options, v1::AdminService::Stub& stub);
+int Events(const Options& options, v1::AdminService::Stub& stub);
 
 }  // namespace kvcellar::ctl
 

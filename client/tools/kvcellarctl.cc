@@ -39,6 +39,9 @@ constexpr char kUsage[] =
     "  stats       counters [--per-namespace] [--namespace HEX]\n"
     "  evict       evict cold pages (admin socket): scope, --tier, --target-bytes N, --dry-run\n"
     "  clear       remove every page in scope (admin socket): scope, --tier, --yes, --dry-run\n"
+    "  events      KV events as the daemon publishes them (docs/events.md), until Ctrl-C:\n"
+    "              [--from-seq N] replay buffered batches from N first, [--count N] stop after\n"
+    "              N batches, [--tenant T] [--model M] only that namespace's\n"
     "\n"
     "scope (evict, clear; all given must match): --namespace HEX (ns_digest), --tenant T\n"
     "  (\"\" is the empty tenant), --subtree HEX (a page key and everything below it)\n"
@@ -201,12 +204,25 @@ int main(int argc, char** argv) {
       if (!take_value(it->second)) return Usage(absl::StrCat(name, " needs a value"));
       continue;
     }
-    if (name == "--instance" || name == "--tenant" || name == "--l3-backend") {
+    if (name == "--instance" || name == "--tenant" || name == "--l3-backend" ||
+        name == "--model") {
       std::string v;
       if (!take_value(&v)) return Usage(absl::StrCat(name, " needs a value"));
       if (name == "--instance") options.instance = v;
       if (name == "--tenant") options.tenant = v;
       if (name == "--l3-backend") options.l3_backends.push_back(v);
+      if (name == "--model") options.model = v;
+      continue;
+    }
+    if (name == "--from-seq" || name == "--count") {
+      std::string v;
+      if (!take_value(&v)) return Usage(absl::StrCat(name, " needs a value"));
+      char* end = nullptr;
+      const uint64_t n = std::strtoull(v.c_str(), &end, 10);
+      if (v.empty() || *end != '\0' || v[0] == '-') {
+        return Usage(absl::StrCat(name, " must be a non-negative integer, got '", v, "'"));
+      }
+      (name == "--count" ? options.count : options.from_seq.emplace()) = n;
       continue;
     }
     if (name == "--namespace" || name == "--subtree") {
@@ -257,7 +273,7 @@ int main(int argc, char** argv) {
   const std::map<std::string, Command> commands = {
       {"status", Status},          {"config", Config},         {"engines", ctl::Engines},
       {"namespaces", ctl::Namespaces}, {"stats", ctl::Stats}, {"evict", ctl::Evict},
-      {"clear", ctl::Clear}};
+      {"clear", ctl::Clear},       {"events", ctl::Events}};
   auto command = commands.find(options.command);
   if (command == commands.end()) {
     return Usage(absl::StrCat("unknown command '", options.command, "'"));

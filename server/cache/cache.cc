@@ -23,6 +23,11 @@ core::EvictionPolicyKind PolicyOf(const Config& config) {
                                                         : core::EvictionPolicyKind::kS3Fifo;
 }
 
+NamespaceRegistry::EventSinkFactory EventSinks(EventHub* hub) {
+  if (hub == nullptr) return nullptr;
+  return [hub](uint32_t id, const core::NamespaceSpec& spec) { return hub->SinkFor(id, spec); };
+}
+
 }  // namespace
 
 Cache::Cache(CacheOptions options)
@@ -32,7 +37,8 @@ Cache::Cache(CacheOptions options)
       devices_(std::move(options.devices)),
       metrics_(options.metrics != nullptr ? options.metrics : &DefaultRegistry()),
       namespaces_(options.pool, PolicyOf(config_),
-                  options.l3 != nullptr ? static_cast<int>(options.l3->size()) : 0),
+                  options.l3 != nullptr ? static_cast<int>(options.l3->size()) : 0,
+                  EventSinks(options.events)),
       l2_(options.pool, &namespaces_, config_.pool.high_watermark, config_.pool.low_watermark,
           &metrics_),
       ops_(&metrics_, absl::Milliseconds(limits_.op_result_retention_ms)),
@@ -56,6 +62,9 @@ Cache::Cache(CacheOptions options)
     });
   }
   AddCollectors();
+  if (options.events != nullptr) {
+    metrics_.AddCollector([hub = options.events](MetricWriter& out) { hub->Collect(out); });
+  }
   housekeeper_ = std::make_unique<Housekeeper>(
       HousekeeperParts{&sessions_, &pins_, &namespaces_, &ops_, &matcher_, &l2_, &metrics_,
                        [this](const SessionRegistry::Removed& r, absl::string_view reason) {

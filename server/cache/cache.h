@@ -41,6 +41,7 @@
 #include "server/datapath/device_set.h"
 #include "server/datapath/matcher.h"
 #include "server/datapath/sim_signal_pump.h"
+#include "server/events/event_hub.h"
 #include "server/cache/housekeeper.h"
 #include "server/l2/l2_space.h"
 #include "server/l3/l3_prefetcher.h"
@@ -76,6 +77,9 @@ struct CacheOptions {
   std::string cold_reason;
   // How often the housekeeper runs. Pin and session leases lapse at most this late.
   absl::Duration housekeeping_interval = absl::Milliseconds(20);
+  // Where the indexes report pages stored and removed (KV events); nullptr: nowhere. Outlives
+  // the cache.
+  EventHub* events = nullptr;
 };
 
 class Cache {

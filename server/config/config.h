@@ -134,6 +134,20 @@ struct StorageConfig {
   bool operator==(const StorageConfig&) const = default;
 };
 
+// KV events for routers (server/events/event_hub.h, docs/events.md). The names follow vLLM's
+// KVEventsConfig (endpoint, replay_endpoint, buffer_steps, hwm, max_queue_size, topic).
+struct EventsConfig {
+  std::string endpoint;         // ZMQ PUB; "" = none (WatchEvents still works).
+  std::string replay_endpoint;  // ZMQ ROUTER for replay; "" = none.
+  std::string topic;            // {node}, {tenant}, {model} are replaced.
+  std::string node;             // "" = the host name.
+  int64_t buffer_steps = 0;     // Batches kept for replay.
+  int64_t hwm = 0;              // ZMQ send high-water mark of the PUB socket.
+  int64_t max_queue_size = 0;   // Events waiting for the publisher; more are dropped.
+  int64_t batch_interval_ms = 0;
+  bool operator==(const EventsConfig&) const = default;
+};
+
 struct Config {
   ListenConfig listen;
   TlsConfig tls;
@@ -146,6 +160,7 @@ struct Config {
   SessionsConfig sessions;
   DeviceConfig device;
   StorageConfig storage;
+  EventsConfig events;
   bool operator==(const Config&) const = default;
 };
 

@@ -175,6 +175,20 @@ std::string CheckAdminSocket(absl::string_view value) {
   return CheckSocketPath(value);
 }
 
+std::string CheckZmqEndpoint(absl::string_view value) {
+  if (value.empty()) return "";
+  for (absl::string_view scheme : {"tcp://", "ipc://", "inproc://"}) {
+    if (absl::StartsWith(value, scheme) && value.size() > scheme.size() &&
+        std::none_of(value.begin(), value.end(),
+                     [](char c) { return absl::ascii_isspace(c) || absl::ascii_iscntrl(c); })) {
+      return "";
+    }
+  }
+  return absl::StrCat("must be a ZeroMQ endpoint such as tcp://*:5557, tcp://indexer:5557 or "
+                      "ipc:///run/kvcellar/events, or \"\" for none; got '",
+                      value, "'");
+}
+
 std::string CheckHostPort(absl::string_view value) {
   if (value.empty()) return "";
   std::string syntax = absl::StrCat(
@@ -520,6 +534,28 @@ std::vector<KeySpec> SchemaTable() {
       DurationKey(KVC_FIELD(storage, max_lookup_ms), "50", 0, 10'000,
                   "Cap on a Match's l3_lookup_timeout_ms (asking L3 backends for pages the "
                   "index does not know)."),
+      // events
+      StringKey(KVC_FIELD(events, endpoint), "", CheckZmqEndpoint, "ZeroMQ endpoint, or \"\"",
+                "Where KV events are published (ZMQ PUB, vLLM's format, docs/events.md): bound "
+                "when it has '*' or is ipc://, else connected; \"\" = no ZMQ publisher."),
+      StringKey(KVC_FIELD(events, replay_endpoint), "", CheckZmqEndpoint,
+                "ZeroMQ endpoint, or \"\"",
+                "ZMQ ROUTER (bound) answering replay requests for buffered batches; \"\" = none."),
+      StringKey(KVC_FIELD(events, topic), "kv@{node}@{model}", nullptr, "string",
+                "Topic of each batch; {node}, {tenant} and {model} are replaced by events.node "
+                "and the namespace's tenant and model id."),
+      StringKey(KVC_FIELD(events, node), "", nullptr, "string, or \"\"",
+                "This node's name in topics; \"\" = the host name."),
+      IntKey(KVC_FIELD(events, buffer_steps), "10000", 1, 10'000'000,
+             "Batches kept for replay (replay_endpoint and WatchEvents from_seq)."),
+      IntKey(KVC_FIELD(events, hwm), "100000", 1, 100'000'000,
+             "ZMQ send high-water mark: batches queued per slow subscriber before it loses "
+             "them (and sees the gap in sequence numbers)."),
+      IntKey(KVC_FIELD(events, max_queue_size), "100000", 1, 100'000'000,
+             "Index events waiting for the publisher at most; more are dropped (counted, and "
+             "the next batch's sequence number skips one)."),
+      DurationKey(KVC_FIELD(events, batch_interval_ms), "10", 1, 10'000,
+                  "How often queued events are published as batches."),
   };
 }
 

@@ -7,16 +7,14 @@
 #include "platform/log.h"
 #include "server/build_info.h"
 #include "server/config/cache_limits.h"
+#include "server/rpc/event_stream.h"
+#include "server/rpc/api_revision.h"
 #include "server/rpc/grpc_status.h"
 
 namespace kvcellar::server {
 namespace {
 
 namespace v1 = ::kvcellar::v1;
-
-// Revision of kvcellar.v1 this daemon implements; bumped when RPCs or fields gain behaviour
-// (docs/api.md, compatibility).
-constexpr uint32_t kApiRevision = 1;
 
 grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, grpc::Status status) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
@@ -61,12 +59,14 @@ std::string Hostname() {
 }  // namespace
 
 AdminServiceImpl::AdminServiceImpl(std::function<DaemonInfo()> info, const Config& config,
-                                   bool allow_mutations, CacheAdmin* cache, L3Admin* l3)
+                                   bool allow_mutations, CacheAdmin* cache, L3Admin* l3,
+                                   EventHub* events)
     : info_(std::move(info)),
       config_(config),
       allow_mutations_(allow_mutations),
       cache_(cache),
-      l3_(l3) {}
+      l3_(l3),
+      events_(events) {}
 
 absl::Status AdminServiceImpl::CheckAccess(const grpc::CallbackServerContext* context,
                                            absl::string_view method, bool mutates) const {
@@ -236,6 +236,20 @@ grpc::ServerUnaryReactor* AdminServiceImpl::Clear(grpc::CallbackServerContext* c
            {"deferred_pages", response->deferred_pages()}});
   }
   return Finish(context, ToGrpcStatus(s, context));
+}
+
+grpc::ServerWriteReactor<v1::WatchEventsResponse>* AdminServiceImpl::WatchEvents(
+    grpc::CallbackServerContext* context, const v1::WatchEventsRequest* request) {
+  if (events_ == nullptr) {
+    // A reactor that only finishes: no event hub in this daemon.
+    class Unavailable final : public grpc::ServerWriteReactor<v1::WatchEventsResponse> {
+     public:
+      Unavailable() { Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "no event hub")); }
+      void OnDone() override { delete this; }
+    };
+    return new Unavailable();
+  }
+  return new EventStream(events_, *request);
 }
 
 }  // namespace kvcellar::server

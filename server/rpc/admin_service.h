@@ -19,6 +19,7 @@
 #include "kvcellar/v1/admin_service.grpc.pb.h"
 #include "server/admin/cache_admin.h"
 #include "server/config/config.h"
+#include "server/events/event_hub.h"
 #include "server/l3/l3_admin.h"
 #include "server/admin/daemon_info.h"
 
@@ -28,8 +29,10 @@ class AdminServiceImpl final : public kvcellar::v1::AdminService::CallbackServic
  public:
   // `cache` serves the cache RPCs (nullptr: they answer UNAVAILABLE); `l3` is the storage tiers'
   // admin, nullptr when none is configured. Both outlive the service.
+  // `events` serves WatchEvents (nullptr: it answers UNAVAILABLE); it outlives the service.
   AdminServiceImpl(std::function<DaemonInfo()> info, const Config& config, bool allow_mutations,
-                   CacheAdmin* cache = nullptr, L3Admin* l3 = nullptr);
+                   CacheAdmin* cache = nullptr, L3Admin* l3 = nullptr,
+                   EventHub* events = nullptr);
 
   grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* context,
                                       const kvcellar::v1::GetStatusRequest* request,
@@ -52,6 +55,9 @@ class AdminServiceImpl final : public kvcellar::v1::AdminService::CallbackServic
   grpc::ServerUnaryReactor* Clear(grpc::CallbackServerContext* context,
                                   const kvcellar::v1::ClearRequest* request,
                                   kvcellar::v1::ClearResponse* response) override;
+  grpc::ServerWriteReactor<kvcellar::v1::WatchEventsResponse>* WatchEvents(
+      grpc::CallbackServerContext* context,
+      const kvcellar::v1::WatchEventsRequest* request) override;
 
  private:
   bool MayMutate(const grpc::CallbackServerContext* context) const;
@@ -65,6 +71,7 @@ class AdminServiceImpl final : public kvcellar::v1::AdminService::CallbackServic
   const bool allow_mutations_;
   CacheAdmin* const cache_;
   L3Admin* const l3_;
+  EventHub* const events_;
 };
 
 }  // namespace kvcellar::server

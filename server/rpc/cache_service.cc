@@ -8,6 +8,7 @@
 #include "absl/time/clock.h"
 #include "platform/log.h"
 #include "server/build_info.h"
+#include "server/rpc/api_revision.h"
 #include "server/rpc/grpc_status.h"
 #include "server/rpc/request_validation.h"
 #include "server/session/namespace_metrics.h"
@@ -15,9 +16,6 @@
 namespace kvcellar::server {
 namespace {
 
-// Revision of kvcellar.v1 this daemon implements (docs/api.md, compatibility). Keep in step with
-// the one AdminService reports (admin_service.cc).
-constexpr uint32_t kApiRevision = 1;
 // WaitOps answers this long before the call's own gRPC deadline, so the reply (with the states as
 // they are) reaches the client instead of DEADLINE_EXCEEDED: a Unix-socket round trip is ~0.1 ms.
 constexpr absl::Duration kDeadlineMargin = absl::Milliseconds(2);

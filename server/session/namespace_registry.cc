@@ -20,7 +20,7 @@ absl::Status GroupMismatch(absl::string_view field, absl::string_view message) {
 
 Namespace::Namespace(core::NamespaceSpec spec, core::HostPool* pool,
                      core::EvictionPolicyKind policy, int l3_tiers, uint32_t id,
-                     core::SlotJournal* journal)
+                     core::SlotJournal* journal, core::IndexEventSink* events)
     : spec_(std::move(spec)),
       digest_(spec_.Digest()),
       shards_(static_cast<int>(spec_.ShardsPerPage())),
@@ -28,7 +28,8 @@ Namespace::Namespace(core::NamespaceSpec spec, core::HostPool* pool,
       policy_(policy),
       l3_tiers_(l3_tiers),
       id_(id),
-      journal_(journal) {}
+      journal_(journal),
+      events_(events) {}
 
 Namespace::~Namespace() = default;
 
@@ -148,6 +149,7 @@ absl::Status Namespace::FixGeometryLocked(Geometry g) {
     absl::StatusOr<std::unique_ptr<core::RadixIndex>> created = core::RadixIndex::Create(options);
     if (!created.ok()) return created.status();
     owned_index_ = *std::move(created);
+    if (events_ != nullptr) owned_index_->SetEventSink(events_);
   }
 
   const bool refixed = has_geometry_;
@@ -174,8 +176,8 @@ void Namespace::ReleaseLayout() {
 }
 
 NamespaceRegistry::NamespaceRegistry(core::HostPool* pool, core::EvictionPolicyKind policy,
-                                     int l3_tiers)
-    : pool_(pool), policy_(policy), l3_tiers_(l3_tiers) {}
+                                     int l3_tiers, EventSinkFactory event_sinks)
+    : pool_(pool), policy_(policy), l3_tiers_(l3_tiers), event_sinks_(std::move(event_sinks)) {}
 
 std::shared_ptr<Namespace> NamespaceRegistry::GetOrCreate(const core::NamespaceSpec& spec) {
   return Create(spec, /*journal=*/true);
@@ -193,7 +195,9 @@ std::shared_ptr<Namespace> NamespaceRegistry::Create(const core::NamespaceSpec& 
   if (inserted) {
     const uint32_t id = static_cast<uint32_t>(by_id_.size() + 1);
     core::SlotJournal* journal = pool_->journal();
-    it->second = std::make_shared<Namespace>(spec, pool_, policy_, l3_tiers_, id, journal);
+    core::IndexEventSink* events = event_sinks_ ? event_sinks_(id, spec) : nullptr;
+    it->second =
+        std::make_shared<Namespace>(spec, pool_, policy_, l3_tiers_, id, journal, events);
     by_id_.push_back(it->second);
     // Logged before any page of it can be: a restarted daemon recreates it under the same id.
     if (journal != nullptr && journal_it) {

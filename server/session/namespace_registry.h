@@ -27,6 +27,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -37,6 +38,7 @@
 #include "absl/synchronization/mutex.h"
 #include "core/eviction_policy.h"
 #include "core/host_pool.h"
+#include "core/index_events.h"
 #include "core/kv_layout.h"
 #include "core/namespace_spec.h"
 #include "core/page_key.h"
@@ -51,8 +53,10 @@ class Namespace {
   // `l3_tiers`: how many L3 tiers the daemon has (the index keeps a bit per tier). `id`: the
   // registry's number for it (see id()).
   // `journal` (nullable, outlives it): where a fixed geometry is logged for a warm restart.
+  // `events` (nullable, outlives it): where its index reports pages stored and removed.
   Namespace(core::NamespaceSpec spec, core::HostPool* pool, core::EvictionPolicyKind policy,
-            int l3_tiers = 0, uint32_t id = 0, core::SlotJournal* journal = nullptr);
+            int l3_tiers = 0, uint32_t id = 0, core::SlotJournal* journal = nullptr,
+            core::IndexEventSink* events = nullptr);
   ~Namespace();
   Namespace(const Namespace&) = delete;
   Namespace& operator=(const Namespace&) = delete;
@@ -121,6 +125,7 @@ class Namespace {
   const int l3_tiers_;
   const uint32_t id_;
   core::SlotJournal* const journal_;
+  core::IndexEventSink* const events_;
 
   absl::Mutex mu_;
   bool has_geometry_ ABSL_GUARDED_BY(mu_) = false;
@@ -137,8 +142,13 @@ class Namespace {
 
 class NamespaceRegistry {
  public:
-  // `pool` outlives the registry.
-  NamespaceRegistry(core::HostPool* pool, core::EvictionPolicyKind policy, int l3_tiers = 0);
+  // The events sink of a new namespace (its id and spec), or nullptr (server/events).
+  using EventSinkFactory =
+      std::function<core::IndexEventSink*(uint32_t id, const core::NamespaceSpec& spec)>;
+
+  // `pool` outlives the registry; so do the sinks `event_sinks` returns.
+  NamespaceRegistry(core::HostPool* pool, core::EvictionPolicyKind policy, int l3_tiers = 0,
+                    EventSinkFactory event_sinks = nullptr);
 
   // The namespace of `spec` (which passed Validate()), created on first use.
   std::shared_ptr<Namespace> GetOrCreate(const core::NamespaceSpec& spec) ABSL_LOCKS_EXCLUDED(mu_);
@@ -159,6 +169,7 @@ class NamespaceRegistry {
   core::HostPool* const pool_;
   const core::EvictionPolicyKind policy_;
   const int l3_tiers_;
+  const EventSinkFactory event_sinks_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<core::PageKey, std::shared_ptr<Namespace>> by_digest_ ABSL_GUARDED_BY(mu_);
   // by_id_[id - 1], which is also creation order; namespaces are never removed, so ids are dense.

@@ -18,9 +18,17 @@
 // pool.shm_name (so with a journal) runs beside the benchmark's daemon (no journal); each
 // iteration times one Backup on each, in alternating order, after both pools were filled past
 // capacity. ratio = journal GB/s / plain GB/s.
+//
+// BM_BackupEvents: what publishing KV events costs Backup (server/events, docs/events.md). The
+// second kvcellard has events.endpoint set and a ZMQ subscriber in this process receives every
+// batch; the benchmark's own daemon publishes nothing. Same alternation; ratio = events / plain.
 #include <unistd.h>
+#include <zmq.h>
 
 #include <algorithm>
+#include <atomic>
+#include <thread>
+#include <utility>
 #include <cstring>
 #include <map>
 #include <vector>
@@ -253,25 +261,27 @@ void RunCopy(benchmark::State& state, DatapathEnv* env, Summary* summary, const 
                    kv_gbps, memcpy_gbps);
 }
 
-void RunBackupJournal(benchmark::State& state, DatapathEnv* env, Summary* summary,
-                      const BenchConfig& config) {
+// Backup on the benchmark's daemon and on a second one started with `beside` options, one of
+// each per iteration in alternating order, after both pools were filled past capacity. Returns
+// the (beside, plain) GB/s, or an error to skip with.
+struct BesideResult {
+  double beside_gbps = 0;
+  double plain_gbps = 0;
+  uint32_t items = 0;
+};
+
+absl::StatusOr<BesideResult> BackupBeside(benchmark::State& state, DatapathEnv* env,
+                                          const BenchConfig& config, const EnvOptions& beside) {
   const uint64_t kib = state.range(0);
   const uint32_t layers = static_cast<uint32_t>(state.range(1));
-  // The second daemon: the same options, its pool a named shm object with a slot journal.
-  const std::string shm = absl::StrCat("kvc-bench-journal-", getpid());
-  EnvOptions options = env->options();
-  options.extra_sets.push_back(absl::StrCat("pool.shm_name=", shm));
-  absl::StatusOr<std::unique_ptr<DatapathEnv>> journal_env = DatapathEnv::Start(options);
-  if (!journal_env.ok()) {
-    state.SkipWithError(journal_env.status().ToString().c_str());
-    return;
-  }
+  absl::StatusOr<std::unique_ptr<DatapathEnv>> other = DatapathEnv::Start(beside);
+  if (!other.ok()) return other.status();
   struct Side {
     DatapathEnv* env;
     CopyCase c;
     absl::Duration time;
   };
-  Side sides[2] = {{env, {}, {}}, {journal_env->get(), {}, {}}};
+  Side sides[2] = {{env, {}, {}}, {other->get(), {}, {}}};
   absl::Status failed;
   for (Side& side : sides) {
     Warmup warmup;
@@ -298,27 +308,92 @@ void RunBackupJournal(benchmark::State& state, DatapathEnv* env, Summary* summar
     ++op;
     state.SetIterationTime(absl::ToDoubleSeconds(absl::Now() - start));
   }
-  const int daemon_status = (*journal_env)->StopDaemon();
-  journal_env->reset();
-  (void)platform::HostMemory::UnlinkShm(shm);
-  (void)platform::HostMemory::UnlinkShm(shm + ".journal");
-  if (!failed.ok()) {
-    state.SkipWithError(failed.ToString().c_str());
-    return;
-  }
+  const int daemon_status = (*other)->StopDaemon();
+  other->reset();
+  if (!failed.ok()) return failed;
   if (daemon_status != 0) {
-    state.SkipWithError(absl::StrCat("journal kvcellard exited with ", daemon_status).c_str());
-    return;
+    return absl::InternalError(absl::StrCat("second kvcellard exited with ", daemon_status));
   }
   const double bytes = double(state.iterations()) * sides[0].c.items * sides[0].c.object;
-  const double plain = bytes / absl::ToDoubleSeconds(sides[0].time) / 1e9;
-  const double journal = bytes / absl::ToDoubleSeconds(sides[1].time) / 1e9;
-  state.counters["plain_GBps"] = plain;
-  state.counters["journal_GBps"] = journal;
-  state.counters["ratio"] = journal / plain;
-  summary->AddJournal(absl::StrCat("Backup ", kib, " KiB x ", layers, " layers, ",
-                                   sides[0].c.items, " pages/op"),
-                      journal, plain);
+  return BesideResult{bytes / absl::ToDoubleSeconds(sides[1].time) / 1e9,
+                      bytes / absl::ToDoubleSeconds(sides[0].time) / 1e9, sides[0].c.items};
+}
+
+std::string CaseName(benchmark::State& state, uint32_t items) {
+  return absl::StrCat("Backup ", state.range(0), " KiB x ", state.range(1), " layers, ", items,
+                      " pages/op");
+}
+
+void RunBackupJournal(benchmark::State& state, DatapathEnv* env, Summary* summary,
+                      const BenchConfig& config) {
+  // The second daemon: the same options, its pool a named shm object with a slot journal.
+  const std::string shm = absl::StrCat("kvc-bench-journal-", getpid());
+  EnvOptions options = env->options();
+  options.extra_sets.push_back(absl::StrCat("pool.shm_name=", shm));
+  absl::StatusOr<BesideResult> r = BackupBeside(state, env, config, options);
+  (void)platform::HostMemory::UnlinkShm(shm);
+  (void)platform::HostMemory::UnlinkShm(shm + ".journal");
+  if (!r.ok()) return state.SkipWithError(r.status().ToString().c_str());
+  state.counters["plain_GBps"] = r->plain_gbps;
+  state.counters["journal_GBps"] = r->beside_gbps;
+  state.counters["ratio"] = r->beside_gbps / r->plain_gbps;
+  summary->AddJournal(CaseName(state, r->items), r->beside_gbps, r->plain_gbps);
+}
+
+// A ZMQ subscriber on its own thread, receiving (and counting) every message until stopped: a
+// router that keeps up, so the daemon's publisher does the whole work of publishing.
+class Subscriber {
+ public:
+  explicit Subscriber(const std::string& endpoint) {
+    ctx_ = zmq_ctx_new();
+    sock_ = zmq_socket(ctx_, ZMQ_SUB);
+    const int timeout_ms = 50;
+    zmq_setsockopt(sock_, ZMQ_RCVTIMEO, &timeout_ms, sizeof(timeout_ms));
+    zmq_setsockopt(sock_, ZMQ_SUBSCRIBE, "", 0);
+    zmq_connect(sock_, endpoint.c_str());
+    thread_ = std::thread([this] {
+      while (!stop_.load()) {
+        zmq_msg_t msg;
+        zmq_msg_init(&msg);
+        if (zmq_msg_recv(&msg, sock_, 0) >= 0 && zmq_msg_more(&msg) == 0) ++messages_;
+        zmq_msg_close(&msg);
+      }
+    });
+  }
+  ~Subscriber() {
+    stop_ = true;
+    thread_.join();
+    zmq_close(sock_);
+    zmq_ctx_term(ctx_);
+  }
+  uint64_t messages() const { return messages_.load(); }
+
+ private:
+  void* ctx_;
+  void* sock_;
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> messages_{0};
+  std::thread thread_;
+};
+
+void RunBackupEvents(benchmark::State& state, DatapathEnv* env, Summary* summary,
+                     const BenchConfig& config) {
+  // The second daemon: the same options, publishing KV events to a subscriber that keeps up.
+  const std::string endpoint = absl::StrCat("ipc:///tmp/kvc-bench-events-", getpid());
+  EnvOptions options = env->options();
+  options.extra_sets.push_back(absl::StrCat("events.endpoint=", endpoint));
+  Subscriber subscriber(endpoint);
+  absl::StatusOr<BesideResult> r = BackupBeside(state, env, config, options);
+  ::unlink(endpoint.substr(6).c_str());
+  if (!r.ok()) return state.SkipWithError(r.status().ToString().c_str());
+  if (subscriber.messages() == 0) {
+    return state.SkipWithError("the subscriber received no event: nothing was measured");
+  }
+  state.counters["plain_GBps"] = r->plain_gbps;
+  state.counters["events_GBps"] = r->beside_gbps;
+  state.counters["ratio"] = r->beside_gbps / r->plain_gbps;
+  state.counters["batches"] = static_cast<double>(subscriber.messages());
+  summary->AddEvents(CaseName(state, r->items), r->beside_gbps, r->plain_gbps);
 }
 
 }  // namespace
@@ -336,16 +411,20 @@ void RegisterCopyBenchmarks(DatapathEnv* env, Summary* summary, const BenchConfi
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);
   }
-  benchmark::RegisterBenchmark("BM_BackupJournal",
-                               [=](benchmark::State& state) {
-                                 RunBackupJournal(state, env, summary, config);
-                               })
-      ->Args({64, 32})
-      ->Args({2048, 80})
-      ->ArgNames({"object_KiB", "layers"})
-      ->Iterations(config.copy_iterations)
-      ->UseManualTime()
-      ->Unit(benchmark::kMillisecond);
+  // Backup beside a second daemon that differs in one feature; 64 KiB pages: the most records
+  // and events per byte copied.
+  using Beside = void (*)(benchmark::State&, DatapathEnv*, Summary*, const BenchConfig&);
+  for (auto [name, run] : {std::pair<const char*, Beside>{"BM_BackupJournal", RunBackupJournal},
+                           std::pair<const char*, Beside>{"BM_BackupEvents", RunBackupEvents}}) {
+    benchmark::RegisterBenchmark(name,
+                                 [=](benchmark::State& state) { run(state, env, summary, config); })
+        ->Args({64, 32})
+        ->Args({2048, 80})
+        ->ArgNames({"object_KiB", "layers"})
+        ->Iterations(config.copy_iterations)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+  }
 }
 
 }  // namespace kvcellar::bench

@@ -8,6 +8,9 @@
 //                        64, key hashing included, vs a no-op gRPC call carrying the same request
 //                        bytes + SHA-256 of the same token bytes (goal p50 <= 1.25x), with where
 //                        the time goes. match_bench.cc.
+//   BM_BackupJournal     Backup with the warm-restart journal vs without; BM_BackupEvents: with
+//                        KV events published to a live ZMQ subscriber vs without (goal >= 0.95x).
+//                        copy_bench.cc.
 //   BM_Concurrent        RPC throughput of 1 vs 8 concurrent clients (Match; Backup+Load mix).
 //                        concurrency_bench.cc.
 // Google Benchmark's lines come first; the comparison tables (Markdown) are printed at the end.

@@ -27,6 +27,12 @@ void Summary::AddJournal(std::string name, double journal_gbps, double plain_gbp
                                      plain_gbps, journal_gbps / plain_gbps));
 }
 
+void Summary::AddEvents(std::string name, double events_gbps, double plain_gbps) {
+  absl::MutexLock lock(&mu_);
+  events_.push_back(absl::StrFormat("| %s | %.2f | %.2f | %.3fx |", name, events_gbps, plain_gbps,
+                                    events_gbps / plain_gbps));
+}
+
 void Summary::AddLatency(std::string name, std::string baseline, double p50_us, double p99_us,
                          double base_p50_us, double base_p99_us) {
   absl::MutexLock lock(&mu_);
@@ -61,6 +67,11 @@ void Summary::Print(std::FILE* out) const {
                      "alternating (goal: no measurable difference)",
                      "| case | journal GB/s | no journal GB/s | ratio |", "|---|---|---|---|",
                      journal_);
+  PrintMarkdownTable(out,
+                     "Backup with KV events published to a live ZMQ subscriber vs no events, "
+                     "same run, alternating (goal >= 0.95x)",
+                     "| case | events GB/s | no events GB/s | ratio |", "|---|---|---|---|",
+                     events_);
   PrintMarkdownTable(
       out,
       "Match latency vs no-op gRPC call with the same request bytes + SHA-256 of the same "

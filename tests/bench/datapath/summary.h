@@ -24,6 +24,8 @@ class Summary {
   void AddCopy(std::string name, double kvcellar_gbps, double memcpy_gbps);
   // Backup bandwidth with the warm-restart journal against without, same run.
   void AddJournal(std::string name, double journal_gbps, double plain_gbps);
+  // Backup bandwidth with KV events published to a live subscriber against without, same run.
+  void AddEvents(std::string name, double events_gbps, double plain_gbps);
   // Latency percentiles (microseconds) against the baseline's.
   void AddLatency(std::string name, std::string baseline, double p50_us, double p99_us,
                   double base_p50_us, double base_p99_us);
@@ -39,6 +41,7 @@ class Summary {
   mutable absl::Mutex mu_;
   std::vector<std::string> copy_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> journal_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> events_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> latency_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> breakdown_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> throughput_ ABSL_GUARDED_BY(mu_);

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "absl/time/clock.h"
+#include "server/rpc/api_revision.h"
 #include "tests/server/cache_test_harness.h"
 #include "tests/server/fake_cuda_device.h"
 
@@ -41,7 +42,7 @@ TEST(CacheServiceTest, RegisterReturnsSessionGeometryAndLimits) {
   EXPECT_TRUE(r.is_shard_writer());
   EXPECT_EQ(r.page_object_bytes(), kObjectBytes);
   EXPECT_EQ(r.daemon_epoch(), 42u);
-  EXPECT_EQ(r.api_revision(), 1u);
+  EXPECT_EQ(r.api_revision(), kApiRevision);
   EXPECT_EQ(r.limits().max_batch_pages(), 64u);
   EXPECT_GT(r.limits().max_wait_ms(), 0u);
   EXPECT_EQ(r.default_write_policy(), v1::WRITE_POLICY_L2_ONLY);

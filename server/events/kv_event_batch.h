@@ -1,0 +1,56 @@
+// KvEventBatch: what kvcellard publishes for routers, and its wire form, vLLM's KV event format.
+//
+// The format is vLLM's (vllm/distributed/kv_events.py, checked against vLLM 0.33.0, the newest
+// release on PyPI on 2026-11-26; docs/events.md): a batch is a msgpack array
+// [ts: float64, events: array, data_parallel_rank: nil] (msgspec `EventBatch`, array_like), and
+// each event a msgpack map tagged by "type" (msgspec tag=True, omit_defaults):
+//   {"type": "BlockStored", "block_hashes": [bin32...], "parent_block_hash": bin32 | nil,
+//    "token_ids": [], "block_size": uint, "lora_id": nil, "medium": str, "lora_name": nil,
+//    "locality": "LOCAL" | "REMOTE"}
+//   {"type": "BlockRemoved", "block_hashes": [bin32...], "medium": str, "locality": ...}
+//   {"type": "AllBlocksCleared"}
+// Block hashes are the 32-byte page keys (vLLM's ExternalBlockHash as bytes). token_ids is empty:
+// only keys reach the daemon (DESIGN.md), and the format lets an indexer key by block hash alone.
+//
+// Threads: plain values and a pure function.
+#ifndef KVCELLAR_SERVER_EVENTS_KV_EVENT_BATCH_H_
+#define KVCELLAR_SERVER_EVENTS_KV_EVENT_BATCH_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/page_key.h"
+
+namespace kvcellar::server {
+
+struct KvEvent {
+  enum class Kind : uint8_t { kBlockStored, kBlockRemoved, kAllBlocksCleared };
+  Kind kind = Kind::kBlockStored;
+  std::string medium;    // "CPU" (L2) or "STORAGE:<tier name>"; empty for kAllBlocksCleared.
+  std::string locality;  // "LOCAL" or "REMOTE" (a tier other nodes share); empty: omitted.
+  std::vector<core::PageKey> keys;          // A chain (stored) or any pages (removed), in order.
+  std::optional<core::PageKey> parent;      // kBlockStored: the parent of keys[0].
+  uint32_t block_size = 0;                  // kBlockStored: tokens per page.
+};
+
+// One published batch: its sequence number (per daemon, from 0, one per batch), the topic it was
+// sent under, the namespace it belongs to, and the msgpack payload.
+struct KvEventBatch {
+  uint64_t seq = 0;
+  double ts = 0;  // Seconds since the Unix epoch.
+  std::string topic;
+  uint32_t ns_id = 0;
+  std::string tenant;
+  std::string model_id;
+  std::vector<KvEvent> events;
+  std::string payload;  // EncodeKvEventBatch(ts, events).
+};
+
+// The msgpack encoding of a batch, as vLLM's ZmqEventPublisher sends it.
+std::string EncodeKvEventBatch(double ts, const std::vector<KvEvent>& events);
+
+}  // namespace kvcellar::server
+
+#endif  // KVCELLAR_SERVER_EVENTS_KV_EVENT_BATCH_H_

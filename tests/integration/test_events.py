@@ -1,0 +1,259 @@
+"""KV events through real daemons (docs/events.md): what a router subscribed to kvcellard sees.
+
+A WatchEvents stream and a ZMQ subscriber (python3-zmq) watch a daemon whose engines back pages up
+(kvcellar-engine-sim): every page stored in L2 ("CPU") and in an L3 tier ("STORAGE:<name>") is
+announced once, every page evicted or cleared is announced removed, sequence numbers have no gap,
+the ZMQ payload is vLLM's msgpack layout (decoded here with python3-msgpack against the published
+field names; client/python/tests/test_vllm_kv_events.py decodes it with vLLM's own classes), a
+warm restart re-announces the recovered pages after AllBlocksCleared, an overfull queue drops
+events visibly (gap, AllBlocksCleared, counter) without stalling Backups, and a port already taken
+stops the daemon with an error naming events.endpoint.
+
+Runs under Debian's /usr/bin/python3 (python3-grpcio, python3-zmq, python3-msgpack, pytest).
+"""
+import os
+import socket
+import subprocess
+import threading
+import time
+import uuid
+
+import msgpack
+import pytest
+import zmq
+
+from conftest import BIN_DIR
+from engine_sim import DAEMON_ARGS, EXIT_OK, admin, evict_l2, metric, run_engine, wait_until
+from kvcellar.v1 import admin_service_pb2
+
+GEOMETRY = dict(layers=2, block_bytes=4096, blocks=64, page_size=16, model="events-model")
+PAGES = 6
+STORED = admin_service_pb2.KvEvent.BLOCK_STORED
+REMOVED = admin_service_pb2.KvEvent.BLOCK_REMOVED
+CLEARED = admin_service_pb2.KvEvent.ALL_BLOCKS_CLEARED
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Watch:
+    """A WatchEvents stream read on a thread; batches collects what arrived."""
+
+    def __init__(self, daemon, **request):
+        self.batches = []
+        self._call = admin(daemon).WatchEvents(admin_service_pb2.WatchEventsRequest(**request))
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self):
+        try:
+            for b in self._call:
+                self.batches.append(b)
+        except Exception:  # Cancelled at close().
+            pass
+
+    def events(self):
+        return [(b.seq, e) for b in list(self.batches) for e in b.events]
+
+    def pages(self, kind, medium):
+        return [k for _, e in self.events() if e.kind == kind and e.medium == medium
+                for k in e.block_hashes]
+
+    def wait_pages(self, kind, medium, n, timeout=10):
+        wait_until(lambda: len(self.pages(kind, medium)) >= n, timeout=timeout,
+                   what=f"{n} pages {kind} in {medium}")
+        return self.pages(kind, medium)
+
+    def close(self):
+        self._call.cancel()
+        self._thread.join(timeout=5)
+
+
+def backup(d, tokens_seed, pages=PAGES, instance="writer"):
+    r = run_engine(d.socket, "backup", instance=instance, seed=1, tokens_seed=tokens_seed,
+                   pages=pages, **GEOMETRY)
+    assert r.rc == EXIT_OK, r.describe()
+    return r
+
+
+def clear(d, tier):
+    admin(d).Clear(admin_service_pb2.ClearRequest(tiers=[tier], confirm=True), timeout=10)
+
+
+def test_l2_and_l3_pages_are_announced_stored_then_removed(daemon_factory, tmp_path):
+    d = daemon_factory(args=(*DAEMON_ARGS, "--set", f"storage.tiers=file:{tmp_path}/l3?name=nvme",
+                             "--set", "storage.write_policy=write_through",
+                             "--set", "events.node=node-a"))
+    w = Watch(d)
+    time.sleep(0.2)  # The stream is open before the first page.
+    backup(d, tokens_seed=7)
+    stored_l2 = w.wait_pages(STORED, "CPU", PAGES)
+    stored_l3 = w.wait_pages(STORED, "STORAGE:nvme", PAGES)
+    assert stored_l2 == stored_l3 and len(set(stored_l2)) == PAGES
+    events = w.events()
+    assert events[0][1].kind == CLEARED  # The namespace's first event.
+    first = [e for _, e in events if e.kind == STORED and e.medium == "CPU"][0]
+    assert first.parent_block_hash == b"" and first.block_size == GEOMETRY["page_size"]
+    assert first.locality == "LOCAL"
+    assert all(b.topic == "kv@node-a@events-model" for b in w.batches)
+
+    # Backing the same pages up again stores nothing new: nothing is announced.
+    backup(d, tokens_seed=7, instance="writer2")
+    time.sleep(0.3)
+    assert len(w.pages(STORED, "CPU")) == PAGES
+
+    evict_l2(d)  # Eviction from L2 keeps the L3 copies (and their index marks).
+    assert sorted(w.wait_pages(REMOVED, "CPU", PAGES)) == sorted(stored_l2)
+    time.sleep(0.3)
+    assert w.pages(REMOVED, "STORAGE:nvme") == []
+    clear(d, admin_service_pb2.TIER_L3)
+    assert sorted(w.wait_pages(REMOVED, "STORAGE:nvme", PAGES)) == sorted(stored_l2)
+    seqs = [b.seq for b in w.batches]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs
+    assert all(b.missed == 0 for b in w.batches)
+    w.close()
+
+
+def test_zmq_subscriber_and_replay_get_vllms_format(daemon_factory):
+    pub, rep = free_port(), free_port()
+    d = daemon_factory(args=(*DAEMON_ARGS, "--set", f"events.endpoint=tcp://*:{pub}",
+                             "--set", f"events.replay_endpoint=tcp://*:{rep}",
+                             "--set", "events.topic=kv@{node}@{tenant}/{model}",
+                             "--set", "events.node=n1"))
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{pub}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    time.sleep(0.3)  # ZMQ's slow joiner.
+    backup(d, tokens_seed=11)
+    live, stored = [], []
+    while len(stored) < PAGES:
+        topic, seq, payload = sub.recv_multipart()
+        live.append((topic, seq, payload))
+        ts, events, dp_rank = msgpack.unpackb(payload, raw=False)
+        assert isinstance(ts, float) and dp_rank is None
+        for e in events:
+            assert set(e) >= {"type"}
+            if e["type"] == "BlockStored":
+                # vLLM's BlockStored fields without defaults are all present.
+                assert set(e) >= {"block_hashes", "parent_block_hash", "token_ids", "block_size",
+                                  "lora_id", "medium", "lora_name"}
+                assert e["medium"] == "CPU" and e["token_ids"] == [] and e["block_size"] == 16
+                if stored:
+                    assert e["parent_block_hash"] == stored[-1]
+                stored += e["block_hashes"]
+    assert live[0][0] == b"kv@n1@/events-model"
+    assert [int.from_bytes(s, "big") for _, s, _ in live] == list(range(len(live)))
+    assert all(len(k) == 32 for k in stored)
+
+    # Replay, as vLLM's subscribers ask for it: [start seq] from a REQ-like DEALER.
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{rep}")
+    dealer.setsockopt(zmq.RCVTIMEO, 5000)
+    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    replayed = []
+    while True:
+        _, topic, seq, payload = dealer.recv_multipart()
+        if int.from_bytes(seq, "big", signed=True) == -1:
+            assert topic == b"" and payload == b""
+            break
+        replayed.append((topic, seq, payload))
+    assert replayed == live
+    sub.close(0)
+    dealer.close(0)
+    ctx.term()
+
+
+def test_warm_restart_reannounces_recovered_pages(daemon_factory):
+    shm = f"kvc-evit-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    args = (*DAEMON_ARGS, "--set", f"pool.shm_name={shm}",
+            "--set", f"events.endpoint=ipc:///tmp/{shm}.events")
+    try:
+        d = daemon_factory(args=args, name="before", subdir="a")
+        w = Watch(d)
+        time.sleep(0.2)
+        backup(d, tokens_seed=21)
+        before = w.wait_pages(STORED, "CPU", PAGES)
+        w.close()
+        d.stop()
+        d2 = daemon_factory(args=args, name="after", subdir="b")
+        d2.wait_for_line("l2 recovered")
+        # The recovery happened before anyone could watch: the replay buffer has it.
+        w2 = Watch(d2, replay=True, from_seq=0)
+        after = w2.wait_pages(STORED, "CPU", PAGES)
+        assert sorted(after) == sorted(before)
+        assert w2.batches[0].seq == 0 and w2.batches[0].events[0].kind == CLEARED
+        w2.close()
+    finally:
+        for path in (f"/dev/shm/{shm}", f"/dev/shm/{shm}.journal", f"/tmp/{shm}.events"):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_an_overfull_queue_drops_events_visibly_and_never_stalls_backups(daemon_factory):
+    d = daemon_factory(args=(*DAEMON_ARGS, "--set", "events.max_queue_size=4",
+                             "--set", "events.batch_interval_ms=1000"))
+    w = Watch(d)
+    time.sleep(0.2)
+    backup(d, tokens_seed=31, pages=32)  # 32 events inside one interval (or two); 4 fit.
+    wait_until(lambda: metric(d, "kvcellar_events_dropped_total") > 0, timeout=10,
+               what="events dropped")
+    assert metric(d, "kvcellar_events_dropped_total") >= 32 - 2 * 4
+    # The batch after the loss comes one sequence number late (those events are in no batch) and
+    # ends with AllBlocksCleared: subscribers start this namespace afresh.
+    after = wait_until(lambda: [b for i, b in enumerate(w.batches)
+                                if b.seq != (w.batches[i - 1].seq + 1 if i else 0)],
+                       timeout=5, what="the batch after the gap")
+    assert after[0].seq == (w.batches[w.batches.index(after[0]) - 1].seq + 2
+                            if w.batches.index(after[0]) else 1)
+    assert after[0].events[-1].kind == CLEARED
+    # Later events flow again.
+    stored = len(w.pages(STORED, "CPU"))
+    backup(d, tokens_seed=33, pages=2)
+    wait_until(lambda: len(w.pages(STORED, "CPU")) >= stored + 2, timeout=10, what="new events")
+    w.close()
+
+
+def test_a_stream_that_never_reads_does_not_slow_the_daemon(daemon_factory):
+    d = daemon_factory(args=DAEMON_ARGS)
+    stalled = admin(d).WatchEvents(admin_service_pb2.WatchEventsRequest())  # Never read.
+    for seed in range(40):
+        backup(d, tokens_seed=100 + seed, pages=8)
+    assert metric(d, "kvcellar_events_watchers") == 1
+    stalled.cancel()
+    wait_until(lambda: metric(d, "kvcellar_events_watchers") == 0, timeout=10,
+               what="the cancelled stream to go")
+
+
+def test_kvcellarctl_events_prints_each_event(daemon_factory):
+    d = daemon_factory(args=(*DAEMON_ARGS, "--set", "events.endpoint=tcp://*:" + str(free_port())))
+    backup(d, tokens_seed=41)
+    # AllBlocksCleared and the 6 pages stored, in one batch or more.
+    wait_until(lambda: metric(d, "kvcellar_events_total") >= 1 + PAGES, timeout=10,
+               what="the events of one backup")
+    batches = int(metric(d, "kvcellar_events_batches_total"))
+    out = subprocess.run([os.path.join(BIN_DIR, "kvcellarctl"), "--addr", d.admin_socket,
+                          "events", "--from-seq", "0", "--count", str(batches)],
+                         capture_output=True, text=True, timeout=20)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("seq 0  kv@") and lines[0].endswith("AllBlocksCleared"), lines
+    stored = [line for line in lines[1:] if "  BlockStored  CPU  " in line]
+    assert sum(int(line.split("  ")[4].split()[0]) for line in stored) == PAGES, lines
+    assert stored[0].endswith("parent none"), lines
+
+
+def test_an_endpoint_in_use_stops_the_daemon_naming_the_key(daemon_factory):
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        d = daemon_factory(args=(*DAEMON_ARGS, "--set", f"events.endpoint=tcp://*:{port}"),
+                           wait=False)
+        assert d.proc.wait(timeout=30) != 0
+        log = "\n".join(d.lines)
+        assert "events.endpoint" in log and str(port) in log, log
