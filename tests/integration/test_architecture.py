@@ -17,7 +17,7 @@ INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^">]+)[">]', re.M)
 
 # server/ rooms, top to bottom: a room may include the rooms after it in this list, plus the
 # rooms every room may use.
-SERVER_ORDER = ["root", "rpc", "cache", "admin", "datapath", "l3", "l2", "session"]
+SERVER_ORDER = ["root", "rpc", "cache", "admin", "datapath", "l3", "l2", "session", "events"]
 SERVER_SHARED = ["errors", "config", "metrics"]
 # What the shared rooms themselves may include.
 SHARED_DEPS = {"errors": [], "config": [], "metrics": []}
