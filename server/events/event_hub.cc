@@ -133,9 +133,9 @@ absl::Status EventHub::OpenSockets() {
     const int rc = bind ? zmq_bind(pub_, options_.endpoint.c_str())
                         : zmq_connect(pub_, options_.endpoint.c_str());
     if (rc != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("events.endpoint: ", bind ? "bind " : "connect ",
-                                                     options_.endpoint, ": ",
-                                                     zmq_strerror(zmq_errno())));
+      return absl::InvalidArgumentError(
+          absl::StrCat("events.endpoint: ", bind ? "bind " : "connect ", options_.endpoint, ": ",
+                       zmq_strerror(zmq_errno())));
     }
     bound_endpoint_ = bind ? LastEndpoint(pub_) : options_.endpoint;
   }
@@ -387,13 +387,15 @@ void EventHub::Collect(MetricWriter& out) const {
   out.AddCounter("kvcellar_events_batches_total",
                  "KV event batches published (ZMQ, replay buffer, WatchEvents).",
                  static_cast<double>(batches_.load(std::memory_order_relaxed)));
-  out.AddCounter("kvcellar_events_total", "Index events (a page stored or removed in a medium) "
+  out.AddCounter("kvcellar_events_total",
+                 "Index events (a page stored or removed in a medium) "
                  "published.",
                  static_cast<double>(events_.load(std::memory_order_relaxed)));
   out.AddCounter("kvcellar_events_dropped_total",
                  "Index events dropped because the queue was full (events.max_queue_size).",
                  static_cast<double>(dropped_.load(std::memory_order_relaxed)));
-  out.AddCounter("kvcellar_events_replays_total", "Replay requests served (events.replay_endpoint).",
+  out.AddCounter("kvcellar_events_replays_total",
+                 "Replay requests served (events.replay_endpoint).",
                  static_cast<double>(replays_.load(std::memory_order_relaxed)));
   out.AddGauge("kvcellar_events_watchers", "Open WatchEvents streams.",
                static_cast<double>(watcher_count_.load(std::memory_order_relaxed)));

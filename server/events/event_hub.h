@@ -132,10 +132,10 @@ class EventHub {
   bool stop_ = false;           // Guarded by queue_mu_.
 
   mutable std::mutex mu_;
-  std::vector<std::unique_ptr<NamespaceSink>> sinks_;          // Guarded by mu_.
-  std::deque<std::shared_ptr<const KvEventBatch>> buffer_;     // Guarded by mu_.
-  absl::flat_hash_set<EventWatcher*> watchers_;                // Guarded by mu_.
-  uint64_t next_seq_ = 0;                                      // Guarded by mu_.
+  std::vector<std::unique_ptr<NamespaceSink>> sinks_;       // Guarded by mu_.
+  std::deque<std::shared_ptr<const KvEventBatch>> buffer_;  // Guarded by mu_.
+  absl::flat_hash_set<EventWatcher*> watchers_;             // Guarded by mu_.
+  uint64_t next_seq_ = 0;                                   // Guarded by mu_.
   std::atomic<int> watcher_count_{0};
 
   std::atomic<uint64_t> batches_{0};

@@ -30,9 +30,9 @@ struct KvEvent {
   Kind kind = Kind::kBlockStored;
   std::string medium;    // "CPU" (L2) or "STORAGE:<tier name>"; empty for kAllBlocksCleared.
   std::string locality;  // "LOCAL" or "REMOTE" (a tier other nodes share); empty: omitted.
-  std::vector<core::PageKey> keys;          // A chain (stored) or any pages (removed), in order.
-  std::optional<core::PageKey> parent;      // kBlockStored: the parent of keys[0].
-  uint32_t block_size = 0;                  // kBlockStored: tokens per page.
+  std::vector<core::PageKey> keys;      // A chain (stored) or any pages (removed), in order.
+  std::optional<core::PageKey> parent;  // kBlockStored: the parent of keys[0].
+  uint32_t block_size = 0;              // kBlockStored: tokens per page.
 };
 
 // One published batch: its sequence number (per daemon, from 0, one per batch), the topic it was

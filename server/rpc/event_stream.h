@@ -48,10 +48,10 @@ class EventStream final : public grpc::ServerWriteReactor<kvcellar::v1::WatchEve
 
   std::mutex mu_;
   std::deque<std::shared_ptr<const KvEventBatch>> queue_;  // Guarded by mu_.
-  uint64_t missed_ = 0;                                     // Guarded by mu_.
-  bool writing_ = false;                                    // Guarded by mu_.
-  bool finished_ = false;                                   // Guarded by mu_.
-  kvcellar::v1::WatchEventsResponse response_;              // Guarded by mu_ while writing.
+  uint64_t missed_ = 0;                                    // Guarded by mu_.
+  bool writing_ = false;                                   // Guarded by mu_.
+  bool finished_ = false;                                  // Guarded by mu_.
+  kvcellar::v1::WatchEventsResponse response_;             // Guarded by mu_ while writing.
 };
 
 }  // namespace kvcellar::server

@@ -5,12 +5,11 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <msgpack.hpp>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <msgpack.hpp>
 
 #include "gtest/gtest.h"
 #include "server/events/kv_event_batch.h"
@@ -92,9 +91,8 @@ TEST(EventHubTest, FoldsChainsIntoBatchesInOrder) {
   core::IndexEventSink* sink = (*hub)->SinkFor(1, Spec());
   // One chain into L2, the same pages into the shared tier, two removals, then a second chain
   // that does not continue the first.
-  for (const core::IndexEvent& e :
-       {Stored(1, -1), Stored(2, 1), Stored(3, 2), Stored(1, -1, 1), Stored(2, 1, 1),
-        Removed(3), Removed(2), Stored(9, 1)}) {
+  for (const core::IndexEvent& e : {Stored(1, -1), Stored(2, 1), Stored(3, 2), Stored(1, -1, 1),
+                                    Stored(2, 1, 1), Removed(3), Removed(2), Stored(9, 1)}) {
     sink->OnIndexEvent(e);
   }
   auto batches = watcher.WaitFor(1);
@@ -283,8 +281,9 @@ TEST(KvEventBatchTest, EncodesVllmsLayout) {
   ASSERT_NE(hashes, nullptr);
   ASSERT_EQ(hashes->via.array.size, 2u);
   EXPECT_EQ(hashes->via.array.ptr[1].type, msgpack::type::BIN);
-  EXPECT_EQ(std::string(hashes->via.array.ptr[1].via.bin.ptr, hashes->via.array.ptr[1].via.bin.size),
-            std::string(Key(2).AsBytes()));
+  EXPECT_EQ(
+      std::string(hashes->via.array.ptr[1].via.bin.ptr, hashes->via.array.ptr[1].via.bin.size),
+      std::string(Key(2).AsBytes()));
   EXPECT_EQ(field(s, "parent_block_hash")->type, msgpack::type::BIN);
   EXPECT_EQ(field(s, "token_ids")->via.array.size, 0u);
   EXPECT_EQ(field(s, "block_size")->as<uint32_t>(), 64u);
