@@ -363,7 +363,15 @@ void EventHub::ServeReplay() {
     if (!more) break;
   }
   if (frames.size() != 3 || frames[2].empty() || frames[2].size() > 8) {
-    KVLOG(Warn, "events replay request ignored", {{"frames", frames.size()}});
+    // Counted; logged at most once a minute, so that a broken or hostile client cannot flood
+    // the log.
+    const uint64_t rejected = replays_rejected_.fetch_add(1, std::memory_order_relaxed) + 1;
+    const absl::Time now = absl::Now();
+    if (now - last_reject_log_ >= absl::Minutes(1)) {
+      last_reject_log_ = now;
+      KVLOG(Warn, "events replay request ignored",
+            {{"frames", frames.size()}, {"rejected_total", rejected}});
+    }
     return;
   }
   uint64_t start = 0;
@@ -397,6 +405,9 @@ void EventHub::Collect(MetricWriter& out) const {
   out.AddCounter("kvcellar_events_replays_total",
                  "Replay requests served (events.replay_endpoint).",
                  static_cast<double>(replays_.load(std::memory_order_relaxed)));
+  out.AddCounter("kvcellar_events_replays_rejected_total",
+                 "Malformed replay requests ignored (not [empty frame, start seq of 1-8 bytes]).",
+                 static_cast<double>(replays_rejected_.load(std::memory_order_relaxed)));
   out.AddGauge("kvcellar_events_watchers", "Open WatchEvents streams.",
                static_cast<double>(watcher_count_.load(std::memory_order_relaxed)));
 }

@@ -142,6 +142,8 @@ class EventHub {
   std::atomic<uint64_t> events_{0};
   std::atomic<uint64_t> dropped_{0};
   std::atomic<uint64_t> replays_{0};
+  std::atomic<uint64_t> replays_rejected_{0};
+  absl::Time last_reject_log_ = absl::InfinitePast();  // Publisher thread only.
   std::thread thread_;
 };
 

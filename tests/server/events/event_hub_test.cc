@@ -221,9 +221,13 @@ TEST(EventHubTest, PublishesAndReplaysOverZmqAsVllmDoes) {
   ASSERT_FALSE(batches.empty());
   EXPECT_EQ(live[2], batches[0]->payload);
 
-  // Replay: [empty, start seq] from a DEALER (a REQ socket adds the empty frame itself).
+  // Replay: [empty, start seq] from a DEALER (a REQ socket adds the empty frame itself). A
+  // malformed request first: ignored, and the next one is served.
   void* dealer = zmq_socket(ctx, ZMQ_DEALER);
   ASSERT_EQ(zmq_connect(dealer, (*hub)->replay_endpoint().c_str()), 0);
+  const std::string too_long(9, '\0');
+  zmq_send(dealer, "", 0, ZMQ_SNDMORE);
+  zmq_send(dealer, too_long.data(), too_long.size(), 0);
   const std::string start = Seq(0);
   zmq_send(dealer, "", 0, ZMQ_SNDMORE);
   zmq_send(dealer, start.data(), start.size(), 0);
