@@ -179,8 +179,7 @@ absl::Status Daemon::StartEvents() {
   o.max_queue_size = c.max_queue_size;
   o.batch_interval = absl::Milliseconds(c.batch_interval_ms);
   for (size_t i = 0; i < l3_->size(); ++i) {
-    o.l3_names.push_back(l3_->tier(i).spec.name);
-    o.l3_shared.push_back(l3_->tier(i).shared);
+    o.l3_tiers.push_back({l3_->tier(i).spec.name, l3_->tier(i).shared});
   }
   absl::StatusOr<std::unique_ptr<EventHub>> hub = EventHub::Start(std::move(o));
   if (!hub.ok()) return hub.status();

@@ -78,7 +78,7 @@ class EventHub::NamespaceSink : public core::IndexEventSink {
         block_size_(spec.page_size) {}
 
   void OnIndexEvent(const core::IndexEvent& event) override {
-    if (hub_->Active()) hub_->Push(ns_id_, event, /*cleared=*/false);
+    if (hub_->Active()) hub_->Push(this, event, /*cleared=*/false);
   }
 
   uint32_t ns_id() const { return ns_id_; }
@@ -99,10 +99,9 @@ class EventHub::NamespaceSink : public core::IndexEventSink {
 EventHub::EventHub(EventHubOptions options) : options_(std::move(options)) {
   media_.push_back("CPU");
   locality_.push_back("LOCAL");
-  for (size_t t = 0; t < options_.l3_names.size(); ++t) {
-    media_.push_back(absl::StrCat("STORAGE:", options_.l3_names[t]));
-    const bool shared = t < options_.l3_shared.size() && options_.l3_shared[t];
-    locality_.push_back(shared ? "REMOTE" : "LOCAL");
+  for (const EventHubOptions::L3Tier& tier : options_.l3_tiers) {
+    media_.push_back(absl::StrCat("STORAGE:", tier.name));
+    locality_.push_back(tier.shared ? "REMOTE" : "LOCAL");
   }
 }
 
@@ -184,17 +183,17 @@ core::IndexEventSink* EventHub::SinkFor(uint32_t ns_id, const core::NamespaceSpe
     sinks_.push_back(std::make_unique<NamespaceSink>(this, ns_id, std::move(topic), spec));
     sink = sinks_.back().get();
   }
-  if (Active()) Push(ns_id, core::IndexEvent{}, /*cleared=*/true);
+  if (Active()) Push(sink, core::IndexEvent{}, /*cleared=*/true);
   return sink;
 }
 
-void EventHub::Push(uint32_t ns_id, const core::IndexEvent& event, bool cleared) {
+void EventHub::Push(const NamespaceSink* sink, const core::IndexEvent& event, bool cleared) {
   std::lock_guard<std::mutex> lock(queue_mu_);
   if (queue_.size() >= static_cast<size_t>(options_.max_queue_size)) {
     ++lost_;
     return;
   }
-  queue_.push_back(Pending{ns_id, event, cleared});
+  queue_.push_back(Pending{sink, event, cleared});
 }
 
 uint64_t EventHub::Watch(EventWatcher* watcher, std::optional<uint64_t> from_seq) {
@@ -213,11 +212,6 @@ void EventHub::Unwatch(EventWatcher* watcher) {
   std::lock_guard<std::mutex> lock(mu_);
   watchers_.erase(watcher);
   watcher_count_.store(static_cast<int>(watchers_.size()), std::memory_order_relaxed);
-}
-
-const std::string& EventHub::MediumName(int8_t medium) const {
-  const size_t i = static_cast<size_t>(medium + 1);
-  return i < media_.size() ? media_[i] : media_[0];
 }
 
 void EventHub::Run() {
@@ -240,7 +234,7 @@ void EventHub::Run() {
   }
 }
 
-size_t EventHub::Flush() {
+void EventHub::Flush() {
   std::vector<Pending> pending;
   uint64_t lost;
   {
@@ -257,38 +251,32 @@ size_t EventHub::Flush() {
     dropped_.fetch_add(lost, std::memory_order_relaxed);
     std::lock_guard<std::mutex> lock(mu_);
     ++next_seq_;
-    for (const auto& sink : sinks_) pending.push_back(Pending{sink->ns_id(), {}, true});
+    for (const auto& sink : sinks_) pending.push_back(Pending{sink.get(), {}, true});
     KVLOG(Warn, "events dropped", {{"events", lost}, {"max_queue_size", options_.max_queue_size}});
   }
-  if (pending.empty()) return 0;
+  if (pending.empty()) return;
 
-  absl::flat_hash_map<uint32_t, const NamespaceSink*> sinks;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& s : sinks_) sinks[s->ns_id()] = s.get();
-  }
   // Per namespace, in order of first appearance: the batches being built, and the keys in the
   // last one.
   struct Builder {
     std::vector<std::shared_ptr<KvEventBatch>> list;
     size_t keys = 0;
   };
-  std::vector<uint32_t> order;
-  absl::flat_hash_map<uint32_t, Builder> batches;
+  std::vector<const NamespaceSink*> order;
+  absl::flat_hash_map<const NamespaceSink*, Builder> batches;
   const double ts = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
   for (const Pending& p : pending) {
-    auto sink = sinks.find(p.ns_id);
-    if (sink == sinks.end()) continue;
-    auto [it, fresh] = batches.try_emplace(p.ns_id);
-    if (fresh) order.push_back(p.ns_id);
+    const NamespaceSink* sink = p.sink;
+    auto [it, fresh] = batches.try_emplace(sink);
+    if (fresh) order.push_back(sink);
     Builder& builder = it->second;
     if (builder.list.empty() || builder.keys >= kMaxKeysPerBatch) {
       auto b = std::make_shared<KvEventBatch>();
       b->ts = ts;
-      b->topic = sink->second->topic();
-      b->ns_id = p.ns_id;
-      b->tenant = sink->second->tenant();
-      b->model_id = sink->second->model_id();
+      b->topic = sink->topic();
+      b->ns_id = sink->ns_id();
+      b->tenant = sink->tenant();
+      b->model_id = sink->model_id();
       builder.list.push_back(std::move(b));
       builder.keys = 0;
     }
@@ -301,7 +289,7 @@ size_t EventHub::Flush() {
     const KvEvent::Kind kind = e.kind == core::IndexEvent::Kind::kStored
                                    ? KvEvent::Kind::kBlockStored
                                    : KvEvent::Kind::kBlockRemoved;
-    const std::string& medium = MediumName(e.medium);
+    const std::string& medium = media_[static_cast<size_t>(e.medium + 1)];
     KvEvent* last = events.empty() ? nullptr : &events.back();
     const bool extends =
         last != nullptr && last->kind == kind && last->medium == medium &&
@@ -313,7 +301,7 @@ size_t EventHub::Flush() {
       ev.locality = locality_[static_cast<size_t>(e.medium + 1)];
       if (kind == KvEvent::Kind::kBlockStored) {
         if (e.has_parent) ev.parent = e.parent;
-        ev.block_size = sink->second->block_size();
+        ev.block_size = sink->block_size();
       }
       events.push_back(std::move(ev));
       last = &events.back();
@@ -321,16 +309,13 @@ size_t EventHub::Flush() {
     last->keys.push_back(e.key);
     ++builder.keys;
   }
-  size_t published = 0;
-  for (uint32_t ns : order) {
-    for (std::shared_ptr<KvEventBatch>& b : batches[ns].list) {
+  for (const NamespaceSink* sink : order) {
+    for (std::shared_ptr<KvEventBatch>& b : batches[sink].list) {
       b->payload = EncodeKvEventBatch(b->ts, b->events);
       Publish(std::move(b));
-      ++published;
     }
   }
   events_.fetch_add(pending.size(), std::memory_order_relaxed);
-  return published;
 }
 
 void EventHub::Publish(std::shared_ptr<KvEventBatch> batch) {

@@ -56,9 +56,12 @@ struct EventHubOptions {
   int64_t hwm = 100'000;
   int64_t max_queue_size = 100'000;
   absl::Duration batch_interval = absl::Milliseconds(10);
-  // Per L3 tier, in lookup order: its name and whether other nodes share it.
-  std::vector<std::string> l3_names;
-  std::vector<bool> l3_shared;
+  // The L3 tiers, in lookup order.
+  struct L3Tier {
+    std::string name;
+    bool shared = false;  // Other nodes use it too.
+  };
+  std::vector<L3Tier> l3_tiers;
 };
 
 // A WatchEvents stream. Offer must not block: it queues or drops.
@@ -88,8 +91,6 @@ class EventHub {
   // After it returns, `watcher` is offered nothing more.
   void Unwatch(EventWatcher* watcher);
 
-  // The medium name of core::IndexEvent::medium.
-  const std::string& MediumName(int8_t medium) const;
   // The endpoints as bound (a tcp port 0 resolved); "" when not configured.
   const std::string& endpoint() const { return bound_endpoint_; }
   const std::string& replay_endpoint() const { return bound_replay_endpoint_; }
@@ -100,18 +101,18 @@ class EventHub {
  private:
   class NamespaceSink;
   struct Pending {
-    uint32_t ns_id;
+    const NamespaceSink* sink;  // Sinks live as long as the hub.
     core::IndexEvent event;
     bool cleared;  // AllBlocksCleared of the namespace (event unused).
   };
 
   explicit EventHub(EventHubOptions options);
   absl::Status OpenSockets();
-  void Push(uint32_t ns_id, const core::IndexEvent& event, bool cleared);
+  void Push(const NamespaceSink* sink, const core::IndexEvent& event, bool cleared);
   bool Active() const;
   void Run();
-  // Publishes what is queued; returns batches published.
-  size_t Flush();
+  // Publishes what is queued.
+  void Flush();
   void Publish(std::shared_ptr<KvEventBatch> batch);
   void ServeReplay();
 

@@ -77,8 +77,7 @@ EventHubOptions Options() {
   EventHubOptions o;
   o.topic = "kv@{node}@{model}";
   o.node = "node7";
-  o.l3_names = {"nvme", "cluster"};
-  o.l3_shared = {false, true};
+  o.l3_tiers = {{"nvme", false}, {"cluster", true}};
   o.batch_interval = absl::Milliseconds(5);
   return o;
 }
