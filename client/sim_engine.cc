@@ -53,12 +53,12 @@ absl::StatusOr<std::unique_ptr<SimEngine>> SimEngine::Create(const SimEngineOpti
   shape.mla = o.mla;
   shape.arrangement = o.arrangement;
   absl::StatusOr<platform::SimEngineKvCache> kv =
-      platform::SimEngineKvCache::Create(o.name_prefix, shape, /*completion_slots=*/0);
+      platform::SimEngineKvCache::Create(o.name_prefix, shape, /*completion_slots=*/0, o.shm_mode);
   if (!kv.ok()) return kv.status();
   SimSignalRegion signals;
   if (o.load_slots > 0 || o.ready_slots > 0) {
     absl::StatusOr<SimSignalRegion> s = SimSignalRegion::Create(
-        absl::StrCat(o.name_prefix, "-sig"), o.load_slots, o.num_layers, o.ready_slots);
+        absl::StrCat(o.name_prefix, "-sig"), o.load_slots, o.num_layers, o.ready_slots, o.shm_mode);
     if (!s.ok()) return s.status();
     signals = *std::move(s);
   }

@@ -34,6 +34,11 @@ struct SimEngineOptions {
   platform::SimKvShape::Arrangement arrangement = platform::SimKvShape::Arrangement::kLayerFirst;
   uint32_t load_slots = 4;  // 0 and 0: no completion channel.
   uint32_t ready_slots = 4;
+  // Permission bits of the shm objects. The default lets only the engine's user open them: a
+  // daemon running as another user needs them shared with its group (e.g. 0660 with the group
+  // set) or with everyone. Whichever bits, the daemon maps them for this engine only because the
+  // engine's user owns them (docs/security.md).
+  uint32_t shm_mode = platform::ShmMapping::kDefaultMode;
 };
 
 // Byte `byte` of layer `layer`'s part of the page object of (key, shard).

@@ -5,9 +5,10 @@
 namespace kvcellar::client {
 
 absl::StatusOr<SimSignalRegion> SimSignalRegion::Create(absl::string_view name, uint32_t load_slots,
-                                                        uint32_t num_layers, uint32_t ready_slots) {
+                                                        uint32_t num_layers, uint32_t ready_slots,
+                                                        uint32_t mode) {
   absl::StatusOr<platform::SignalRegion> r =
-      platform::SignalRegion::Create(name, load_slots, num_layers, ready_slots);
+      platform::SignalRegion::Create(name, load_slots, num_layers, ready_slots, mode);
   if (!r.ok()) return r.status();
   return SimSignalRegion(*std::move(r));
 }

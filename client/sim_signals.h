@@ -21,9 +21,11 @@ namespace kvcellar::client {
 
 class SimSignalRegion : public platform::SignalRegion {
  public:
-  // Creates the shm object `name` (zero-filled) and writes the header. Owns the name.
+  // Creates the shm object `name` (zero-filled, permission bits `mode`) and writes the header.
+  // Owns the name.
   static absl::StatusOr<SimSignalRegion> Create(absl::string_view name, uint32_t load_slots,
-                                                uint32_t num_layers, uint32_t ready_slots);
+                                                uint32_t num_layers, uint32_t ready_slots,
+                                                uint32_t mode = platform::ShmMapping::kDefaultMode);
   // Maps an existing region and checks its header (tests, tools).
   static absl::StatusOr<SimSignalRegion> Open(absl::string_view name);
 

@@ -85,12 +85,11 @@ absl::Status ValidateCopyItems(absl::Span<const CopyItem> items, uint32_t num_bl
   return absl::OkStatus();
 }
 
-absl::StatusOr<platform::SignalRegion> OpenCompletionRegion(absl::string_view name,
-                                                            uint32_t num_layers) {
-  absl::StatusOr<platform::SignalRegion> r = platform::SignalRegion::Open(name);
+absl::StatusOr<platform::SignalRegion> OpenCompletionRegion(
+    absl::string_view name, uint32_t num_layers, const platform::EngineMemoryAccess& access) {
+  absl::StatusOr<platform::SignalRegion> r = platform::SignalRegion::Open(name, access);
   if (!r.ok()) {
-    return absl::Status(r.status().code(),
-                        absl::StrCat("completion_region: ", r.status().message()));
+    return platform::WithPrefix(r.status(), "completion_region: ");
   }
   if (r->num_layers() != num_layers) {
     return absl::InvalidArgumentError(absl::StrCat("completion_region: ", name, ": num_layers ",

@@ -45,6 +45,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "core/kv_layout.h"
+#include "platform/engine_memory_access.h"
 #include "platform/signal_region.h"
 
 namespace kvcellar::gpu {
@@ -111,6 +112,10 @@ struct EngineSpec {
   // engine's stream can wait on exactly that layer. Empty: no load events. The sim device
   // ignores it (its engines use shared-memory counters).
   std::vector<std::string> cuda_load_events;
+  // Which shared-memory objects may be mapped for this engine (the sim device's regions and the
+  // completion region): the daemon passes the registering peer's (platform/
+  // engine_memory_access.h). A CUDA IPC handle carries no owner to check (docs/security.md).
+  platform::EngineMemoryAccess memory_access = platform::EngineMemoryAccess::Unchecked();
 };
 
 // One asynchronous batched copy. Backends finish it exactly once.
@@ -218,8 +223,9 @@ absl::Status ValidateCopyItems(absl::Span<const CopyItem> items, uint32_t num_bl
 // layout's layer count. Errors start with "completion_region: " (the server names the
 // registration's field from it): NOT_FOUND for a missing object, INVALID_ARGUMENT for a wrong
 // header or layer count. Shared by the backends.
-absl::StatusOr<platform::SignalRegion> OpenCompletionRegion(absl::string_view name,
-                                                            uint32_t num_layers);
+absl::StatusOr<platform::SignalRegion> OpenCompletionRegion(
+    absl::string_view name, uint32_t num_layers,
+    const platform::EngineMemoryAccess& access = platform::EngineMemoryAccess::Unchecked());
 
 // Canonical form of a device UUID: 32 lowercase hex digits, with any "GPU-"/"MIG-" prefix and
 // dashes removed. INVALID_ARGUMENT when what remains is not 32 hex digits.

@@ -346,10 +346,10 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> SimDevice::OpenEngine(const Engin
   engine->object_bytes = layout.PageObjectBytes();
   absl::flat_hash_map<std::string, uint8_t*> base;
   for (const auto& [name, e] : extent) {
-    absl::StatusOr<platform::ShmMapping> m = platform::ShmMapping::Open(name, e.first);
+    absl::StatusOr<platform::ShmMapping> m =
+        platform::ShmMapping::Open(name, e.first, spec.memory_access);
     if (!m.ok()) {
-      return absl::Status(m.status().code(),
-                          absl::StrCat("regions[", e.second, "]: ", m.status().message()));
+      return platform::WithPrefix(m.status(), absl::StrCat("regions[", e.second, "]: "));
     }
     base[name] = m->data();
     engine->shms.push_back(*std::move(m));
@@ -359,8 +359,8 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> SimDevice::OpenEngine(const Engin
     engine->seg_base.push_back(base[r.handle] + r.offset + s.device_offset);
   }
   if (!spec.completion_region.empty()) {
-    absl::StatusOr<platform::SignalRegion> c =
-        OpenCompletionRegion(spec.completion_region, static_cast<uint32_t>(layout.layers.size()));
+    absl::StatusOr<platform::SignalRegion> c = OpenCompletionRegion(
+        spec.completion_region, static_cast<uint32_t>(layout.layers.size()), spec.memory_access);
     if (!c.ok()) return c.status();
     engine->completion = *std::move(c);
   }

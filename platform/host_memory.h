@@ -78,6 +78,9 @@ class HostMemory {
   uint64_t previous_bytes() const { return shm_ != nullptr ? shm_->previous_bytes() : 0; }
   // Normalized shm object name ("/..."), empty for anonymous memory.
   const std::string& shm_name() const { return shm_name_; }
+  // The shm object's descriptor (for its identity: engines may not register it), -1 for
+  // anonymous memory.
+  int shm_fd() const { return shm_ != nullptr ? shm_->fd() : -1; }
 
  private:
   HostMemory() = default;

@@ -133,17 +133,20 @@ absl::Status ShmMapping::CheckName(absl::string_view name) {
   return CheckPosixName(name);
 }
 
-absl::StatusOr<ShmMapping> ShmMapping::Create(absl::string_view name, uint64_t bytes) {
+absl::StatusOr<ShmMapping> ShmMapping::Create(absl::string_view name, uint64_t bytes,
+                                              uint32_t mode) {
   if (absl::Status s = CheckPosixName(name); !s.ok()) return s;
   if (bytes == 0) return absl::InvalidArgumentError("shm object size is 0");
   std::string n(name);
   int fd = shm_open(n.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (fd < 0) return ErrnoStatus(errno, absl::StrCat("shm_open(", n, ", create)"));
-  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+  // fchmod, not shm_open's mode: the umask would take bits a daemon of another user needs.
+  if ((mode != 0600 && fchmod(fd, static_cast<mode_t>(mode & 07777)) != 0) ||
+      ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
     int err = errno;
     close(fd);
     shm_unlink(n.c_str());
-    return ErrnoStatus(err, absl::StrCat("ftruncate(", n, ", ", bytes, ")"));
+    return ErrnoStatus(err, absl::StrCat("fchmod/ftruncate(", n, ", ", bytes, ")"));
   }
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   int err = errno;
@@ -155,14 +158,20 @@ absl::StatusOr<ShmMapping> ShmMapping::Create(absl::string_view name, uint64_t b
   return ShmMapping(std::move(n), static_cast<uint8_t*>(p), bytes, /*owner=*/true);
 }
 
-absl::StatusOr<ShmMapping> ShmMapping::Open(absl::string_view name, uint64_t bytes) {
+absl::StatusOr<ShmMapping> ShmMapping::Open(absl::string_view name, uint64_t bytes,
+                                            const EngineMemoryAccess& access) {
   if (absl::Status s = CheckName(name); !s.ok()) return s;
+  if (absl::Status s = access.CheckName(name); !s.ok()) return s;
   if (bytes == 0) return absl::InvalidArgumentError("shm mapping size is 0");
   std::string n(name);
   const bool proc = IsProcFdPath(n);
   // A /proc name reopens the engine's fd: a new open file description of the same object.
   int fd = proc ? open(n.c_str(), O_RDWR | O_CLOEXEC) : shm_open(n.c_str(), O_RDWR | O_CLOEXEC, 0);
   if (fd < 0) {
+    if (!proc && errno == ELOOP) {
+      // shm_open never follows a symlink (O_NOFOLLOW): a link in /dev/shm is nobody's memory.
+      return MemoryRefusal(absl::StrCat(n, " is a symbolic link: the daemon opens no links"));
+    }
     return proc ? ProcOpenStatus(errno, n) : ErrnoStatus(errno, absl::StrCat("shm_open(", n, ")"));
   }
   struct stat st;
@@ -170,6 +179,11 @@ absl::StatusOr<ShmMapping> ShmMapping::Open(absl::string_view name, uint64_t byt
     int err = errno;
     close(fd);
     return ErrnoStatus(err, absl::StrCat("fstat(", n, ")"));
+  }
+  // Judged by the object opened, not by its name (engine_memory_access.h).
+  if (absl::Status s = access.CheckOpened(st, n); !s.ok()) {
+    close(fd);
+    return s;
   }
   if (proc) {
     if (absl::Status s = CheckSharedMemory(fd, st, n); !s.ok()) {

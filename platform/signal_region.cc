@@ -23,7 +23,8 @@ bool CountsInRange(uint32_t load_slots, uint32_t num_layers, uint32_t ready_slot
 }  // namespace
 
 absl::StatusOr<SignalRegion> SignalRegion::Create(absl::string_view name, uint32_t load_slots,
-                                                  uint32_t num_layers, uint32_t ready_slots) {
+                                                  uint32_t num_layers, uint32_t ready_slots,
+                                                  uint32_t mode) {
   if (load_slots > kMaxSlots || ready_slots > kMaxSlots) {
     return absl::InvalidArgumentError(
         absl::StrCat("slot counts (", load_slots, ", ", ready_slots, ") must be <= ", kMaxSlots));
@@ -33,7 +34,7 @@ absl::StatusOr<SignalRegion> SignalRegion::Create(absl::string_view name, uint32
         absl::StrCat("num_layers (", num_layers, ") not in [1, ", core::kMaxLayers, "]"));
   }
   const core::SignalLayout layout(load_slots, num_layers, ready_slots);
-  absl::StatusOr<ShmMapping> shm = ShmMapping::Create(name, layout.Bytes());
+  absl::StatusOr<ShmMapping> shm = ShmMapping::Create(name, layout.Bytes(), mode);
   if (!shm.ok()) return shm.status();
   WriteHeader(shm->data(), load_slots, num_layers, ready_slots);
   // A reader that maps the object after this sees the header.
@@ -41,8 +42,9 @@ absl::StatusOr<SignalRegion> SignalRegion::Create(absl::string_view name, uint32
   return SignalRegion(*std::move(shm), layout);
 }
 
-absl::StatusOr<SignalRegion> SignalRegion::Open(absl::string_view name) {
-  absl::StatusOr<ShmMapping> head = ShmMapping::Open(name, kHeaderBytes);
+absl::StatusOr<SignalRegion> SignalRegion::Open(absl::string_view name,
+                                                const EngineMemoryAccess& access) {
+  absl::StatusOr<ShmMapping> head = ShmMapping::Open(name, kHeaderBytes, access);
   if (!head.ok()) return head.status();
   if (!HasMagic(head->data())) {
     return absl::InvalidArgumentError(
@@ -56,7 +58,7 @@ absl::StatusOr<SignalRegion> SignalRegion::Open(absl::string_view name) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": bad header counts"));
   }
   const core::SignalLayout layout(h.num_load_slots, h.num_layers, h.num_ready_slots);
-  absl::StatusOr<ShmMapping> shm = ShmMapping::Open(name, layout.Bytes());
+  absl::StatusOr<ShmMapping> shm = ShmMapping::Open(name, layout.Bytes(), access);
   if (!shm.ok()) return shm.status();
   return SignalRegion(*std::move(shm), layout);
 }

@@ -36,10 +36,13 @@ class SignalRegion : public core::SignalLayout {
   // name. INVALID_ARGUMENT when a slot count is above kMaxSlots or num_layers is not in
   // [1, core::kMaxLayers].
   static absl::StatusOr<SignalRegion> Create(absl::string_view name, uint32_t load_slots,
-                                             uint32_t num_layers, uint32_t ready_slots);
+                                             uint32_t num_layers, uint32_t ready_slots,
+                                             uint32_t mode = ShmMapping::kDefaultMode);
   // Maps an existing region as far as its header says and checks the header: INVALID_ARGUMENT
-  // when the magic, the version or a count is wrong; ShmMapping::Open's errors otherwise.
-  static absl::StatusOr<SignalRegion> Open(absl::string_view name);
+  // when the magic, the version or a count is wrong; ShmMapping::Open's errors otherwise (the
+  // daemon passes the registering engine's `access`).
+  static absl::StatusOr<SignalRegion> Open(
+      absl::string_view name, const EngineMemoryAccess& access = EngineMemoryAccess::Unchecked());
 
   SignalRegion() = default;
   SignalRegion(SignalRegion&&) noexcept = default;

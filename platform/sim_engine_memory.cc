@@ -9,8 +9,9 @@
 
 namespace kvcellar::platform {
 
-absl::StatusOr<SimEngineMemory> SimEngineMemory::Create(absl::string_view name, uint64_t bytes) {
-  absl::StatusOr<ShmMapping> shm = ShmMapping::Create(name, bytes);
+absl::StatusOr<SimEngineMemory> SimEngineMemory::Create(absl::string_view name, uint64_t bytes,
+                                                        uint32_t mode) {
+  absl::StatusOr<ShmMapping> shm = ShmMapping::Create(name, bytes, mode);
   if (!shm.ok()) return shm.status();
   return SimEngineMemory(*std::move(shm));
 }
@@ -68,17 +69,18 @@ std::string SimEngineKvCache::CompletionName(absl::string_view name_prefix) {
 
 absl::StatusOr<SimEngineKvCache> SimEngineKvCache::Create(absl::string_view name_prefix,
                                                           const SimKvShape& shape,
-                                                          uint32_t completion_slots) {
+                                                          uint32_t completion_slots,
+                                                          uint32_t mode) {
   uint64_t total = 0;
   absl::StatusOr<core::KvLayout> layout = Layout(name_prefix, shape, &total);
   if (!layout.ok()) return layout.status();
   absl::StatusOr<SimEngineMemory> memory =
-      SimEngineMemory::Create(layout->regions.front().handle, total);
+      SimEngineMemory::Create(layout->regions.front().handle, total, mode);
   if (!memory.ok()) return memory.status();
   SignalRegion completion;
   if (completion_slots > 0) {
     absl::StatusOr<SignalRegion> c = SignalRegion::Create(
-        CompletionName(name_prefix), completion_slots, shape.num_layers, completion_slots);
+        CompletionName(name_prefix), completion_slots, shape.num_layers, completion_slots, mode);
     if (!c.ok()) return c.status();
     completion = *std::move(c);
   }

@@ -28,7 +28,9 @@ namespace kvcellar::platform {
 // it keeps its mapping until it closes the engine).
 class SimEngineMemory {
  public:
-  static absl::StatusOr<SimEngineMemory> Create(absl::string_view name, uint64_t bytes);
+  // `mode`: the object's permission bits (ShmMapping::Create).
+  static absl::StatusOr<SimEngineMemory> Create(absl::string_view name, uint64_t bytes,
+                                                uint32_t mode = ShmMapping::kDefaultMode);
 
   uint8_t* data() const { return shm_.data(); }
   uint64_t size() const { return shm_.size(); }
@@ -65,10 +67,10 @@ struct SimKvShape {
 class SimEngineKvCache {
  public:
   // Creates "<prefix>-kv" (and "<prefix>-done", a signal region of `completion_slots` load
-  // slots and as many ready slots, when completion_slots > 0).
+  // slots and as many ready slots, when completion_slots > 0), both with permission bits `mode`.
   static absl::StatusOr<SimEngineKvCache> Create(absl::string_view name_prefix,
-                                                 const SimKvShape& shape,
-                                                 uint32_t completion_slots);
+                                                 const SimKvShape& shape, uint32_t completion_slots,
+                                                 uint32_t mode = ShmMapping::kDefaultMode);
   // The layout Create(name_prefix, shape, ...) registers, and the bytes of its "<prefix>-kv"
   // object; lets another process describe the cache without opening it.
   static absl::StatusOr<core::KvLayout> Layout(absl::string_view name_prefix,

@@ -137,6 +137,18 @@ absl::Status Daemon::StartListeners() {
   return absl::OkStatus();
 }
 
+std::vector<platform::DaemonObject> Daemon::DaemonObjects() const {
+  std::vector<platform::DaemonObject> out;
+  for (const auto& [memory, what] : {std::pair{pool_memory_.get(), "the daemon's L2 pool"},
+                                     std::pair{journal_memory_.get(), "the daemon's L2 journal"}}) {
+    if (memory == nullptr || memory->shm_fd() < 0) continue;
+    // The descriptor is open and ours: fstat fails only on a broken process.
+    absl::StatusOr<platform::FileId> id = platform::FileId::OfFd(memory->shm_fd());
+    if (id.ok()) out.push_back({*id, what});
+  }
+  return out;
+}
+
 void Daemon::CreateServices(MetricsRegistry& registry) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -150,6 +162,7 @@ void Daemon::CreateServices(MetricsRegistry& registry) {
   cache_options.l3 = l3_.get();
   cache_options.metrics = &registry;
   cache_options.events = events_.get();
+  cache_options.daemon_objects = DaemonObjects();
   {
     absl::MutexLock lock(&mu_);
     cache_options.daemon_epoch = info_.epoch;

@@ -86,6 +86,8 @@ class Daemon {
   // With pool.shm_name: maps the pool's slot journal beside it (core/slot_journal.h) and decides
   // whether this start is warm (pool and journal re-attached, same geometry) or why not.
   absl::Status AttachJournal();
+  // The pool's and the journal's shm objects, which no engine may register as its memory.
+  std::vector<platform::DaemonObject> DaemonObjects() const;
   // The device backend of config device.kind, with the host pool registered with it; with a CUDA
   // primary and device.host_memory_engines, also a sim backend for host-memory engines.
   absl::Status CreateDeviceBackend();

@@ -73,6 +73,8 @@ engine flags:
   --wait-ms N            longest wait for an op (default 10000)
   --replace              replace a live session of the same (instance, rank)
   --shm-prefix P         name the sim shm objects /P-PID-kv and /P-PID-sig
+  --shm-mode MODE        their permission bits, octal (default 0600; a daemon running as
+                         another user needs e.g. 0660 with a shared group, or 0666)
 
 commands:
   backup --seed S --tokens-seed X --pages N [--first-block B] [--ready late|early|none]
@@ -115,7 +117,7 @@ class Flags {
         "--addr", "--instance", "--rank", "--tp", "--layout", "--layers", "--block-bytes",
         "--blocks", "--page-size", "--model", "--revision", "--dtype", "--tenant",
         "--arrangement", "--no-signals", "--rpc-timeout-ms", "--backoff-max-ms",
-        "--register-wait-ms", "--wait-ms", "--replace", "--shm-prefix", "--seed", "--tokens-seed",
+        "--register-wait-ms", "--wait-ms", "--replace", "--shm-prefix", "--shm-mode", "--seed", "--tokens-seed",
         "--pages", "--first-block", "--ready", "--verify-seed", "--pin", "--expect-hits",
         "--no-layer-signals", "--duration-s", "--docs", "--max-pages", "--rng-seed",
         "--think-ms", "--step-ms", "--hold-s", "--write-policy", "--prefetch", "--prefetch-timeout-ms",
@@ -755,6 +757,15 @@ std::optional<int> Configure(Flags& f, Engine& e, kc::SimEngineOptions& so,
   // A killed engine cannot unlink its shm objects; a known prefix lets the test remove them.
   if (std::string prefix = f.Str("--shm-prefix"); !prefix.empty()) {
     so.name_prefix = absl::StrCat("/", prefix, "-", getpid());
+  }
+  if (std::string mode = f.Str("--shm-mode"); !mode.empty()) {
+    char* end = nullptr;
+    const unsigned long bits = strtoul(mode.c_str(), &end, 8);
+    if (end == mode.c_str() || *end != '\0' || bits > 07777) {
+      fprintf(stderr, "--shm-mode %s: not octal permission bits (e.g. 0660)\n", mode.c_str());
+      return kExitUsage;
+    }
+    so.shm_mode = static_cast<uint32_t>(bits);
   }
 
   reg.instance_id = f.Str("--instance", absl::StrCat("sim-", getpid()));

@@ -489,9 +489,10 @@ absl::Status CreateStreams(CudaEngine& e) {
 }
 
 // Maps the engine's completion region, registered with CUDA so that kernels store into it.
-absl::Status AttachCompletion(CudaEngine& e, const std::string& completion_region) {
+absl::Status AttachCompletion(CudaEngine& e, const std::string& completion_region,
+                              const platform::EngineMemoryAccess& access) {
   absl::StatusOr<platform::SignalRegion> c = OpenCompletionRegion(
-      completion_region, static_cast<uint32_t>(e.layout_.layers.size()));
+      completion_region, static_cast<uint32_t>(e.layout_.layers.size()), access);
   if (!c.ok()) return c.status();
   e.completion = *std::move(c);
   // Whole pages: the mapping has them, and older drivers wanted page-aligned sizes.
@@ -577,7 +578,10 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> CudaDevice::OpenEngine(const Engi
   PlanLayersAndRuns(*e);
   if (absl::Status s = CreateStreams(*e); !s.ok()) return s;
   if (!spec.completion_region.empty()) {
-    if (absl::Status s = AttachCompletion(*e, spec.completion_region); !s.ok()) return s;
+    if (absl::Status s = AttachCompletion(*e, spec.completion_region, spec.memory_access);
+        !s.ok()) {
+      return s;
+    }
   }
   if (!spec.cuda_load_events.empty()) {
     if (absl::Status s = OpenLoadEvents(*e, spec.cuda_load_events); !s.ok()) return s;

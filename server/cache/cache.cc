@@ -35,6 +35,7 @@ Cache::Cache(CacheOptions options)
       limits_(CacheLimits::FromConfig(config_)),
       daemon_epoch_(options.daemon_epoch),
       devices_(std::move(options.devices)),
+      daemon_objects_(std::move(options.daemon_objects)),
       metrics_(options.metrics != nullptr ? options.metrics : &DefaultRegistry()),
       namespaces_(options.pool, PolicyOf(config_),
                   options.l3 != nullptr ? static_cast<int>(options.l3->size()) : 0,
@@ -44,7 +45,8 @@ Cache::Cache(CacheOptions options)
       ops_(&metrics_, absl::Milliseconds(limits_.op_result_retention_ms)),
       no_l3_(options.l3 == nullptr ? L3Tiers::None() : nullptr),
       l3_(options.l3 != nullptr ? options.l3 : no_l3_.get()),
-      writer_(l3_, &l2_, [this] { return ops_.NextId(); }, &metrics_, config_.storage),
+      writer_(
+          l3_, &l2_, [this] { return ops_.NextId(); }, &metrics_, config_.storage),
       prefetcher_(l3_, &l2_, &ops_, &pins_, &metrics_, &limits_, config_.storage),
       recovery_(l3_, &namespaces_),
       mover_(&devices_, &l2_, &pins_, &ops_, &pump_, &metrics_, &limits_, &writer_),

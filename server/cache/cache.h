@@ -28,13 +28,16 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "core/host_pool.h"
+#include "platform/engine_memory_access.h"
 #include "server/admin/cache_admin.h"
 #include "server/admin/daemon_info.h"
+#include "server/cache/housekeeper.h"
 #include "server/config/cache_limits.h"
 #include "server/config/config.h"
 #include "server/datapath/device_mover.h"
@@ -42,10 +45,9 @@
 #include "server/datapath/matcher.h"
 #include "server/datapath/sim_signal_pump.h"
 #include "server/events/event_hub.h"
-#include "server/cache/housekeeper.h"
+#include "server/l2/l2_recovery.h"
 #include "server/l2/l2_space.h"
 #include "server/l3/l3_prefetcher.h"
-#include "server/l2/l2_recovery.h"
 #include "server/l3/l3_recovery.h"
 #include "server/l3/l3_tiers.h"
 #include "server/l3/l3_writer.h"
@@ -80,6 +82,9 @@ struct CacheOptions {
   // Where the indexes report pages stored and removed (KV events); nullptr: nowhere. Outlives
   // the cache.
   EventHub* events = nullptr;
+  // The daemon's own shared-memory objects (the pool and its journal, when named): never mapped
+  // for an engine, whoever names them (platform/engine_memory_access.h).
+  std::vector<platform::DaemonObject> daemon_objects;
 };
 
 class Cache {
@@ -142,6 +147,7 @@ class Cache {
   // The primary device's kind (UNSPECIFIED without one) and every kind served.
   v1::DeviceKind device_kind() const { return devices_.primary_kind(); }
   const DeviceSet& devices() const { return devices_; }
+  const std::vector<platform::DaemonObject>& daemon_objects() const { return daemon_objects_; }
   CacheMetrics& metrics() { return metrics_; }
   NamespaceRegistry& namespaces() { return namespaces_; }
   L2Space& l2() { return l2_; }
@@ -169,6 +175,7 @@ class Cache {
   const CacheLimits limits_;
   const uint64_t daemon_epoch_;
   const DeviceSet devices_;
+  const std::vector<platform::DaemonObject> daemon_objects_;
   std::atomic<bool> draining_{false};
 
   // Declaration order is construction order; destruction runs backwards, so every component is

@@ -52,6 +52,9 @@ struct ListenConfig {
   uint32_t admin_socket_mode = 0;
   int64_t max_connections_per_uid = 0;  // Open engine-socket connections per peer uid; 0 = any.
   std::string tcp_address;  // "" = no TCP listener; else host:port.
+  // Host shared memory (sim regions, signal regions) registered over TCP, whose peers have no
+  // uid to check ownership against (docs/security.md). Off: refused.
+  bool tcp_host_memory = false;
   bool operator==(const ListenConfig&) const = default;
 };
 

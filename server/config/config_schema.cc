@@ -436,6 +436,11 @@ std::vector<KeySpec> SchemaTable() {
              "engine needs. 0 = no limit."),
       StringKey(KVC_FIELD(listen, tcp_address), "", CheckHostPort, "host:port, or \"\"",
                 "TCP listener for the engine and admin API (see tls); \"\" = none."),
+      BoolKey(KVC_FIELD(listen, tcp_host_memory), "false",
+              "Let engines on the TCP listener register host shared memory (SIM regions and "
+              "signal regions). A TCP peer has no uid, so the daemon cannot check that it owns "
+              "what it names: only for nodes whose engines all trust each other. Off: refused "
+              "(PERMISSION_DENIED); engines on the Unix socket are checked instead."),
       // tls
       ChoiceKey(KVC_ENUM(tls, mode), "plaintext", {"plaintext", "tls", "mtls"},
                 "Security of the TCP listener: plaintext, TLS, or TLS with client certificates "
@@ -447,8 +452,7 @@ std::vector<KeySpec> SchemaTable() {
       StringKey(KVC_FIELD(tls, client_ca_file), "", nullptr, "readable file, or \"\"",
                 "PEM CA bundle that client certificates must chain to; required by mtls."),
       // tenants
-      ListKey(StringKey(KVC_FIELD(tenants, allow), "", CheckTenantGrants,
-                        "tenant grants, or \"\"",
+      ListKey(StringKey(KVC_FIELD(tenants, allow), "", CheckTenantGrants, "tenant grants, or \"\"",
                         "Who may register engines under which tenant, separated by ';': "
                         "TENANT=uid:USER, TENANT=gid:GROUP (Unix socket peers), "
                         "TENANT=subject:SUBJECT (mTLS client certificates), or a YAML list of "
@@ -507,10 +511,11 @@ std::vector<KeySpec> SchemaTable() {
               "second, memcpy backend. Without a GPU the sim device serves them anyway."),
       // storage
       ListKey(StringKey(KVC_FIELD(storage, tiers), "", CheckL3Tiers, "tier specs, or \"\"",
-                "L3 tiers in lookup order, fastest first, separated by spaces or ';': "
-                "file:/DIR?name=nvme&capacity=500GiB, redis:HOST:PORT?prefix=kvc:, "
-                "redis-cluster:H1:P1,H2:P2 (options in docs/storage.md), or a YAML list of "
-                "them; \"\" = no L3."), ' '),
+                        "L3 tiers in lookup order, fastest first, separated by spaces or ';': "
+                        "file:/DIR?name=nvme&capacity=500GiB, redis:HOST:PORT?prefix=kvc:, "
+                        "redis-cluster:H1:P1,H2:P2 (options in docs/storage.md), or a YAML list of "
+                        "them; \"\" = no L3."),
+              ' '),
       Secret(StringKey(KVC_FIELD(storage, redis_password), "", nullptr, "",
                        "Password (AUTH) for every redis tier; \"\" = none.")),
       ChoiceKey(KVC_ENUM(storage, write_policy), "write_through",

@@ -2,6 +2,8 @@
 // RegisterEngineResponse and GetStatusResponse, bumped when RPCs or fields gain behaviour.
 //   1: the first stable revision.
 //   2: AdminService.WatchEvents (KV events, docs/events.md).
+//   3: RegisterEngine maps only memory the registering engine owns; refusals are
+//      ERROR_REASON_MEMORY_NOT_OWNED (docs/security.md).
 #ifndef KVCELLAR_SERVER_RPC_API_REVISION_H_
 #define KVCELLAR_SERVER_RPC_API_REVISION_H_
 
@@ -9,7 +11,7 @@
 
 namespace kvcellar::server {
 
-inline constexpr uint32_t kApiRevision = 2;
+inline constexpr uint32_t kApiRevision = 3;
 
 }  // namespace kvcellar::server
 

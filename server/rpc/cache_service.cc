@@ -11,6 +11,7 @@
 #include "server/rpc/api_revision.h"
 #include "server/rpc/grpc_status.h"
 #include "server/rpc/request_validation.h"
+#include "server/session/memory_access.h"
 #include "server/session/namespace_metrics.h"
 
 namespace kvcellar::server {
@@ -34,17 +35,19 @@ absl::Status OpenEngineError(const absl::Status& s) {
                       "device.uuid", absl::StrCat("device.uuid: ", msg));
   }
   std::string field = "layout";
+  // The whole message: the field path, then what happened ("layout.regions[2]: ...").
+  std::string message = absl::StrCat("layout: ", msg);
   if (absl::StartsWith(msg, "completion_region")) {
     field = "completion.sim_counters.shm_name";
+    message = absl::StrCat(field, msg.substr(msg.find(':')));
   } else if (absl::StartsWith(msg, "regions[")) {
     field = absl::StrCat("layout.", msg.substr(0, msg.find(']') + 1));
+    message = absl::StrCat("layout.", msg);
   }
   if (s.code() == absl::StatusCode::kInvalidArgument && field == "layout") {
-    return InvalidField(field, absl::StrCat("layout: ", msg));
+    return InvalidField(field, message);
   }
-  // The object is missing, too small, or not what the registration says.
-  return CacheError(absl::StatusCode::kFailedPrecondition, v1::ERROR_REASON_HANDLE_OPEN_FAILED,
-                    field, absl::StrCat(field, ": ", msg));
+  return MemoryAccessPolicy::OpenError(field, s, message);
 }
 
 // The WaitOps RPC while it waits: registered with the OpTable, finished by it (Done) when the
@@ -93,6 +96,7 @@ CacheServiceImpl::CacheServiceImpl(Cache* cache, const PeerCredentials* credenti
     : cache_(cache),
       credentials_(credentials != nullptr ? credentials : &NoCredentials()),
       tenants_(TenantAccess::FromConfig(cache->config().tenants.allow)),
+      memory_access_(cache->config().listen.tcp_host_memory, cache->daemon_objects()),
       config_(cache->config()),
       limits_(cache->limits()),
       daemon_epoch_(cache->daemon_epoch()),
@@ -116,6 +120,14 @@ absl::Status CacheServiceImpl::DoRegister(grpc::CallbackServerContext* context,
   // Before anything is created: a refused tenant leaves no namespace behind.
   PeerIdentity caller = credentials_->Identify(context);
   if (absl::Status s = tenants_.Check(reg->spec.tenant, caller); !s.ok()) return s;
+  // The memory it names must be its own (session/memory_access.h): checked on every object as
+  // it is opened below; a TCP peer naming host memory is refused here, before anything exists.
+  const bool host_memory = reg->worker && reg->device_kind == v1::DEVICE_KIND_SIM;
+  absl::StatusOr<platform::EngineMemoryAccess> access = memory_access_.For(
+      caller, host_memory,
+      reg->engine.layout.regions.empty() ? "layout.regions" : "layout.regions[0]");
+  if (!access.ok()) return access.status();
+  reg->engine.memory_access = *access;
 
   std::shared_ptr<Namespace> ns = namespaces_.GetOrCreate(reg->spec);
   SessionInfo info;
@@ -138,9 +150,9 @@ absl::Status CacheServiceImpl::DoRegister(grpc::CallbackServerContext* context,
                         "device.kind", "this daemon has no device backend");
     }
     if (!reg->sim_counters_name.empty()) {
-      absl::StatusOr<std::shared_ptr<SimCounterChannel>> channel =
-          SimCounterChannel::Open(reg->sim_counters_name, reg->sim_counters_bytes,
-                                  info.num_load_slots, info.num_layers, info.num_ready_slots);
+      absl::StatusOr<std::shared_ptr<SimCounterChannel>> channel = SimCounterChannel::Open(
+          reg->sim_counters_name, reg->sim_counters_bytes, info.num_load_slots, info.num_layers,
+          info.num_ready_slots, *access);
       if (!channel.ok()) return channel.status();
       info.sim_signals = *std::move(channel);
     }

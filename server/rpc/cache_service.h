@@ -19,6 +19,7 @@
 #include "kvcellar/v1/cache_service.grpc.pb.h"
 #include "server/cache/cache.h"
 #include "server/rpc/peer_credentials.h"
+#include "server/session/memory_access.h"
 #include "server/session/tenant_access.h"
 
 namespace kvcellar::server {
@@ -88,6 +89,8 @@ class CacheServiceImpl final : public kvcellar::v1::CacheService::CallbackServic
   Cache* const cache_;
   const PeerCredentials* const credentials_;  // Never null (an empty table when none is given).
   const TenantAccess tenants_;
+  // Whose memory a registration may name (session/memory_access.h).
+  const MemoryAccessPolicy memory_access_;
   // The cache's components the handlers use most.
   const Config& config_;
   const CacheLimits& limits_;

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/quote.h"
 #include "server/errors/cache_error.h"
+#include "server/session/memory_access.h"
 
 namespace kvcellar::server {
 namespace {
@@ -19,7 +20,7 @@ absl::Status HandleError(absl::string_view field, absl::string_view message) {
 
 absl::StatusOr<std::shared_ptr<SimCounterChannel>> SimCounterChannel::Open(
     absl::string_view name, uint64_t size_bytes, uint32_t num_load_slots, uint32_t num_layers,
-    uint32_t num_ready_slots) {
+    uint32_t num_ready_slots, const platform::EngineMemoryAccess& access) {
   constexpr absl::string_view kNameField = "completion.sim_counters.shm_name";
   constexpr absl::string_view kSizeField = "completion.sim_counters.size_bytes";
   const core::SignalLayout layout(num_load_slots, num_layers, num_ready_slots);
@@ -30,10 +31,11 @@ absl::StatusOr<std::shared_ptr<SimCounterChannel>> SimCounterChannel::Open(
                                      " bytes that ", num_load_slots, " load slots of ", num_layers,
                                      " layers and ", num_ready_slots, " ready slots need"));
   }
-  absl::StatusOr<platform::ShmMapping> shm = platform::ShmMapping::Open(name, need);
+  absl::StatusOr<platform::ShmMapping> shm = platform::ShmMapping::Open(name, need, access);
   if (!shm.ok()) {
-    return HandleError(
-        kNameField, absl::StrCat(kNameField, " ", core::Quote(name), ": ", shm.status().message()));
+    return MemoryAccessPolicy::OpenError(
+        kNameField, shm.status(),
+        absl::StrCat(kNameField, " ", core::Quote(name), ": ", shm.status().message()));
   }
   if (!HasMagic(shm->data())) {
     return HandleError(kNameField, absl::StrCat(kNameField, " ", core::Quote(name),

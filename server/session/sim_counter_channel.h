@@ -30,12 +30,12 @@ class SimCounterChannel : public platform::SignalRegion {
   // Maps the engine's region and checks it against the registration. Errors are
   // FAILED_PRECONDITION / ERROR_REASON_HANDLE_OPEN_FAILED naming the field: the object is missing
   // or smaller than `size_bytes`, `size_bytes` is below what the counts need, or the header
-  // disagrees with the registration.
-  static absl::StatusOr<std::shared_ptr<SimCounterChannel>> Open(absl::string_view name,
-                                                                 uint64_t size_bytes,
-                                                                 uint32_t num_load_slots,
-                                                                 uint32_t num_layers,
-                                                                 uint32_t num_ready_slots);
+  // disagrees with the registration. PERMISSION_DENIED (memory_access.h) when `access` refuses
+  // the object or the OS refuses the daemon; nothing is mapped then.
+  static absl::StatusOr<std::shared_ptr<SimCounterChannel>> Open(
+      absl::string_view name, uint64_t size_bytes, uint32_t num_load_slots, uint32_t num_layers,
+      uint32_t num_ready_slots,
+      const platform::EngineMemoryAccess& access = platform::EngineMemoryAccess::Unchecked());
 
  private:
   SimCounterChannel(platform::ShmMapping shm, const core::SignalLayout& layout)

@@ -66,6 +66,9 @@ def start_node(daemon_factory, name, l3, shm_name):
                              "--set", f"storage.tiers={l3.tiers}",
                              "--set", f"storage.max_lookup_ms={LOOKUP_MS}",
                              "--set", f"listen.tcp_address={ip}:0",
+                             # C's engines register their sim memory over TCP, where the daemon
+                             # has no uid to check it against: these engines trust each other.
+                             "--set", "listen.tcp_host_memory=true",
                              "--set", f"http.address={ip}:0",
                              "--set", f"pool.shm_name={shm_name}"),
                        name=name, subdir=name)
