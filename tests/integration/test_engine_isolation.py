@@ -14,6 +14,9 @@ their whole drain, and bystanders' sessions lapsed. Here:
   deadline well under the 1 s lease.
 - Every bystander RPC must finish within its deadline and no session may lapse; each drainer's
   reply must still come after its drain, with the right counts.
+- A daemon shutting down cuts a pending drain short: the reply (ops cancelled) comes at once and
+  the daemon exits promptly (before, shutdown waited out the drain and the engine got
+  UNAVAILABLE).
 
 Interpreter: Debian's /usr/bin/python3 (python3-grpcio, python3-pytest).
 """
@@ -221,3 +224,27 @@ def test_unregistering_engines_with_pending_ops_stall_no_bystander(daemon_factor
         assert len(ended) == 1 and ended[0]["reason"] == "unregistered", ended
         for key in ("ops_completed", "ops_cancelled", "pins_released"):
             assert int(ended[0][key]) == reply[key], (key, ended[0], reply)
+
+
+def test_a_daemon_shutting_down_cuts_a_drain_short_and_ends_the_session(daemon_factory):
+    d = daemon_factory(args=DAEMON_ARGS)
+    require_cache_service(d)
+    dr = Drainer(d.socket, "closing", 10000, 9000, 300)
+    assert dr.line()["pending"] == OPS_PER_DRAINER
+    dr.go()
+    d.wait_for_line(r"msg=\"?session registered\"?.*instance_id=\"?closing")
+    time.sleep(0.5)  # The drain is under way.
+    start = time.monotonic()
+    assert d.stop() == 0, d.log()
+    stopped = time.monotonic() - start
+    reply = dr.finish()
+    print(f"\nstopped in {stopped * 1000:.0f} ms; {reply}")
+    # Answered when the daemon began to drain, not after the 9 s drain, with its ops cancelled.
+    assert dr.proc.returncode == EXIT_OK, (reply, dr.proc.stderr.read())
+    assert reply["unregistered"] and reply["error"] == "", reply
+    assert reply["ops_cancelled"] == OPS_PER_DRAINER and reply["ops_completed"] == 0, reply
+    assert reply["unregister_ms"] < 3000, reply
+    assert stopped < 3, stopped
+    ended = [f for f in map(parse_log_line, d.log().splitlines())
+             if f.get("msg") == "session ended" and f.get("instance_id") == "closing"]
+    assert len(ended) == 1 and ended[0]["reason"] == "unregistered", ended
