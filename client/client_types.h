@@ -309,6 +309,16 @@ struct ReleaseReply {
   absl::Status status;
 };
 
+// What Session::Close's UnregisterEngine did (its reply). `unregistered` is false when there was
+// no live session to unregister or the call failed (`status`).
+struct CloseReply {
+  bool unregistered = false;
+  uint32_t ops_completed = 0;  // Ops that ended within the drain.
+  uint32_t ops_cancelled = 0;  // Ops still pending at its end, cancelled.
+  uint32_t pins_released = 0;
+  absl::Status status;
+};
+
 // ---- Stats ------------------------------------------------------------------------------------
 
 // Counters over the client's lifetime (all sessions). Failures are cache events, not errors: each

@@ -104,7 +104,7 @@ absl::Status Session::WaitLayerSignal(const OpRef& op, uint32_t slot, uint32_t l
 absl::Status Session::WaitLoadSignal(const OpRef& op, uint32_t slot, absl::Time deadline) const {
   return impl_->WaitSignal(op, slot, -1, deadline);
 }
-void Session::Close(absl::Duration drain_timeout) { impl_->Close(drain_timeout); }
+CloseReply Session::Close(absl::Duration drain_timeout) { return impl_->Close(drain_timeout); }
 
 // ---- SessionImpl: registration and the state machine --------------------------------------------
 
@@ -893,11 +893,12 @@ ReleaseReply SessionImpl::Release(absl::Span<const uint64_t> pin_ids,
   return reply;
 }
 
-void SessionImpl::Close(absl::Duration drain_timeout) {
+CloseReply SessionImpl::Close(absl::Duration drain_timeout) {
+  CloseReply reply;
   uint64_t session_id = 0;
   {
     absl::MutexLock lock(&mu_);
-    if (state_ == SessionState::kClosed) return;
+    if (state_ == SessionState::kClosed) return reply;
     if (state_ == SessionState::kActive || state_ == SessionState::kSuspect) {
       session_id = info_.session_id;
     }
@@ -905,7 +906,7 @@ void SessionImpl::Close(absl::Duration drain_timeout) {
     info_.session_id = 0;
     cv_.SignalAll();
   }
-  if (session_id == 0) return;
+  if (session_id == 0) return reply;
   v1::UnregisterEngineRequest req;
   req.set_session_id(session_id);
   req.set_drain_timeout_ms(ToMs(drain_timeout));
@@ -913,7 +914,17 @@ void SessionImpl::Close(absl::Duration drain_timeout) {
   ClientCore::SetDeadline(
       &ctx, std::max(drain_timeout, absl::ZeroDuration()) + core_->options().rpc_timeout);
   v1::UnregisterEngineResponse resp;
-  core_->CountRpc(core_->stub().UnregisterEngine(&ctx, req, &resp));
+  const grpc::Status status = core_->stub().UnregisterEngine(&ctx, req, &resp);
+  core_->CountRpc(status);
+  if (!status.ok()) {
+    reply.status = ToAbsl(status, "UnregisterEngine");
+    return reply;
+  }
+  reply.unregistered = true;
+  reply.ops_completed = resp.ops_completed();
+  reply.ops_cancelled = resp.ops_cancelled();
+  reply.pins_released = resp.pins_released();
+  return reply;
 }
 
 }  // namespace kvcellar::client

@@ -74,8 +74,8 @@ class Session {
   void KeepPinsAlive(absl::Span<const uint64_t> pin_ids);
 
   // Unregisters (waiting up to drain_timeout for unfinished ops) and stops re-registering. Later
-  // calls miss. Idempotent.
-  void Close(absl::Duration drain_timeout = absl::Seconds(1));
+  // calls miss. Idempotent: a second call returns an empty reply.
+  CloseReply Close(absl::Duration drain_timeout = absl::Seconds(1));
 
  private:
   friend class Client;

@@ -63,7 +63,7 @@ class SessionImpl {
   void KeepPinsAlive(absl::Span<const uint64_t> pin_ids);
   bool Ended(const OpRef& op) const;
   absl::Status WaitSignal(const OpRef& op, uint32_t slot, int layer, absl::Time deadline) const;
-  void Close(absl::Duration drain_timeout);
+  CloseReply Close(absl::Duration drain_timeout);
 
  private:
   // A data call's view of the session, taken under mu_ before the RPC.

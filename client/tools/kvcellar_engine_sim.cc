@@ -99,6 +99,11 @@ commands:
       the same --rng-seed, run the same steps and get one group-consistent Match answer.
   hold [--pin] --tokens-seed X --pages N [--hold-s S]
       Match (pinning the hit), print JSON, then sleep (to be killed).
+  drain --tokens-seed X --pages N [--ops K] [--ready-timeout-ms R] [--drain-ms D]
+      submit K Backups of N pages (blocks from 0) whose ready signal is never published, so
+      they stay pending for R ms (default 60000); print JSON (submitted ops, states), then wait
+      for a line on stdin and unregister with a drain of D ms (default 2000). Second JSON line:
+      the UnregisterEngine reply (ops_completed, ops_cancelled, pins_released) and unregister_ms.
 
 exit codes: 0 ok; 1 wrong bytes loaded; 2 usage; 3 setup failed (shared memory, client, the
 daemon rejected the registration); 4 the cache did less than asked (not stored, too few hits).
@@ -121,7 +126,7 @@ class Flags {
         "--pages", "--first-block", "--ready", "--verify-seed", "--pin", "--expect-hits",
         "--no-layer-signals", "--duration-s", "--docs", "--max-pages", "--rng-seed",
         "--think-ms", "--step-ms", "--hold-s", "--write-policy", "--prefetch", "--prefetch-timeout-ms",
-        "--l3-lookup-ms", "--doc"};
+        "--l3-lookup-ms", "--doc", "--ops", "--ready-timeout-ms", "--drain-ms"};
     // clang-format on
     for (int i = 1; i < argc; ++i) {
       std::string a = argv[i];
@@ -566,6 +571,74 @@ int CmdHold(Engine& e, Flags& f) {
   return kExitOk;
 }
 
+int CmdDrain(Engine& e, Flags& f) {
+  const uint64_t tseed = f.U64("--tokens-seed", 1);
+  const uint64_t pages = f.U64("--pages", 1);
+  const uint64_t num_ops = f.U64("--ops", 1);
+  const uint32_t ready_timeout_ms = static_cast<uint32_t>(f.U64("--ready-timeout-ms", 60000));
+  const absl::Duration drain = absl::Milliseconds(f.U64("--drain-ms", 2000));
+  if (std::string p = f.Problem(); !p.empty()) {
+    std::fprintf(stderr, "%s\n", p.c_str());
+    return kExitUsage;
+  }
+  if (num_ops * pages > e.sim->num_blocks()) {
+    std::fprintf(stderr, "--ops * --pages exceeds --blocks\n");
+    return kExitUsage;
+  }
+  // One ready slot per op: a slot's word gates every op waiting on it.
+  if (!e.sim->has_signals() || e.sim->signals().num_ready_slots() < num_ops) {
+    std::fprintf(stderr, "drain needs a ready slot per op (not --no-signals)\n");
+    return kExitUsage;
+  }
+  uint64_t pending = 0;
+  std::vector<std::string> states;
+  std::string error;
+  for (uint64_t i = 0; i < num_ops; ++i) {
+    const std::vector<core::PageKey> keys =
+        e.session->ComputeKeys(Tokens(tseed, i, pages * e.page_size));
+    const std::vector<uint32_t> blocks = Range(static_cast<uint32_t>(i * pages), pages);
+    kc::BackupSequence seq;
+    seq.keys = keys;
+    seq.blocks = blocks;
+    kc::BackupOptions opts;
+    opts.write_policy = e.write_policy;
+    opts.has_ready = true;
+    opts.ready_slot = static_cast<uint32_t>(i);
+    opts.ready_token = e.sim->NextReadyToken();  // Never published.
+    opts.ready_timeout_ms = ready_timeout_ms;
+    const kc::OpResult r = e.session->Backup({seq}, opts);
+    if (!r.terminal() && r.status.ok()) ++pending;
+    states.push_back(kc::OpStateName(r.state));
+    if (error.empty() && !r.status.ok()) error = r.status.ToString();
+    if (error.empty() && !r.error_message.empty()) error = r.error_message;
+  }
+  Json first;
+  first.Str("cmd", "drain")
+      .Num("ops", num_ops)
+      .Num("pending", pending)
+      .Str("states", absl::StrJoin(states, ","))
+      .Str("error", error)
+      .Obj("session", e.SessionJson());
+  std::printf("%s\n", first.Dump().c_str());
+  std::fflush(stdout);
+  char line[64];
+  if (std::fgets(line, sizeof(line), stdin) == nullptr) std::fprintf(stderr, "stdin closed\n");
+  const absl::Time start = absl::Now();
+  const kc::CloseReply c = e.session->Close(drain);
+  const absl::Duration took = absl::Now() - start;
+  Json j;
+  j.Str("cmd", "drain")
+      .Bool("unregistered", c.unregistered)
+      .Num("ops_completed", c.ops_completed)
+      .Num("ops_cancelled", c.ops_cancelled)
+      .Num("pins_released", c.pins_released)
+      .Str("error", c.status.ok() ? "" : c.status.ToString())
+      .Num("unregister_ms", static_cast<uint64_t>(absl::ToInt64Milliseconds(took)))
+      .Obj("stats", StatsJson(e.client->stats()));
+  std::printf("%s\n", j.Dump().c_str());
+  return c.unregistered && pending == num_ops ? kExitOk : kExitExpectation;
+}
+
 // Sleeps until the next wall-clock tick of `period` and returns its number: processes on one
 // machine agree on tick numbers, which is what keeps the ranks of a group on the same step.
 uint64_t NextTick(absl::Duration period) {
@@ -848,7 +921,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvcellar-engine-sim: %s\n%s", error.c_str(), kUsage);
     return kExitUsage;
   }
-  if (command != "backup" && command != "load" && command != "random" && command != "hold") {
+  if (command != "backup" && command != "load" && command != "random" && command != "hold" &&
+      command != "drain") {
     std::fprintf(stderr, "kvcellar-engine-sim: unknown command '%s'\n%s", command.c_str(), kUsage);
     return kExitUsage;
   }
@@ -868,6 +942,7 @@ int main(int argc, char** argv) {
   if (command == "load") rc = CmdLoad(e, f);
   if (command == "random") rc = CmdRandom(e, f);
   if (command == "hold") rc = CmdHold(e, f);
+  if (command == "drain") rc = CmdDrain(e, f);
   std::fflush(stdout);
   e.session->Close(absl::Seconds(2));
   return rc;

@@ -53,7 +53,8 @@ Cache::Cache(CacheOptions options)
       matcher_(&pins_, &ops_, &metrics_, &limits_,
                MatcherL3{l3_, &prefetcher_, &writer_,
                          absl::Milliseconds(config_.storage.max_lookup_ms)}),
-      admin_(&namespaces_, &sessions_, &pins_, &l2_, &metrics_, absl::Now()) {
+      admin_(&namespaces_, &sessions_, &pins_, &l2_, &metrics_, absl::Now()),
+      closer_(&ops_, [this](SessionEnd& end) { return FinishEnd(end); }) {
   metrics_.SetL3Tiers(l3_->names());
   StartL2(options);
   l2_.set_eviction_observer(&writer_);
@@ -70,7 +71,7 @@ Cache::Cache(CacheOptions options)
   housekeeper_ = std::make_unique<Housekeeper>(
       HousekeeperParts{&sessions_, &pins_, &namespaces_, &ops_, &matcher_, &l2_, &metrics_,
                        [this](const SessionRegistry::Removed& r, absl::string_view reason) {
-                         EndSession(r.session, r.last_of_instance, absl::ZeroDuration(), reason);
+                         EndSessionNow(r.session, r.last_of_instance, reason);
                        }},
       options.housekeeping_interval);
 }
@@ -79,9 +80,12 @@ Cache::~Cache() {
   metrics_.RemoveCollectors();
   l2_.set_eviction_observer(nullptr);
   housekeeper_.reset();
+  // Drains still running are cut short and their sessions end (their RPCs were answered or
+  // cancelled when the server shut down); then the sessions still registered.
   ops_.FinishAllWaiters();
+  closer_.Stop();
   for (SessionRegistry::Removed& r : sessions_.TakeAll()) {
-    EndSession(r.session, r.last_of_instance, absl::ZeroDuration(), "daemon shutdown");
+    EndSessionNow(r.session, r.last_of_instance, "daemon shutdown");
   }
 }
 
@@ -218,30 +222,49 @@ void Cache::FillInfo(DaemonInfo* info) const {
   info->pool_in_flight_bytes = l2.in_flight_bytes;
 }
 
-Cache::EndCounts Cache::EndSession(const std::shared_ptr<Session>& session,
-                                                         bool last_of_instance,
-                                                         absl::Duration drain,
-                                                         absl::string_view reason) {
-  const SessionInfo& info = session->info();
-  EndCounts counts;
+void Cache::EndSession(std::shared_ptr<Session> session, bool last_of_instance,
+                       absl::Duration drain, std::string reason,
+                       std::function<void(const EndCounts&)> done) {
+  auto end = std::make_unique<SessionEnd>();
   // No new op can start; the mapping stays usable by the ops already running.
-  std::unique_ptr<gpu::EngineMapping> mapping = session->Close();
-  const uint32_t before = session->inflight_ops();
-  ops_.WaitSessionOps(info.id, absl::Now() + drain);
+  end->mapping = session->Close();
+  end->inflight_before = session->inflight_ops();
+  end->session = std::move(session);
+  end->last_of_instance = last_of_instance;
+  end->reason = std::move(reason);
+  end->done = std::move(done);
+  closer_.Close(std::move(end), absl::Now() + drain);
+}
+
+Cache::EndCounts Cache::EndSessionNow(const std::shared_ptr<Session>& session,
+                                      bool last_of_instance, absl::string_view reason) {
+  SessionEnd end;
+  end.mapping = session->Close();
+  end.inflight_before = session->inflight_ops();
+  end.session = session;
+  end.last_of_instance = last_of_instance;
+  end.reason = std::string(reason);
+  return FinishEnd(end);
+}
+
+Cache::EndCounts Cache::FinishEnd(SessionEnd& end) {
+  const SessionInfo& info = end.session->info();
+  EndCounts counts;
   std::vector<std::shared_ptr<OpRecord>> cancelled = ops_.CancelSessionOps(info.id);
   counts.ops_cancelled = static_cast<uint32_t>(cancelled.size());
-  counts.ops_completed = before > counts.ops_cancelled ? before - counts.ops_cancelled : 0;
+  counts.ops_completed =
+      end.inflight_before > counts.ops_cancelled ? end.inflight_before - counts.ops_cancelled : 0;
   // Closing the mapping waits for copies in progress and ends the ones not started: after this
   // the daemon never touches the engine's memory again.
   // A worker's mapping comes out of Close() once: release its hold on the geometry once too.
-  const bool held_layout = info.is_worker() && mapping != nullptr;
-  mapping.reset();
+  const bool held_layout = info.is_worker() && end.mapping != nullptr;
+  end.mapping.reset();
   if (held_layout) info.ns->ReleaseLayout();
   for (const std::shared_ptr<OpRecord>& op : cancelled) {
     if (op->device != nullptr) op->device->Wait(kCancelledOpWait);
     ops_.TryFinalize(*op);
   }
-  if (last_of_instance) {
+  if (end.last_of_instance) {
     counts.pins_released = static_cast<uint32_t>(pins_.ReleaseInstance(info.instance_id));
   } else if (info.is_worker()) {
     counts.pins_released = static_cast<uint32_t>(pins_.DropRankHolds(info.instance_id, info.rank));
@@ -250,7 +273,7 @@ Cache::EndCounts Cache::EndSession(const std::shared_ptr<Session>& session,
         {{"session_id", info.id},
          {"instance_id", info.instance_id},
          {"rank", info.rank},
-         {"reason", reason},
+         {"reason", end.reason},
          {"ops_completed", counts.ops_completed},
          {"ops_cancelled", counts.ops_cancelled},
          {"pins_released", counts.pins_released}});

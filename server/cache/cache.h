@@ -16,18 +16,23 @@
 //   Matcher            group-consistent lookups and the step memo        datapath/matcher.h
 //   CacheAdmin         AdminService listings, stats, Evict and Clear     admin/cache_admin.h
 //   Housekeeper        leases, pruning, doomed pages, watermarks         housekeeper.h
+//   SessionCloser      the end of sessions whose drain is over           session_closer.h
 //
 // Without L3 tiers (storage.tiers = ""), Match reports no L3 hits, Prefetch answers an op whose
 // pages are ALREADY_PRESENT or MISS, and every page stays in L2 only.
 //
 // Threads: any; each component states its own. Owned threads: the op completion thread
-// (OpTable), the SIM signal pump, and the housekeeper.
+// (OpTable), the SIM signal pump, the housekeeper and the session closer. No Cache call waits for
+// a session's ops to end (EndSession returns at once and calls back); EndSessionNow waits only
+// for device work it has just cancelled.
 #ifndef KVCELLAR_SERVER_CACHE_CACHE_H_
 #define KVCELLAR_SERVER_CACHE_CACHE_H_
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -38,6 +43,7 @@
 #include "server/admin/cache_admin.h"
 #include "server/admin/daemon_info.h"
 #include "server/cache/housekeeper.h"
+#include "server/cache/session_closer.h"
 #include "server/config/cache_limits.h"
 #include "server/config/config.h"
 #include "server/datapath/device_mover.h"
@@ -105,15 +111,17 @@ class Cache {
   // The live session, or SESSION_UNKNOWN.
   absl::StatusOr<std::shared_ptr<Session>> FindSession(uint64_t session_id) const;
 
-  struct EndCounts {
-    uint32_t ops_completed = 0;
-    uint32_t ops_cancelled = 0;
-    uint32_t pins_released = 0;
-  };
-  // Ends a session already removed from the registry: waits up to `drain` for its ops, cancels
-  // the rest, closes its mapping (after which no copy touches engine memory) and drops its pins.
-  EndCounts EndSession(const std::shared_ptr<Session>& session, bool last_of_instance,
-                       absl::Duration drain, absl::string_view reason);
+  using EndCounts = SessionEndCounts;
+  // Ends a session already removed from the registry, without blocking: no new op can start on
+  // it now; once its ops have ended or `drain` has passed (or the daemon drains), the session
+  // closer cancels the rest, closes its mapping (after which no copy touches engine memory),
+  // drops its pins, and calls `done` (may be empty) with the counts, on the closer thread.
+  void EndSession(std::shared_ptr<Session> session, bool last_of_instance, absl::Duration drain,
+                  std::string reason, std::function<void(const EndCounts&)> done);
+  // The same without a drain, finished on the calling thread before it returns (replacement,
+  // daemon shutdown): waits only for the device to end the ops it cancels.
+  EndCounts EndSessionNow(const std::shared_ptr<Session>& session, bool last_of_instance,
+                          absl::string_view reason);
 
   struct Counts {
     size_t sessions = 0;
@@ -168,6 +176,8 @@ class Cache {
 
  private:
   void AddCollectors();
+  // The second half of ending a session (after its drain): cancels, closes, unpins, logs.
+  EndCounts FinishEnd(SessionEnd& end);
   // Recovers L2 from the journal, or says why it starts empty (l2_recovery_), before serving.
   void StartL2(const CacheOptions& options);
 
@@ -196,6 +206,7 @@ class Cache {
   DeviceMover mover_;
   Matcher matcher_;
   CacheAdmin admin_;
+  SessionCloser closer_;
   // Last: it runs over everything above, and stops first.
   std::unique_ptr<Housekeeper> housekeeper_;
 };

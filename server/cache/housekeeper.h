@@ -1,5 +1,5 @@
 // Housekeeper: the cache's periodic pass. Every interval it reaps sessions whose lease lapsed
-// (their ops cancelled, pins dropped, mappings closed, through the cache's EndSession), expires
+// (their ops cancelled, pins dropped, mappings closed, through the cache's EndSessionNow), expires
 // pin leases and the index's lapsed page pins, forgets old op results and memoized Match answers,
 // frees pages an admin Clear doomed once their copies ended, and evicts L2 down to the low
 // watermark when the pool is above the high one.
@@ -36,7 +36,8 @@ struct HousekeeperParts {
   Matcher* matcher = nullptr;
   L2Space* l2 = nullptr;
   CacheMetrics* metrics = nullptr;
-  // Ends a session already removed from the registry (Cache::EndSession without a drain).
+  // Ends a session already removed from the registry (Cache::EndSessionNow: no drain, so it
+  // waits only for the device to end the ops it cancels).
   std::function<void(const SessionRegistry::Removed&, absl::string_view reason)> end_session;
 };
 

@@ -1,5 +1,6 @@
 #include "server/datapath/matcher.h"
 
+#include <algorithm>
 #include <tuple>
 #include <vector>
 
@@ -53,7 +54,9 @@ struct Matcher::Call {
   bool pin;
   core::MatchOptions options;
   v1::PrefetchPolicy policy;
-  absl::Duration lookup_budget;
+  // Every sequence's L3 lookup ends by then: the request's budget is the whole call's, so a
+  // Match holds its gRPC thread for at most max_lookup_ms however many sequences it carries.
+  absl::Time lookup_deadline;
   size_t num_tiers;
 
   std::vector<PrefetchChain> chains;  // One per sequence when the daemon has L3 tiers.
@@ -124,8 +127,9 @@ void Matcher::Compute(const SessionInfo& session, const v1::MatchRequest& reques
       .options = {},
       .policy = l3_.prefetcher != nullptr ? l3_.prefetcher->Resolve(request.prefetch_policy())
                                           : v1::PREFETCH_POLICY_NONE,
-      .lookup_budget = l3_lookup_.has_value() ? l3_lookup_->Budget(request.l3_lookup_timeout_ms())
-                                              : absl::ZeroDuration(),
+      .lookup_deadline =
+          absl::Now() + (l3_lookup_.has_value() ? l3_lookup_->Budget(request.l3_lookup_timeout_ms())
+                                                : absl::ZeroDuration()),
       .num_tiers = l3_lookup_.has_value() ? l3_lookup_->num_tiers() : 0,
       .chains = {},
       .prefetch_tokens = 0,
@@ -221,7 +225,7 @@ void Matcher::MatchL3(Call& call, const v1::MatchSequence& seq,
   in.index_runs = hit.index.l3_pages;
   if (first > 0) in.parent0 = keys[first - 1];
   in.parent0_known = seq.token_ids_size() > 0 || seq.num_computed_pages() == 0;
-  in.budget = call.lookup_budget;
+  in.budget = std::max(absl::ZeroDuration(), call.lookup_deadline - absl::Now());
   const TierRuns runs = l3_lookup_->Runs(call.ns, in);
 
   std::array<uint32_t, core::kMaxL3Tiers> by_tier{};

@@ -9,7 +9,11 @@
 // (cache_admin.h); the storage tiers come in through the optional L3Admin (l3_admin.h).
 //
 // Threads: RPCs arrive on gRPC's callback threads, concurrently; the class holds no mutable state
-// of its own and reads daemon state through the `info` callback, which is thread-safe.
+// of its own and reads daemon state through the `info` callback, which is thread-safe. The
+// callback threads are the engine listener's too (gRPC shares them process-wide), so what a
+// handler waits for matters to engines: only Evict and Clear of L3 tiers wait, for the backends'
+// deletes, batch by batch, each within the backend's own timeout (l3_tier_admin.h); they are
+// served to the admin identity only.
 #ifndef KVCELLAR_SERVER_RPC_ADMIN_SERVICE_H_
 #define KVCELLAR_SERVER_RPC_ADMIN_SERVICE_H_
 

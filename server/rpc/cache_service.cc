@@ -173,7 +173,9 @@ absl::Status CacheServiceImpl::DoRegister(grpc::CallbackServerContext* context,
     return s;
   }
   if (replaced != nullptr) {
-    cache_->EndSession(replaced, /*last_of_instance=*/false, absl::ZeroDuration(), "replaced");
+    // Before the reply, so that the engine's new session never overlaps copies of the old one:
+    // no drain, so this waits only for the device to end the ops it cancels.
+    cache_->EndSessionNow(replaced, /*last_of_instance=*/false, "replaced");
   }
 
   const SessionInfo& s = session->info();
@@ -256,31 +258,32 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Heartbeat(grpc::CallbackServerContex
   return Finish(context, absl::OkStatus());
 }
 
-absl::Status CacheServiceImpl::DoUnregister(const grpc::CallbackServerContext* context,
-                                            const v1::UnregisterEngineRequest& request,
-                                            v1::UnregisterEngineResponse* response) {
-  // Checked before the removal; ids are never reused, so the session removed is the one checked.
-  if (std::shared_ptr<Session> s = sessions_.Find(request.session_id(), absl::Now());
-      s != nullptr) {
-    if (absl::Status owner = CheckOwner(*s, credentials_->Identify(context)); !owner.ok()) {
-      return owner;
-    }
-  }
-  SessionRegistry::Removed removed = sessions_.Remove(request.session_id());
-  if (removed.session == nullptr) return SessionUnknown(request.session_id());
-  const uint32_t drain_ms = std::min(request.drain_timeout_ms(), limits_.max_wait_ms);
-  Cache::EndCounts counts = cache_->EndSession(removed.session, removed.last_of_instance,
-                                               absl::Milliseconds(drain_ms), "unregistered");
-  response->set_ops_completed(counts.ops_completed);
-  response->set_ops_cancelled(counts.ops_cancelled);
-  response->set_pins_released(counts.pins_released);
-  return absl::OkStatus();
-}
-
 grpc::ServerUnaryReactor* CacheServiceImpl::UnregisterEngine(
     grpc::CallbackServerContext* context, const v1::UnregisterEngineRequest* request,
     v1::UnregisterEngineResponse* response) {
-  return Finish(context, DoUnregister(context, *request, response));
+  // Checked before the removal; ids are never reused, so the session removed is the one checked.
+  if (std::shared_ptr<Session> s = sessions_.Find(request->session_id(), absl::Now());
+      s != nullptr) {
+    if (absl::Status owner = CheckOwner(*s, credentials_->Identify(context)); !owner.ok()) {
+      return Finish(context, owner);
+    }
+  }
+  SessionRegistry::Removed removed = sessions_.Remove(request->session_id());
+  if (removed.session == nullptr) return Finish(context, SessionUnknown(request->session_id()));
+  // The drain runs on no thread: the session closer answers once the session's ops have ended or
+  // the drain is over (cut short when the daemon drains, like WaitOps).
+  const uint32_t drain_ms =
+      cache_->draining() ? 0 : std::min(request->drain_timeout_ms(), limits_.max_wait_ms);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  cache_->EndSession(std::move(removed.session), removed.last_of_instance,
+                     absl::Milliseconds(drain_ms), "unregistered",
+                     [reactor, response](const Cache::EndCounts& counts) {
+                       response->set_ops_completed(counts.ops_completed);
+                       response->set_ops_cancelled(counts.ops_cancelled);
+                       response->set_pins_released(counts.pins_released);
+                       reactor->Finish(grpc::Status::OK);
+                     });
+  return reactor;
 }
 
 // ---- Match / Load / Backup

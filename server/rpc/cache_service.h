@@ -7,8 +7,13 @@
 // that does the work, and turns the result into a reply or a gRPC status with the
 // kvcellar-error-reason / kvcellar-error-field trailing metadata (grpc_status.h).
 //
-// Threads: RPCs on gRPC's callback threads, concurrently; no handler blocks except
-// UnregisterEngine (for its drain, at most ServerLimits.max_wait_ms).
+// Threads: RPCs on gRPC's callback threads, concurrently. No handler holds its thread for a time
+// another engine, or the caller itself, controls: WaitOps and UnregisterEngine's drain are
+// answered later from the op completion thread and the session closer (cache/session_closer.h);
+// what a handler does wait for is bounded by configuration, not by the caller: Match's L3 lookup
+// (storage.max_lookup_ms), a Match memo waiting for the same instance's Compute, a session's
+// submissions in progress when it closes, and the device ending the ops a replaced session's
+// close cancels (RegisterEngine with replace_existing).
 #ifndef KVCELLAR_SERVER_RPC_CACHE_SERVICE_H_
 #define KVCELLAR_SERVER_RPC_CACHE_SERVICE_H_
 
@@ -65,9 +70,6 @@ class CacheServiceImpl final : public kvcellar::v1::CacheService::CallbackServic
   absl::Status DoRegister(grpc::CallbackServerContext* context,
                           const v1::RegisterEngineRequest& request,
                           v1::RegisterEngineResponse* response);
-  absl::Status DoUnregister(const grpc::CallbackServerContext* context,
-                            const v1::UnregisterEngineRequest& request,
-                            v1::UnregisterEngineResponse* response);
   absl::Status DoMatch(const grpc::CallbackServerContext* context, const v1::MatchRequest& request,
                        v1::MatchResponse* response);
   absl::Status DoPrefetch(const grpc::CallbackServerContext* context,

@@ -79,6 +79,7 @@ bool OpTable::TryFinalize(OpRecord& op) {
 
   std::unique_ptr<OpCompletion> completion;
   std::vector<OpWaiter*> done;
+  std::vector<Drained> drained;
   {
     absl::MutexLock lock(&mu_);
     op.statuses.swap(statuses);
@@ -90,9 +91,9 @@ bool OpTable::TryFinalize(OpRecord& op) {
                            [&op](const std::shared_ptr<OpRecord>& p) { return p.get() == &op; });
     if (it != pending_.end()) pending_.erase(it);
     finished_.emplace_back(op.finished, op.id);
-    CollectWaitersLocked(absl::InfinitePast(), &done);
+    CollectWaitersLocked(absl::InfinitePast(), &done, &drained);
   }
-  for (OpWaiter* w : done) w->Done();
+  Notify(&done, &drained);
   return true;
 }
 
@@ -168,7 +169,22 @@ void OpTable::FillResponseLocked(OpWaiter& waiter, bool timed_out) const {
   response->set_timed_out(timed_out);
 }
 
-void OpTable::CollectWaitersLocked(absl::Time now, std::vector<OpWaiter*>* done) {
+bool OpTable::SessionIdleLocked(uint64_t session_id) const {
+  for (const std::shared_ptr<OpRecord>& op : pending_) {
+    if (op->session_id == session_id) return false;
+  }
+  return true;
+}
+
+void OpTable::Notify(std::vector<OpWaiter*>* done, std::vector<Drained>* drained) {
+  for (OpWaiter* w : *done) w->Done();
+  for (const Drained& d : *drained) d.waiter->Drained(d.idle);
+  done->clear();
+  drained->clear();
+}
+
+void OpTable::CollectWaitersLocked(absl::Time now, std::vector<OpWaiter*>* done,
+                                   std::vector<Drained>* drained) {
   auto keep = waiters_.begin();
   for (auto it = waiters_.begin(); it != waiters_.end(); ++it) {
     OpWaiter* w = *it;
@@ -184,6 +200,18 @@ void OpTable::CollectWaitersLocked(absl::Time now, std::vector<OpWaiter*>* done)
     done->push_back(w);
   }
   waiters_.erase(keep, waiters_.end());
+
+  auto keep_drain = drain_waiters_.begin();
+  for (SessionDrainWaiter* w : drain_waiters_) {
+    const bool idle = SessionIdleLocked(w->session_id);
+    if (!idle && w->deadline > now) {
+      *keep_drain++ = w;
+      continue;
+    }
+    w->registered = false;
+    drained->push_back({w, idle});
+  }
+  drain_waiters_.erase(keep_drain, drain_waiters_.end());
 }
 
 bool OpTable::Wait(OpWaiter* waiter) {
@@ -212,6 +240,7 @@ bool OpTable::RemoveWaiter(OpWaiter* waiter) {
 
 void OpTable::FinishAllWaiters() {
   std::vector<OpWaiter*> done;
+  std::vector<Drained> drained;
   {
     absl::MutexLock lock(&mu_);
     for (OpWaiter* w : waiters_) {
@@ -220,8 +249,13 @@ void OpTable::FinishAllWaiters() {
       done.push_back(w);
     }
     waiters_.clear();
+    for (SessionDrainWaiter* w : drain_waiters_) {
+      w->registered = false;
+      drained.push_back({w, SessionIdleLocked(w->session_id)});
+    }
+    drain_waiters_.clear();
   }
-  for (OpWaiter* w : done) w->Done();
+  Notify(&done, &drained);
 }
 
 v1::ReleaseOutcome OpTable::Cancel(uint64_t id, const std::string& instance_id) {
@@ -247,15 +281,32 @@ v1::ReleaseOutcome OpTable::Cancel(uint64_t id, const std::string& instance_id) 
                                              : v1::RELEASE_OUTCOME_ALREADY_DONE;
 }
 
-bool OpTable::WaitSessionOps(uint64_t session_id, absl::Time deadline) {
-  auto idle = [this, session_id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    for (const std::shared_ptr<OpRecord>& op : pending_) {
-      if (op->session_id == session_id) return false;
+void OpTable::WatchDrain(SessionDrainWaiter* waiter) {
+  bool idle;
+  {
+    absl::MutexLock lock(&mu_);
+    idle = SessionIdleLocked(waiter->session_id);
+    if (!idle && waiter->deadline > absl::Now() && !stop_) {
+      waiter->registered = true;
+      drain_waiters_.push_back(waiter);
+      wake_ = true;  // The completion thread recomputes its next deadline.
+      return;
     }
-    return true;
-  };
+  }
+  waiter->Drained(idle);
+}
+
+bool OpTable::RemoveDrainWaiter(SessionDrainWaiter* waiter) {
   absl::MutexLock lock(&mu_);
-  return mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
+  if (!waiter->registered) return false;
+  waiter->registered = false;
+  drain_waiters_.erase(std::find(drain_waiters_.begin(), drain_waiters_.end(), waiter));
+  return true;
+}
+
+bool OpTable::SessionIdle(uint64_t session_id) const {
+  absl::MutexLock lock(&mu_);
+  return SessionIdleLocked(session_id);
 }
 
 std::vector<std::shared_ptr<OpRecord>> OpTable::CancelSessionOps(uint64_t session_id) {
@@ -293,6 +344,7 @@ size_t OpTable::unfinished() const {
 void OpTable::Run() {
   std::vector<std::shared_ptr<OpRecord>> pending;
   std::vector<OpWaiter*> done;
+  std::vector<Drained> drained;
   for (;;) {
     absl::Time next = absl::InfiniteFuture();
     {
@@ -301,15 +353,15 @@ void OpTable::Run() {
       wake_ = false;
       pending = pending_;
       for (const OpWaiter* w : waiters_) next = std::min(next, w->deadline);
+      for (const SessionDrainWaiter* w : drain_waiters_) next = std::min(next, w->deadline);
     }
     absl::Time now = absl::Now();
     if (next <= now) {
       {
         absl::MutexLock lock(&mu_);
-        CollectWaitersLocked(now, &done);
+        CollectWaitersLocked(now, &done, &drained);
       }
-      for (OpWaiter* w : done) w->Done();
-      done.clear();
+      Notify(&done, &drained);
       continue;
     }
 

@@ -17,16 +17,19 @@
 //
 // WaitOps never blocks a gRPC thread: a call whose condition does not hold yet registers an
 // OpWaiter; the thread that finalizes an op, or the completion thread at the waiter's deadline,
-// fills its reply and finishes it.
+// fills its reply and finishes it. A session's drain (UnregisterEngine) waits the same way, as a
+// SessionDrainWaiter: nothing in the table ever blocks a caller on ops that another thread, or an
+// engine's ready signal, has yet to end.
 //
 // Op ids come from a daemon-wide sequence shared with pin ids: unique for the daemon's life, never
 // 0, and starting at the start time in microseconds so that ids keep growing across daemon
 // restarts (engines compare completion words with "word >= op id"; a restarted daemon must not
 // reissue ids an engine's counters already passed).
 //
-// Threads: any gRPC handler, the completion thread (owned), the housekeeper. One mutex guards the
-// table, every record's mutable part and the waiters; it is never held while calling an
-// OpCompletion, a DeviceOp wait or an index.
+// Threads: any gRPC handler, the completion thread (owned), the housekeeper, the session closer
+// (cache/session_closer.h). One mutex guards the table, every record's mutable part and both
+// kinds of waiters; it is never held while calling an OpCompletion, a DeviceOp wait, an index, or
+// a waiter's Done() / Drained().
 #ifndef KVCELLAR_SERVER_SESSION_OP_TABLE_H_
 #define KVCELLAR_SERVER_SESSION_OP_TABLE_H_
 
@@ -113,6 +116,22 @@ class OpWaiter {
   bool registered = false;  // Guarded by the table's mutex.
 };
 
+// A closing session waiting for its ops to end (UnregisterEngine's drain). Finished exactly once:
+// by Drained() from the table, or by its owner after RemoveDrainWaiter() returned true.
+class SessionDrainWaiter {
+ public:
+  virtual ~SessionDrainWaiter() = default;
+  // Every op of the session is terminal (`idle`), or the deadline passed or the waiters were
+  // finished early (FinishAllWaiters: the daemon is draining) with some still pending. Called
+  // without the table's lock, on the thread that made it so (a finalizing thread, the completion
+  // thread, or the caller of WatchDrain / FinishAllWaiters); it must not block.
+  virtual void Drained(bool idle) = 0;
+
+  uint64_t session_id = 0;
+  absl::Time deadline;
+  bool registered = false;  // Guarded by the table's mutex.
+};
+
 class OpTable {
  public:
   // `metrics` outlives the table. Starts the completion thread.
@@ -142,7 +161,8 @@ class OpTable {
   // Unregisters a waiter (its RPC was cancelled). True when it was still registered: the caller
   // then finishes it; false when the table already has (or is about to).
   bool RemoveWaiter(OpWaiter* waiter) ABSL_LOCKS_EXCLUDED(mu_);
-  // Finishes every waiter now with the states as they are (daemon draining).
+  // Finishes every waiter now with the states as they are, session drain waiters included
+  // (daemon draining).
   void FinishAllWaiters() ABSL_LOCKS_EXCLUDED(mu_);
 
   // Release(cancel_op_ids): a prefetch op ends at once (CANCELLED: its unlanded pages too; reads
@@ -150,9 +170,15 @@ class OpTable {
   // Backup cannot be cancelled once submitted (NOT_CANCELLABLE).
   v1::ReleaseOutcome Cancel(uint64_t id, const std::string& instance_id) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Session end. Blocks until every op of the session is terminal or `deadline`; returns whether
-  // they all are.
-  bool WaitSessionOps(uint64_t session_id, absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
+  // Session end, without blocking: calls `waiter->Drained` once every op of
+  // `waiter->session_id` is terminal or `waiter->deadline` has passed; at once, on the calling
+  // thread, when that holds already (or the table is stopping).
+  void WatchDrain(SessionDrainWaiter* waiter) ABSL_LOCKS_EXCLUDED(mu_);
+  // Unregisters a drain waiter. True when it was still registered: the caller then owns its
+  // ending; false when the table already has called (or is about to call) Drained.
+  bool RemoveDrainWaiter(SessionDrainWaiter* waiter) ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether every op of the session is terminal.
+  bool SessionIdle(uint64_t session_id) const ABSL_LOCKS_EXCLUDED(mu_);
   // Marks the session's unfinished ops cancelled and cancels their device work; returns them.
   std::vector<std::shared_ptr<OpRecord>> CancelSessionOps(uint64_t session_id)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -171,10 +197,17 @@ class OpTable {
   void FillResponseLocked(OpWaiter& waiter, bool timed_out) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void FillLocked(const OpRecord& op, bool omit_page_status, bool submission, absl::Time now,
                   v1::OpResult* out) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  bool SessionIdleLocked(uint64_t session_id) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Removes satisfied (or, with `now`, expired) waiters and fills their replies; the caller calls
-  // Done() on them after unlocking.
-  void CollectWaitersLocked(absl::Time now, std::vector<OpWaiter*>* done)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Done() on them after unlocking. Drain waiters likewise: the caller calls Drained(idle).
+  struct Drained {
+    SessionDrainWaiter* waiter;
+    bool idle;
+  };
+  void CollectWaitersLocked(absl::Time now, std::vector<OpWaiter*>* done,
+                            std::vector<Drained>* drained) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Calls Done() and Drained() on what CollectWaitersLocked collected, and clears both.
+  static void Notify(std::vector<OpWaiter*>* done, std::vector<Drained>* drained);
 
   CacheMetrics* const metrics_;
   const absl::Duration retention_;
@@ -187,6 +220,7 @@ class OpTable {
   // Terminal ops in finishing order, for Prune.
   std::deque<std::pair<absl::Time, uint64_t>> finished_ ABSL_GUARDED_BY(mu_);
   std::vector<OpWaiter*> waiters_ ABSL_GUARDED_BY(mu_);
+  std::vector<SessionDrainWaiter*> drain_waiters_ ABSL_GUARDED_BY(mu_);
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;

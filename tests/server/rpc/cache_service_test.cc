@@ -6,7 +6,10 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <memory>
 #include <thread>
+#include <vector>
 
 #include "absl/time/clock.h"
 #include "server/rpc/api_revision.h"
@@ -622,6 +625,68 @@ TEST(CacheServiceTest, UnregisterEndsTheSessionAfterItsOps) {
   EXPECT_EQ(again.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(again.reason, "ERROR_REASON_SESSION_UNKNOWN");
   EXPECT_EQ(h.cache().GetCounts().sessions, 0u);
+}
+
+// Issue #24: several engines draining at once used to hold every gRPC callback thread (two on a
+// two-core machine) for their whole drain, and a bystander's Heartbeat waited for them.
+TEST(CacheServiceTest, UnregisterDrainsHoldNoServerThread) {
+  CacheHarness h;
+  const v1::NamespaceSpec spec = Spec();
+  constexpr int kDrainers = 4;
+  constexpr uint32_t kDrainMs = 1500;
+  std::vector<std::unique_ptr<TestEngine>> engines;
+  for (int i = 0; i < kDrainers; ++i) {
+    engines.push_back(std::make_unique<TestEngine>(16, false, 1));
+    h.Register(*engines[i], absl::StrCat("drainer-", i), 0, spec);
+    const auto keys = CacheHarness::Keys(spec, Tokens(20 + i, 2));
+    v1::BackupResponse pending;
+    ASSERT_TRUE(
+        h.Backup(CacheHarness::GatedBackup(engines[i]->session, keys, {0, 1}, 0, 1), &pending)
+            .ok());
+    ASSERT_EQ(pending.op().state(), v1::OP_STATE_PENDING);
+  }
+  const uint64_t bystander = h.RegisterScheduler("bystander", spec);
+
+  std::vector<v1::UnregisterEngineResponse> replies(kDrainers);
+  std::vector<absl::Duration> took(kDrainers);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kDrainers; ++i) {
+    threads.emplace_back([&, i] {
+      v1::UnregisterEngineRequest u;
+      u.set_session_id(engines[i]->session);
+      u.set_drain_timeout_ms(kDrainMs);
+      const absl::Time start = absl::Now();
+      EXPECT_TRUE(h.UnregisterEngine(u, &replies[i]).ok());
+      took[i] = absl::Now() - start;
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(200));  // The drains are under way.
+  // Engine 0's op ends within its drain: its reply comes then, counting it completed.
+  engines[0]->PublishReady(0, 1);
+  absl::Duration worst;
+  for (int k = 0; k < 5; ++k) {
+    v1::HeartbeatRequest hb;
+    hb.set_session_id(bystander);
+    v1::HeartbeatResponse hr;
+    const absl::Time start = absl::Now();
+    ASSERT_TRUE(h.Heartbeat(hb, &hr).ok());
+    worst = std::max(worst, absl::Now() - start);
+    EXPECT_EQ(hr.state(), v1::SESSION_STATE_ACTIVE);
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_LT(worst, absl::Milliseconds(250)) << "a bystander waited for others' drains";
+
+  EXPECT_EQ(replies[0].ops_completed(), 1u);
+  EXPECT_EQ(replies[0].ops_cancelled(), 0u);
+  EXPECT_LT(took[0], absl::Milliseconds(kDrainMs - 500));
+  for (int i = 1; i < kDrainers; ++i) {
+    EXPECT_EQ(replies[i].ops_completed(), 0u) << i;
+    EXPECT_EQ(replies[i].ops_cancelled(), 1u) << i;
+    EXPECT_GE(took[i], absl::Milliseconds(kDrainMs - 50)) << i << ": the drain is honoured";
+  }
+  EXPECT_EQ(h.cache().GetCounts().sessions, 1u);
+  EXPECT_EQ(h.IndexStats().l2_inflight_objects, 0u);
 }
 
 TEST(CacheServiceTest, ReplaceExistingEndsTheOldSession) {

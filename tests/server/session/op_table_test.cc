@@ -7,6 +7,7 @@
 #include <atomic>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
@@ -89,6 +90,24 @@ class TestWaiter final : public OpWaiter {
 
   absl::Notification done;
   v1::WaitOpsResponse reply;
+};
+
+// A closing session's drain: records how it ended, and on which thread.
+class TestDrainWaiter final : public SessionDrainWaiter {
+ public:
+  TestDrainWaiter(uint64_t session, absl::Duration timeout) {
+    session_id = session;
+    deadline = absl::Now() + timeout;
+  }
+  void Drained(bool was_idle) override {  // A second call would abort: exactly once.
+    idle = was_idle;
+    thread = std::this_thread::get_id();
+    done.Notify();
+  }
+
+  absl::Notification done;
+  bool idle = false;
+  std::thread::id thread;
 };
 
 class OpTableTest : public ::testing::Test {
@@ -326,22 +345,90 @@ TEST_F(OpTableTest, SessionEndCancelsItsOpsOnly) {
   std::shared_ptr<OpRecord> a = table_->Add(MakeOp(v1::OP_KIND_BACKUP, {kPending}, mine, 1));
   std::shared_ptr<OpRecord> b = table_->Add(MakeOp(v1::OP_KIND_BACKUP, {kPending}, theirs, 2));
 
-  EXPECT_FALSE(table_->WaitSessionOps(1, absl::Now() + absl::Milliseconds(10)));
+  EXPECT_FALSE(table_->SessionIdle(1));
   std::vector<std::shared_ptr<OpRecord>> cancelled = table_->CancelSessionOps(1);
   ASSERT_EQ(cancelled.size(), 1u);
   EXPECT_EQ(cancelled[0], a);
   EXPECT_TRUE(mine->cancel_requested());
   EXPECT_FALSE(theirs->cancel_requested());
-  EXPECT_TRUE(table_->WaitSessionOps(1, absl::Now() + kPatience));
-  EXPECT_EQ(Result(*a).state(), v1::OP_STATE_CANCELLED);
+  EXPECT_EQ(AwaitTerminal(a->id).state(), v1::OP_STATE_CANCELLED);
+  EXPECT_TRUE(table_->SessionIdle(1));
   EXPECT_EQ(Result(*b).state(), v1::OP_STATE_PENDING);
   {
     absl::MutexLock lock(&log_->mu);
     EXPECT_EQ(log_->cause, OpCancelCause::kSessionEnded);
   }
   theirs->Finish(absl::OkStatus());
-  EXPECT_TRUE(table_->WaitSessionOps(2, absl::Now() + kPatience));
-  EXPECT_EQ(Result(*b).state(), v1::OP_STATE_DONE);
+  EXPECT_EQ(AwaitTerminal(b->id).state(), v1::OP_STATE_DONE);
+  EXPECT_TRUE(table_->SessionIdle(2));
+}
+
+TEST_F(OpTableTest, DrainOfAnIdleSessionEndsAtOnceOnTheCallersThread) {
+  auto theirs = std::make_shared<TestDeviceOp>();
+  table_->Add(MakeOp(v1::OP_KIND_BACKUP, {kPending}, theirs, 2));
+  TestDrainWaiter w(1, kPatience);
+  table_->WatchDrain(&w);
+  ASSERT_TRUE(w.done.HasBeenNotified());
+  EXPECT_TRUE(w.idle);
+  EXPECT_EQ(w.thread, std::this_thread::get_id());
+  EXPECT_FALSE(table_->RemoveDrainWaiter(&w));
+  theirs->Finish(absl::OkStatus());
+}
+
+TEST_F(OpTableTest, DrainEndsWhenTheSessionsLastOpEndsWithoutBlockingTheCaller) {
+  auto first = std::make_shared<TestDeviceOp>();
+  auto second = std::make_shared<TestDeviceOp>();
+  auto theirs = std::make_shared<TestDeviceOp>();
+  table_->Add(MakeOp(v1::OP_KIND_BACKUP, {kPending}, first, 1));
+  table_->Add(MakeOp(v1::OP_KIND_LOAD, {kPending}, second, 1));
+  table_->Add(MakeOp(v1::OP_KIND_BACKUP, {kPending}, theirs, 2));
+  TestDrainWaiter w(1, kPatience);
+  const absl::Time start = absl::Now();
+  table_->WatchDrain(&w);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1)) << "WatchDrain must not wait for the ops";
+  EXPECT_FALSE(w.done.HasBeenNotified());
+
+  first->Finish(absl::OkStatus());
+  // One op of the session is still pending: not drained yet.
+  EXPECT_FALSE(w.done.WaitForNotificationWithTimeout(absl::Milliseconds(50)));
+  second->Finish(absl::OkStatus());
+  ASSERT_TRUE(w.done.WaitForNotificationWithTimeout(kPatience));
+  EXPECT_TRUE(w.idle);
+  EXPECT_NE(w.thread, std::this_thread::get_id());
+  EXPECT_FALSE(table_->RemoveDrainWaiter(&w));
+  theirs->Finish(absl::OkStatus());
+}
+
+TEST_F(OpTableTest, DrainEndsAtItsDeadlineWithOpsStillPending) {
+  auto device = std::make_shared<TestDeviceOp>();
+  std::shared_ptr<OpRecord> op = table_->Add(MakeOp(v1::OP_KIND_BACKUP, {kPending}, device, 1));
+  TestDrainWaiter w(1, absl::Milliseconds(30));
+  const absl::Time start = absl::Now();
+  table_->WatchDrain(&w);
+  ASSERT_TRUE(w.done.WaitForNotificationWithTimeout(kPatience));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(30));
+  EXPECT_FALSE(w.idle);
+  EXPECT_NE(w.thread, std::this_thread::get_id()) << "the completion thread ends it";
+  EXPECT_EQ(Result(*op).state(), v1::OP_STATE_PENDING) << "ending a drain cancels nothing";
+  device->Finish(absl::OkStatus());
+}
+
+TEST_F(OpTableTest, FinishAllWaitersEndsDrainsAndRemovedOnesAreLeftAlone) {
+  auto device = std::make_shared<TestDeviceOp>();
+  table_->Add(MakeOp(v1::OP_KIND_BACKUP, {kPending}, device, 1));
+  TestDrainWaiter removed(1, kPatience);
+  TestDrainWaiter cut(1, kPatience);
+  table_->WatchDrain(&removed);
+  table_->WatchDrain(&cut);
+  EXPECT_TRUE(table_->RemoveDrainWaiter(&removed));
+  EXPECT_FALSE(table_->RemoveDrainWaiter(&removed));
+  table_->FinishAllWaiters();
+  ASSERT_TRUE(cut.done.HasBeenNotified());
+  EXPECT_FALSE(cut.idle);
+  EXPECT_EQ(cut.thread, std::this_thread::get_id());
+  device->Finish(absl::OkStatus());
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_FALSE(removed.done.HasBeenNotified());
 }
 
 TEST_F(OpTableTest, ReadySignalThatNeverComesCancelsTheOpAtItsDeadline) {
