@@ -187,12 +187,12 @@ absl::Status Daemon::StartEvents() {
   return absl::OkStatus();
 }
 
-void Daemon::ConfigureServer(grpc::ServerBuilder& builder) const {
+void Daemon::ConfigureServer(grpc::ServerBuilder& builder) {
   builder.SetMaxReceiveMessageSize(static_cast<int>(config_.server.max_message_bytes));
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> factories;
   // First: server interceptors see PRE_SEND_STATUS in list order, and the metrics should count
   // the INVALID_ARGUMENT a malformed request is given, not gRPC's UNIMPLEMENTED.
-  factories.push_back(std::make_unique<MalformedRequestInterceptorFactory>());
+  factories.push_back(std::make_unique<MalformedRequestInterceptorFactory>(&malformed_requests_));
   factories.push_back(std::make_unique<RpcMetricsInterceptorFactory>(&DefaultRegistry()));
   builder.experimental().SetInterceptorCreators(std::move(factories));
 }
