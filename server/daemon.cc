@@ -218,9 +218,9 @@ absl::StatusOr<std::string> Daemon::StartEngineServer() {
         absl::StrCat("cannot listen on '", config_.listen.tcp_address,
                      "' (listen.tcp_address: address in use, or a bad address)"));
   }
-  absl::StatusOr<std::unique_ptr<UnixListener>> listener =
-      UnixListener::Start(unix_socket_, engine_server_.get(), &peer_credentials_,
-                          static_cast<size_t>(config_.listen.max_connections_per_uid));
+  absl::StatusOr<std::unique_ptr<UnixListener>> listener = UnixListener::Start(
+      unix_socket_, engine_server_.get(), &peer_credentials_,
+      static_cast<size_t>(config_.listen.max_connections_per_uid), &DefaultRegistry());
   if (!listener.ok()) return listener.status();
   unix_listener_ = *std::move(listener);
   if (!config_.listen.tcp_address.empty() && tcp_port == 0) {

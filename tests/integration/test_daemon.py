@@ -276,3 +276,47 @@ def test_tls_and_mutual_tls(daemon_factory, tmp_path):
     with pytest.raises(grpc.RpcError) as err:
         tls_stub.Clear(admin_service_pb2.ClearRequest(), timeout=5)
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_a_connection_over_the_per_uid_bound_is_told_why_and_counted(daemon_factory):
+    """Issue #24: past listen.max_connections_per_uid a grpcio client saw only "Broken pipe".
+    Now its call fails UNAVAILABLE with the bound in the message, each refusal is counted under
+    the uid, and the log says why once."""
+    d = daemon_factory(name="peruid", args=["--set", "listen.max_connections_per_uid=2"])
+    held = []
+    for _ in range(2):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(d.socket)
+        held.append(s)
+    time.sleep(0.2)  # Accepted, and counted, before the next.
+    try:
+        for _ in range(3):
+            stub = health_pb2_grpc.HealthStub(channel(d.socket))
+            start = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            assert time.monotonic() - start < 2, "answered at once, not left to its deadline"
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+            print("a refused grpcio client sees:", err.value.code(), err.value.details())
+            assert (f"kvcellard refused the connection: uid {os.getuid()} already holds 2 "
+                    "connections to this socket (listen.max_connections_per_uid)"
+                    in err.value.details()), err.value.details()
+    finally:
+        for s in held:
+            s.close()
+    body = http_get(d.http, "/metrics")[2]
+    line = [l for l in body.splitlines()
+            if l.startswith(f'kvcellar_unix_connections_refused_total{{uid="{os.getuid()}"}} ')]
+    assert line and float(line[0].split()[-1]) >= 3, body[-3000:]
+    refusals = [l for l in d.lines if "connection refused, the user holds its maximum" in l]
+    assert len(refusals) == 1, refusals
+    # Once the held ones are gone, the user is served again.
+    stub = health_pb2_grpc.HealthStub(channel(d.socket))
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            break
+        except grpc.RpcError:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
