@@ -24,14 +24,16 @@ It also sends what belongs to others (issue #24, left open by #13):
     looked into, a session that is not the caller's. Every engine must finish without losing
     its session;
   - other users' memory: RegisterEngine naming, as a KV region or as the SIM signal region
-    (completion.sim_counters), a shm object of another process (a victim process this test
-    starts, and the engines' own objects), /proc/<pid>/fd/<fd> of another process (the victim's
-    memfd), and the daemon's own pool (pool.shm_name, and its /proc/<daemon pid>/fd/<fd>). The
-    registration must be refused or fail, and the victim's bytes must be unchanged. A
-    registration that is accepted is used as an attacker would (a Backup reads the victim's
-    memory, a Load with per-layer signals writes into it) before the bytes are compared, except
-    for the engines' objects and the pool, whose bytes change anyway: there the acceptance alone
-    fails the check.
+    (completion.sim_counters), the shm objects of a victim process of another user (uid 4242,
+    started with setpriv when the test runs as root), /proc/<pid>/fd/<fd> of another process
+    (the memfd of that victim, and of a victim of this user: another pid's descriptor), and the
+    daemon's own pool (pool.shm_name, and its /proc/<daemon pid>/fd/<fd>). A shm object of the
+    caller's own user is the caller's to name (docs/security.md) and is not among them. The
+    registration must be refused or fail (PERMISSION_DENIED expected), and the victim's bytes
+    must be unchanged. A registration that is accepted is used as an attacker would (a Backup
+    reads the victim's memory, a Load writes into it, with per-layer signals into a signal
+    region) before the bytes are compared; for the pool, whose bytes change anyway, the
+    acceptance alone fails the check.
 
     AFTER-MERGE: the daemon-side refusal of other processes' memory (platform/shm_mapping,
     gpu/sim_device, server/session/sim_counter_channel) is being written beside this change.
@@ -57,7 +59,6 @@ KVCELLAR_GRPC_FUZZ_SECONDS sets the fuzzing time (default 120), KVCELLAR_GRPC_FU
     ctest --test-dir build -R integration.test_grpc_fuzz --output-on-failure --timeout 2400
 """
 import collections
-import glob
 import os
 import struct
 import subprocess
@@ -71,7 +72,7 @@ import pytest
 from google.protobuf import descriptor as pb_descriptor
 
 from conftest import BIN_DIR, Daemon
-from engine_sim import DAEMON_ARGS, EXIT_OK, SHM_PREFIX, EngineProcess, require_cache_service
+from engine_sim import DAEMON_ARGS, EXIT_OK, EngineProcess, require_cache_service
 
 from kvcellar.v1 import admin_service_pb2, admin_service_pb2_grpc, cache_service_pb2, common_pb2
 
@@ -378,31 +379,63 @@ for path in (kv_name, sig_name):
 """
 
 
-class Victim:
-    """A process whose memory the fuzzer names in its registrations."""
+# The uid (and gid) the other user's victim runs as: one no account of this machine uses.
+VICTIM_UID = 4242
 
-    def __init__(self):
-        tag = f"/kvc-gf-victim-{os.getpid()}"
+
+class Victim:
+    """A process whose memory the fuzzer names in its registrations; run as `uid` (this test
+    must then be root) or as this process's user."""
+
+    def __init__(self, uid=None):
+        tag = f"/kvc-gf-victim-{os.getpid()}-{'u' if uid is None else uid}"
+        self.uid = uid
+        self.owner = "another user's" if uid is not None else "another process's (same user)"
         self.kv_name, self.sig_name = f"{tag}-kv", f"{tag}-sig"
         self.sig_image = signal_region_image()
-        self.proc = subprocess.Popen(
-            ["/usr/bin/python3", "-c", VICTIM, self.kv_name, self.sig_name,
-             str(OWN_REGION_BYTES), self.sig_image.hex()],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        cmd = ["/usr/bin/python3", "-c", VICTIM, self.kv_name, self.sig_name,
+               str(OWN_REGION_BYTES), self.sig_image.hex()]
+        if uid is not None:
+            cmd = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *cmd]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
         pid, fd = self.proc.stdout.readline().split()
         self.memfd_path = f"/proc/{pid}/fd/{fd}"
         self.kv_image = bytes((i * 131 + 7) % 251 for i in range(OWN_REGION_BYTES))
 
     def targets(self):
-        """(what, shm name as registered, path to read its bytes, the bytes it must keep)."""
-        return [("another process's shm object", self.kv_name, f"/dev/shm{self.kv_name}",
-                 self.kv_image),
-                ("another process's memfd by /proc path", self.memfd_path, self.memfd_path,
-                 self.kv_image)]
+        """(what, shm name as registered, path to read its bytes, the bytes it must keep). An
+        object of the caller's own user is the caller's to name (docs/security.md), so a
+        same-user victim offers only its memfd by /proc path: another pid's descriptor."""
+        out = [(f"{self.owner} memfd by /proc path", self.memfd_path, self.memfd_path,
+                self.kv_image)]
+        if self.uid is not None:
+            out.append((f"{self.owner} shm object", self.kv_name, f"/dev/shm{self.kv_name}",
+                        self.kv_image))
+        return out
 
     def close(self):
         self.proc.stdin.close()
         self.proc.wait(timeout=10)
+
+
+class Victims:
+    """Another user's process (when this test runs as root: setpriv), and another process of
+    this user."""
+
+    def __init__(self):
+        self.other_user = Victim(VICTIM_UID) if os.geteuid() == 0 else None
+        self.same_user = Victim()
+
+    def all(self):
+        return [v for v in (self.other_user, self.same_user) if v is not None]
+
+    def targets(self):
+        return [t for v in self.all() for t in v.targets()]
+
+    def close(self):
+        for v in self.all():
+            v.close()
 
 
 def read_bytes(path, n):
@@ -422,12 +455,6 @@ def daemon_pool_targets(daemon, pool_name):
         except OSError:
             continue
     return out
-
-
-def engine_shm_targets():
-    """The engines' own shm objects (their KV pools and signal regions)."""
-    return [("an engine's shm object", path[len("/dev/shm"):])
-            for path in sorted(glob.glob(f"/dev/shm/{SHM_PREFIX}-*"))]
 
 
 def reason_of(err):
@@ -622,17 +649,18 @@ class Fuzzer:
                 checked.append((what, self.sessions.registration(
                     False, instance=f"gf-foreign-{seed}-{len(checked)}", model=model,
                     region=name), path, image))
-            sig = self.sessions.registration(False, instance=f"gf-foreign-{seed}-sig", model=model)
-            sig.completion.num_load_slots = SIG_LOAD_SLOTS
-            sig.completion.num_ready_slots = SIG_READY_SLOTS
-            sig.completion.sim_counters.shm_name = self.victim.sig_name
-            sig.completion.sim_counters.size_bytes = len(self.victim.sig_image)
-            checked.append(("another process's shm object as the signal region", sig,
-                            f"/dev/shm{self.victim.sig_name}", self.victim.sig_image))
-        others = engine_shm_targets()
-        if self.pool_name:
-            others += daemon_pool_targets(self.daemon, self.pool_name)
-        for what, name in rng.sample(others, min(3, len(others))):
+            other = self.victim.other_user
+            if other is not None:
+                sig = self.sessions.registration(False, instance=f"gf-foreign-{seed}-sig",
+                                                 model=model)
+                sig.completion.num_load_slots = SIG_LOAD_SLOTS
+                sig.completion.num_ready_slots = SIG_READY_SLOTS
+                sig.completion.sim_counters.shm_name = other.sig_name
+                sig.completion.sim_counters.size_bytes = len(other.sig_image)
+                checked.append((f"{other.owner} shm object as the signal region", sig,
+                                f"/dev/shm{other.sig_name}", other.sig_image))
+        others = daemon_pool_targets(self.daemon, self.pool_name) if self.pool_name else []
+        for what, name in others:
             blind.append((what, self.sessions.registration(
                 False, instance=f"gf-foreign-{seed}-b{len(blind)}", model=f"{model}-b",
                 region=name)))
@@ -698,7 +726,7 @@ def test_grpc_fuzz_every_rpc_under_asan(tmp_path, capsys):
     d.args[0] = os.path.join(asan_dir, "kvcellard")
     d.start()
     engines = []
-    victim = Victim()
+    victim = Victims()
     try:
         require_cache_service(d)
         # One byte seed for all: an engine verifies the pages the others stored.
@@ -779,7 +807,7 @@ def test_foreign_sessions_and_memory(tmp_path, capsys):
     d.args[0] = os.path.join(bin_dir, "kvcellard")
     d.start()
     engines = []
-    victim = Victim()
+    victim = Victims()
     try:
         require_cache_service(d)
         engines = [EngineProcess(d.socket, "random", bin_dir=bin_dir, instance=f"gf-victim-{i}",
