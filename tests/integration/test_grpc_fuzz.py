@@ -785,10 +785,12 @@ def check_foreign_memory(fuzzer):
 
 
 def remove_shm(name):
-    try:
-        os.unlink(f"/dev/shm{name}")
-    except FileNotFoundError:
-        pass
+    """Removes a shm object, and the warm-restart journal a pool object comes with."""
+    for path in (f"/dev/shm{name}", f"/dev/shm{name}.journal"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def test_foreign_sessions_and_memory(tmp_path, capsys):
