@@ -200,12 +200,12 @@ absl::Status Daemon::StartEvents() {
   return absl::OkStatus();
 }
 
-void Daemon::ConfigureServer(grpc::ServerBuilder& builder) const {
+void Daemon::ConfigureServer(grpc::ServerBuilder& builder) {
   builder.SetMaxReceiveMessageSize(static_cast<int>(config_.server.max_message_bytes));
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> factories;
   // First: server interceptors see PRE_SEND_STATUS in list order, and the metrics should count
   // the INVALID_ARGUMENT a malformed request is given, not gRPC's UNIMPLEMENTED.
-  factories.push_back(std::make_unique<MalformedRequestInterceptorFactory>());
+  factories.push_back(std::make_unique<MalformedRequestInterceptorFactory>(&malformed_requests_));
   factories.push_back(std::make_unique<RpcMetricsInterceptorFactory>(&DefaultRegistry()));
   builder.experimental().SetInterceptorCreators(std::move(factories));
 }
@@ -231,9 +231,9 @@ absl::StatusOr<std::string> Daemon::StartEngineServer() {
         absl::StrCat("cannot listen on '", config_.listen.tcp_address,
                      "' (listen.tcp_address: address in use, or a bad address)"));
   }
-  absl::StatusOr<std::unique_ptr<UnixListener>> listener =
-      UnixListener::Start(unix_socket_, engine_server_.get(), &peer_credentials_,
-                          static_cast<size_t>(config_.listen.max_connections_per_uid));
+  absl::StatusOr<std::unique_ptr<UnixListener>> listener = UnixListener::Start(
+      unix_socket_, engine_server_.get(), &peer_credentials_,
+      static_cast<size_t>(config_.listen.max_connections_per_uid), &DefaultRegistry());
   if (!listener.ok()) return listener.status();
   unix_listener_ = *std::move(listener);
   if (!config_.listen.tcp_address.empty() && tcp_port == 0) {

@@ -31,6 +31,8 @@
 #include "server/admin/daemon_info.h"
 #include "server/datapath/device_set.h"
 #include "server/events/event_hub.h"
+#include "server/metrics/metrics.h"
+#include "server/rpc/malformed_request.h"
 #include "server/rpc/peer_credentials.h"
 #include "server/rpc/unix_listener.h"
 
@@ -79,7 +81,7 @@ class Daemon {
   // The HTTP listener (metrics, health); returns its address or "none".
   absl::StatusOr<std::string> StartHttpServer(MetricsRegistry& registry);
   // Message size and interceptors, the same for every gRPC server.
-  void ConfigureServer(grpc::ServerBuilder& builder) const;
+  void ConfigureServer(grpc::ServerBuilder& builder);
   void AddListener(ListenerInfo listener);
 
   absl::Status CreateHostPool();
@@ -114,6 +116,8 @@ class Daemon {
   std::unique_ptr<EventHub> events_;
   std::unique_ptr<Cache> cache_;  // The composition root; outlives its service.
   PeerCredentials peer_credentials_;  // Of engine-socket connections; outlives the service.
+  // Requests that do not parse, on every server: outlives them.
+  MalformedRequestLog malformed_requests_{&DefaultRegistry()};
   std::unique_ptr<CacheServiceImpl> cache_service_;
   std::unique_ptr<L3TierAdmin> l3_admin_;  // nullptr without L3 tiers.
   std::unique_ptr<AdminServiceImpl> engine_admin_service_;  // Read-only RPCs.

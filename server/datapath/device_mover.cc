@@ -53,6 +53,27 @@ std::vector<uint32_t> FlatBlocks(const Sequences& sequences, size_t n) {
 
 // Why a page that is not committed for the whole group cannot be loaded: a write of one of its
 // shards is unfinished (IN_FLIGHT) or it is simply not there (MISS).
+// What a Load or Backup answers when the device refuses its batch (`refused`). The device says
+// FAILED_PRECONDITION when the engine's registered memory can no longer be used (a SIM engine
+// truncated or shrank its shared-memory object under the daemon's mapping, or the session's
+// mapping closed): the engine's doing, which it fixes by registering again, so both RPCs answer
+// FAILED_PRECONDITION (HANDLE_OPEN_FAILED) for it, as an op already under way fails with the same
+// message. Any other refusal is the daemon's or the device's fault: INTERNAL, logged.
+absl::Status SubmitRefused(absl::string_view rpc, const SessionInfo& info,
+                           const absl::Status& refused) {
+  if (refused.code() == absl::StatusCode::kFailedPrecondition) {
+    return CacheError(absl::StatusCode::kFailedPrecondition, v1::ERROR_REASON_HANDLE_OPEN_FAILED,
+                      "session_id",
+                      absl::StrCat("session_id ", info.id, ": ", rpc,
+                                   ": the engine's registered memory can no longer be used (",
+                                   refused.message(), ")"));
+  }
+  KVLOG(Error, "device submit failed",
+        {{"rpc", rpc}, {"session_id", info.id}, {"error", refused.ToString()}});
+  return absl::InternalError(
+      absl::StrCat(rpc, ": the device refused the batch: ", refused.message()));
+}
+
 PageStatus NotLoadable(const core::RadixIndex& index, const core::PageKey& key,
                        core::ShardMask shards) {
   std::optional<core::PageInfo> info = index.Inspect(key);
@@ -327,10 +348,7 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Load(const std::shared_pt
       session->ReleaseBlocks(used_blocks);
       if (slot.has_value()) session->ReleaseSlot(*slot);
       session->EndSubmission(/*op_started=*/false);
-      KVLOG(Error, "load submit failed",
-            {{"session_id", info.id}, {"error", op.status().ToString()}});
-      return absl::InternalError(
-          absl::StrCat("Load: the device refused the batch: ", op.status().message()));
+      return SubmitRefused("Load", info, op.status());
     }
     record->device = *std::move(op);
   }
@@ -622,10 +640,7 @@ absl::Status DeviceMover::SubmitBackupCopy(BackupBatch& batch, const v1::BackupR
     l2_->FreeReleased(released);
     batch.session->ReleaseBlocks(batch.used_blocks);
     batch.session->EndSubmission(/*op_started=*/false);
-    KVLOG(Error, "backup submit failed",
-          {{"session_id", info.id}, {"error", op.status().ToString()}});
-    return absl::InternalError(
-        absl::StrCat("Backup: the device refused the batch: ", op.status().message()));
+    return SubmitRefused("Backup", info, op.status());
   }
   record.device = *std::move(op);
   return absl::OkStatus();

@@ -1,5 +1,6 @@
 #include "server/rpc/malformed_request.h"
 
+#include <cstdlib>
 #include <deque>
 #include <mutex>
 #include <utility>
@@ -7,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "absl/time/clock.h"
 #include "grpc/grpc.h"
 #include "platform/log.h"
 #include "google/protobuf/stubs/logging.h"
@@ -61,8 +63,8 @@ const pb::Descriptor* RequestType(absl::string_view grpc_method) {
 
 class MalformedRequestInterceptor : public grpc::experimental::Interceptor {
  public:
-  explicit MalformedRequestInterceptor(grpc::experimental::ServerRpcInfo* info)
-      : info_(info), method_(info->method()) {}
+  MalformedRequestInterceptor(grpc::experimental::ServerRpcInfo* info, MalformedRequestLog* log)
+      : info_(info), log_(log), method_(info->method()) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
@@ -127,12 +129,10 @@ class MalformedRequestInterceptor : public grpc::experimental::Interceptor {
     if (log) Log();
   }
 
-  void Log() const {
-    KVLOG(Warn, "request rejected: does not parse",
-          {{"method", method_}, {"field", log_field_}, {"error", message_}});
-  }
+  void Log() const { log_->Record(method_, log_field_, message_); }
 
   grpc::experimental::ServerRpcInfo* info_;  // The call's; outlives its interceptors.
+  MalformedRequestLog* const log_;
   // The request never arrived: the client cancelled the call, its deadline passed or its process
   // died. Gets CANCELLED; nothing is logged.
   bool abandoned_ = false;
@@ -143,7 +143,48 @@ class MalformedRequestInterceptor : public grpc::experimental::Interceptor {
   std::string message_;    // Non-empty once the request was found malformed.
 };
 
+// kvcellar_rpc_malformed_requests_total in `registry`, or null without one.
+Counter* RejectedCounter(MetricsRegistry* registry) {
+  if (registry == nullptr) return nullptr;
+  absl::StatusOr<CounterFamily*> family =
+      registry->RegisterCounter("kvcellar_rpc_malformed_requests_total",
+                                "gRPC requests that did not parse, answered INVALID_ARGUMENT "
+                                "(logged at most once a minute).");
+  if (!family.ok()) {
+    // The name is fixed here; a failure is a programming error found by every test.
+    KVLOG(Error, "metric registration failed", {{"error", std::string(family.status().message())}});
+    std::abort();
+  }
+  return &(*family)->WithLabels({});
+}
+
 }  // namespace
+
+MalformedRequestLog::MalformedRequestLog(MetricsRegistry* registry, absl::Duration interval)
+    : interval_(interval), counter_(RejectedCounter(registry)) {}
+
+void MalformedRequestLog::Record(absl::string_view method, absl::string_view field,
+                                 absl::string_view error) {
+  const uint64_t rejected = rejected_.fetch_add(1, std::memory_order_relaxed) + 1;
+  if (counter_ != nullptr) counter_->Increment();
+  uint64_t unlogged = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    if (now - last_logged_ < interval_) {
+      ++unlogged_;
+      return;
+    }
+    last_logged_ = now;
+    unlogged = std::exchange(unlogged_, 0);
+  }
+  KVLOG(Warn, "request rejected: does not parse",
+        {{"method", method},
+         {"field", field},
+         {"error", error},
+         {"unlogged_since_last", unlogged},
+         {"rejected_total", rejected}});
+}
 
 void InstallProtobufLogHandler() {
   static std::once_flag once;
@@ -176,7 +217,7 @@ grpc::experimental::Interceptor* MalformedRequestInterceptorFactory::CreateServe
   // Unary calls only: there a request that never arrives parsed is a malformed one. On a stream
   // (gRPC reflection, health Watch) the last receive comes back empty when the client half-closes.
   if (info->type() != grpc::experimental::ServerRpcInfo::Type::UNARY) return nullptr;
-  return new MalformedRequestInterceptor(info);
+  return new MalformedRequestInterceptor(info, log_);
 }
 
 }  // namespace kvcellar::server

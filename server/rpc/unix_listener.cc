@@ -9,6 +9,8 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -22,8 +24,9 @@ namespace {
 constexpr mode_t kBindUmask = 0177;
 // Out of fds: how long the accept thread pauses before trying the backlog again.
 constexpr int kFdExhaustedPauseMs = 100;
-// At most one log line per uid this often about its refused connections.
-constexpr absl::Duration kRefusalLogInterval = absl::Seconds(10);
+// After a uid's first refused connection is logged, at most one line per uid this often (the
+// count of its refusals is exported all along).
+constexpr absl::Duration kRefusalLogInterval = absl::Minutes(1);
 
 // The inode of the socket on `fd`, or 0 when fd is closed.
 uint64_t InodeOf(int fd) {
@@ -37,7 +40,19 @@ uint64_t InodeOf(int fd) {
 absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Start(const std::string& path,
                                                                   grpc::Server* server,
                                                                   PeerCredentials* credentials,
-                                                                  size_t max_per_uid) {
+                                                                  size_t max_per_uid,
+                                                                  MetricsRegistry* registry) {
+  CounterFamily* refused_by_uid = nullptr;
+  if (registry != nullptr) {
+    const absl::string_view labels[] = {"uid"};
+    absl::StatusOr<CounterFamily*> family =
+        registry->RegisterCounter("kvcellar_unix_connections_refused_total",
+                                  "Engine-socket connections refused because their user held "
+                                  "listen.max_connections_per_uid, by uid.",
+                                  labels, kMaxRefusedUidSeries);
+    if (!family.ok()) return family.status();
+    refused_by_uid = *family;
+  }
   sockaddr_un addr{};
   if (path.size() >= sizeof(addr.sun_path)) {
     return absl::InvalidArgumentError(absl::StrCat("unix socket path '", path, "' is longer than ",
@@ -63,18 +78,20 @@ absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Start(const std::str
     return absl::InternalError(absl::StrCat("eventfd(): ", std::strerror(errno)));
   }
   std::unique_ptr<UnixListener> listener(
-      new UnixListener(fd, stop_fd, server, credentials, max_per_uid));
+      new UnixListener(fd, stop_fd, server, credentials, max_per_uid, refused_by_uid));
   listener->thread_ = std::thread([l = listener.get()] { l->AcceptLoop(); });
   return listener;
 }
 
 UnixListener::UnixListener(int listen_fd, int stop_fd, grpc::Server* server,
-                           PeerCredentials* credentials, size_t max_per_uid)
+                           PeerCredentials* credentials, size_t max_per_uid,
+                           CounterFamily* refused_by_uid)
     : listen_fd_(listen_fd),
       stop_fd_(stop_fd),
       server_(server),
       credentials_(credentials),
-      max_per_uid_(max_per_uid) {}
+      max_per_uid_(max_per_uid),
+      refused_by_uid_(refused_by_uid) {}
 
 UnixListener::~UnixListener() {
   Stop();
@@ -93,15 +110,23 @@ void UnixListener::Stop() {
 
 void UnixListener::AcceptLoop() {
   bool exhausted = false;  // Logged once per episode of fd exhaustion.
+  std::vector<pollfd> fds;
   for (;;) {
-    // Out of fds, the listening socket stays readable: wait on the stop event alone, then retry.
-    pollfd fds[2] = {{stop_fd_, POLLIN, 0}, {listen_fd_, POLLIN, 0}};
-    const int n = ::poll(fds, exhausted ? 1 : 2, exhausted ? kFdExhaustedPauseMs : -1);
+    // Out of fds, the listening socket stays readable: wait on the stop event (and the refused
+    // connections) alone, then retry.
+    fds.assign({{stop_fd_, POLLIN, 0}, {listen_fd_, POLLIN, 0}});
+    if (exhausted) fds[1].fd = -1;  // poll ignores a negative fd.
+    refusing_.AppendPollFds(&fds);
+    int timeout = refusing_.TimeoutMs(absl::Now());
+    if (exhausted && (timeout < 0 || timeout > kFdExhaustedPauseMs)) timeout = kFdExhaustedPauseMs;
+    const int n = ::poll(fds.data(), fds.size(), timeout);
     if (n < 0 && errno != EINTR) {
       KVLOG(Error, "unix listener: poll failed", {{"error", std::strerror(errno)}});
       return;
     }
     if (n > 0 && fds[0].revents != 0) return;
+    refusing_.OnPoll(fds.data() + 2, n > 0 ? fds.size() - 2 : 0, absl::Now());
+    if (!exhausted && (n <= 0 || fds[1].revents == 0)) continue;
     const bool ok = AcceptPending();
     if (!ok && !exhausted) {
       KVLOG(Warn, "unix listener: out of file descriptors; connections wait in the backlog",
@@ -129,18 +154,7 @@ bool UnixListener::AcceptPending() {
       continue;
     }
     if (!AdmitUid(cred.uid)) {
-      refused_.fetch_add(1, std::memory_order_relaxed);  // Counted before the peer can see it.
-      ::close(fd);
-      const absl::Time now = absl::Now();
-      absl::Time& last = logged_[cred.uid];
-      if (now - last > kRefusalLogInterval) {
-        last = now;
-        KVLOG(Warn, "unix listener: connection refused, the user holds its maximum",
-              {{"uid", cred.uid},
-               {"pid", cred.pid},
-               {"max_connections_per_uid", max_per_uid_},
-               {"refused", refused()}});
-      }
+      Refuse(fd, cred);
       continue;
     }
     Track(fd, cred.uid);
@@ -149,6 +163,34 @@ bool UnixListener::AcceptPending() {
     accepted_.fetch_add(1, std::memory_order_relaxed);
     grpc::AddInsecureChannelFromFd(server_, fd);
   }
+}
+
+void UnixListener::Refuse(int fd, const ucred& cred) {
+  // Counted before the peer can see its answer.
+  refused_.fetch_add(1, std::memory_order_relaxed);
+  if (refused_by_uid_ != nullptr) {
+    const std::string uid = absl::StrCat(cred.uid);
+    refused_by_uid_->WithLabels({uid}).Increment();
+  }
+  const std::string why = absl::StrCat(
+      "kvcellard refused the connection: uid ", cred.uid, " already holds ", max_per_uid_,
+      " connections to this socket (listen.max_connections_per_uid); close idle channels, share "
+      "one channel per process, or raise the bound");
+  const absl::Time now = absl::Now();
+  auto [last, first] = logged_.try_emplace(cred.uid, now);
+  if (first || now - last->second >= kRefusalLogInterval) {
+    last->second = now;
+    KVLOG(Warn, "unix listener: connection refused, the user holds its maximum",
+          {{"uid", cred.uid},
+           {"pid", cred.pid},
+           {"max_connections_per_uid", max_per_uid_},
+           {"refused_total", refused()},
+           {"why",
+            "each user may hold listen.max_connections_per_uid connections; the client "
+            "is told so (UNAVAILABLE) and counted in "
+            "kvcellar_unix_connections_refused_total"}});
+  }
+  refusing_.Add(fd, why, now);
 }
 
 bool UnixListener::AdmitUid(uint32_t uid) {

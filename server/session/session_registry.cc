@@ -164,13 +164,16 @@ absl::Status SessionRegistry::CheckAddLocked(const SessionInfo& info, bool repla
   // A holder whose lease has lapsed (not reaped yet) is as good as gone: it is replaced.
   std::shared_ptr<Session> holder = Holder(instance, info);
   if (!replace_existing && holder != nullptr && holder->lease_deadline() > absl::Now()) {
+    // The field that collides: a worker's seat is (instance_id, rank), and its rank is what is
+    // taken; an instance has one scheduler, so for a SCHEDULER it is the instance_id (its role
+    // is the one a scheduler must send: naming it told the caller to change the wrong field).
     return CacheError(
         absl::StatusCode::kAlreadyExists, v1::ERROR_REASON_SESSION_EXISTS,
-        info.is_worker() ? "rank" : "role",
+        info.is_worker() ? "rank" : "instance_id",
         info.is_worker()
-            ? absl::StrCat("instance ", core::Quote(info.instance_id), " rank ", info.rank,
+            ? absl::StrCat("rank: instance ", core::Quote(info.instance_id), " rank ", info.rank,
                            " already has a live session; set replace_existing to replace it")
-            : absl::StrCat("instance ", core::Quote(info.instance_id),
+            : absl::StrCat("instance_id: instance ", core::Quote(info.instance_id),
                            " already has a live SCHEDULER session; set replace_existing to "
                            "replace it"));
   }

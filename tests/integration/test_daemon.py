@@ -19,7 +19,7 @@ from conftest import KVCELLARCTL, KVCELLARD, Daemon, parse_log_line, run
 from grpc_stubs import health_pb2, health_pb2_grpc
 from grpc_stubs import reflection_pb2, reflection_pb2_grpc
 from kvcellar.v1 import admin_service_pb2, admin_service_pb2_grpc
-from kvcellar.v1 import cache_service_pb2, cache_service_pb2_grpc
+from kvcellar.v1 import cache_service_pb2, cache_service_pb2_grpc, common_pb2
 
 
 def channel(path):
@@ -276,3 +276,130 @@ def test_tls_and_mutual_tls(daemon_factory, tmp_path):
     with pytest.raises(grpc.RpcError) as err:
         tls_stub.Clear(admin_service_pb2.ClearRequest(), timeout=5)
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_a_connection_over_the_per_uid_bound_is_told_why_and_counted(daemon_factory):
+    """Issue #24: past listen.max_connections_per_uid a grpcio client saw only "Broken pipe".
+    Now its call fails UNAVAILABLE with the bound in the message, each refusal is counted under
+    the uid, and the log says why once."""
+    d = daemon_factory(name="peruid", args=["--set", "listen.max_connections_per_uid=2"])
+    held = []
+    for _ in range(2):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(d.socket)
+        held.append(s)
+    time.sleep(0.2)  # Accepted, and counted, before the next.
+    try:
+        for _ in range(3):
+            stub = health_pb2_grpc.HealthStub(channel(d.socket))
+            start = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            assert time.monotonic() - start < 2, "answered at once, not left to its deadline"
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+            print("a refused grpcio client sees:", err.value.code(), err.value.details())
+            assert (f"kvcellard refused the connection: uid {os.getuid()} already holds 2 "
+                    "connections to this socket (listen.max_connections_per_uid)"
+                    in err.value.details()), err.value.details()
+    finally:
+        for s in held:
+            s.close()
+    body = http_get(d.http, "/metrics")[2]
+    line = [l for l in body.splitlines()
+            if l.startswith(f'kvcellar_unix_connections_refused_total{{uid="{os.getuid()}"}} ')]
+    assert line and float(line[0].split()[-1]) >= 3, body[-3000:]
+    refusals = [l for l in d.lines if "connection refused, the user holds its maximum" in l]
+    assert len(refusals) == 1, refusals
+    # Once the held ones are gone, the user is served again.
+    stub = health_pb2_grpc.HealthStub(channel(d.socket))
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            break
+        except grpc.RpcError:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+
+# Scrapers in a process of their own, so that their reading does not slow this one's probes.
+SCRAPE_BURST = r"""
+import socket, sys, threading
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+conns = [socket.create_connection((host, port), timeout=30) for _ in range(n)]
+for c in conns:
+    c.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+sizes = []
+def read(c):
+    total = 0
+    while True:
+        d = c.recv(1 << 20)
+        if not d:
+            break
+        total += len(d)
+    sizes.append(total)
+threads = [threading.Thread(target=read, args=(c,)) for c in conns]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(len(sizes), min(sizes), max(sizes))
+"""
+
+
+def probe(address):
+    """Seconds one GET /healthz takes, on a fresh connection; asserts 200."""
+    host, port = address.rsplit(":", 1)
+    start = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply = b""
+        while True:
+            d = s.recv(4096)
+            if not d:
+                break
+            reply += d
+    assert reply.startswith(b"HTTP/1.1 200"), reply
+    return time.monotonic() - start
+
+
+def test_healthz_stays_prompt_under_a_burst_of_scrapes(daemon_factory):
+    """Issue #24: 200 simultaneous /metrics scrapes of a large exposition (many namespaces)
+    delayed /healthz by up to 1.8 s. Probes during such a burst must answer within 200 ms."""
+    namespaces, scrapers, bound_s = 9000, 200, 0.2
+    d = daemon_factory(name="scrapes", args=["--set", f"http.max_namespace_series={namespaces}",
+                                             "--set", "sessions.lease_ms=120000"])
+    stub = cache_service_pb2_grpc.CacheServiceStub(channel(d.socket))
+    futures = []
+    for i in range(namespaces):
+        r = cache_service_pb2.RegisterEngineRequest(instance_id=f"scrape-{i}",
+                                                    role=common_pb2.SESSION_ROLE_SCHEDULER)
+        r.namespace_spec.tenant = "team-a"
+        r.namespace_spec.model_id = f"model-{i:05d}"
+        r.namespace_spec.model_revision = "r1"
+        r.namespace_spec.kv_dtype = "bf16"
+        r.namespace_spec.page_size_tokens = 16
+        r.namespace_spec.layout_kind = common_pb2.LAYOUT_KIND_MHA_GQA
+        r.namespace_spec.tp_size = 1
+        futures.append(stub.RegisterEngine.future(r, timeout=60))
+        if len(futures) >= 64:
+            futures.pop(0).result()
+    for f in futures:
+        f.result()
+    exposition = http_get(d.http, "/metrics")[2]
+    assert f"model-{namespaces - 1:05d}" in exposition
+    host, port = d.http.rsplit(":", 1)
+    burst = subprocess.Popen(["/usr/bin/python3", "-c", SCRAPE_BURST, host, port, str(scrapers)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    latencies = []
+    while burst.poll() is None:
+        latencies.append(probe(d.http))
+        time.sleep(0.005)
+    out, err = burst.communicate()
+    assert burst.returncode == 0, err
+    n, smallest, largest = map(int, out.split())
+    assert n == scrapers and smallest > len(exposition) // 2, out
+    latencies.sort()
+    print(f"healthz during {scrapers} scrapes of {len(exposition)} bytes: {len(latencies)} probes, "
+          f"p50 {latencies[len(latencies) // 2] * 1e3:.1f} ms, max {latencies[-1] * 1e3:.1f} ms")
+    assert latencies[-1] < bound_s, latencies[-10:]

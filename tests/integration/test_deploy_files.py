@@ -353,7 +353,9 @@ def drive_l3_traffic(daemon_factory, tmp_path, redis, *reader_args):
     tiers = l3_tiers_spec(tmp_path, redis)
     common = ("--set", "device.kind=sim", "--set", f"storage.tiers={tiers}")
     writer = daemon_factory(args=common, name="writer", subdir="writer")
-    reader = daemon_factory(args=(*common, *reader_args), name="reader", subdir="reader")
+    reader = daemon_factory(args=(*common, "--set",
+                                  f"listen.max_connections_per_uid={READER_CONNECTIONS_PER_UID}",
+                                  *reader_args), name="reader", subdir="reader")
     r = run_engine(writer.socket, "backup", instance="writer", seed=31, tokens_seed=9,
                    pages=L3_PAGES, **L3_GEOMETRY)
     assert r.rc == 0 and r["stored"] == L3_PAGES, r.describe()
@@ -365,7 +367,34 @@ def drive_l3_traffic(daemon_factory, tmp_path, redis, *reader_args):
     assert r.rc == 0 and r["mismatched_bytes"] == 0, r.describe()
     assert r["l3_hits"] == L3_PAGES and r["loaded"] == L3_PAGES, r.describe()
     drive_traffic(reader)
+    refuse_a_connection(reader)
     return reader
+
+
+# The reader's per-uid connection bound: room for the engines and tools it serves one at a time,
+# low enough that refuse_a_connection reaches it.
+READER_CONNECTIONS_PER_UID = 8
+
+
+def refuse_a_connection(daemon):
+    """Holds the user's every engine-socket connection and opens one more, which the daemon
+    refuses (kvcellar_unix_connections_refused_total gets its series): it answers with the HTTP/2
+    preface and closes within a second."""
+    held = []
+    try:
+        for _ in range(READER_CONNECTIONS_PER_UID):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(daemon.socket)
+            held.append(s)
+        time.sleep(0.2)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as extra:
+            extra.settimeout(5)
+            extra.connect(daemon.socket)
+            while extra.recv(4096):
+                pass  # Until the daemon closes it: refused.
+    finally:
+        for s in held:
+            s.close()
 
 
 def metric_value(daemon, name, **labels):

@@ -567,6 +567,63 @@ TEST(HttpServerAbuseTest, SlowScrapeDoesNotDelayProbes) {
   EXPECT_THAT(scrape->body, HasSubstr("kvcellar_test_slow 1\n"));
 }
 
+// Issue #24: a burst of 200 simultaneous scrapes of a large exposition (many namespaces) delayed
+// /healthz by up to 1.8 s: the loop copied the text once per scraper and wrote each as far as its
+// socket took before reading anything else. The scrapers here send their requests at once and
+// read nothing while the probes run, so every response is written (and buffered) meanwhile.
+TEST(HttpServerAbuseTest, ProbesStayFastWhileABurstOfScrapesIsWritten) {
+  constexpr int kScrapers = 200;
+  constexpr int kSeries = 60000;  // ~4 MB of text: a daemon with thousands of namespaces.
+  constexpr auto kProbing = milliseconds(2500);
+  if (!RaiseFdLimit(2 * kScrapers + 256)) GTEST_SKIP() << "hard RLIMIT_NOFILE too low";
+  MetricsRegistry registry;
+  registry.AddCollector([](MetricWriter& writer) {
+    for (int i = 0; i < kSeries; ++i) {
+      const std::string model = absl::StrCat("model-", i);
+      const MetricWriter::Label labels[] = {{"tenant", "team-a"}, {"model", model}};
+      writer.AddGauge("kvcellar_test_namespace_bytes", "Bytes per namespace.", i, labels);
+    }
+  });
+  std::unique_ptr<HttpServer> server =
+      HttpServer::Start("127.0.0.1:0", &registry, nullptr, nullptr).value();
+  const size_t exposition_bytes = registry.Scrape().size();
+  ASSERT_GT(exposition_bytes, 4u << 20);
+
+  std::vector<int> scrapers = ConnectIdle(server->port(), kScrapers);
+  ASSERT_EQ(scrapers.size(), kScrapers);
+  const std::string request = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+  for (int fd : scrapers) ASSERT_TRUE(SendAll(fd, request));
+
+  std::vector<milliseconds::rep> micros;
+  Client client(server->port());
+  const Clock::time_point end = Clock::now() + kProbing;
+  while (Clock::now() < end) {
+    const Clock::time_point start = Clock::now();
+    absl::StatusOr<Response> res = client.Get("/healthz");
+    micros.push_back(
+        std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count());
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_EQ(res->status, 200);
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  std::sort(micros.begin(), micros.end());
+  std::cout << "healthz latency while " << kScrapers << " scrapes of " << exposition_bytes
+            << " bytes are written: " << micros.size() << " probes, p50 "
+            << micros[micros.size() / 2] << " us, max " << micros.back() << " us\n";
+  RecordProperty("healthz_max_us", static_cast<int>(micros.back()));
+  EXPECT_LT(micros.back(), 200'000);
+
+  // Every scraper then gets the whole exposition.
+  for (int fd : scrapers) {
+    absl::StatusOr<Response> res = ParseResponse(ReadToEnd(fd), false);
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_EQ(res->status, 200);
+    EXPECT_GE(res->body.size(), exposition_bytes - 1024);  // A later render may differ a little.
+    EXPECT_EQ(res->headers["content-length"], std::to_string(res->body.size()));
+  }
+  CloseAll(scrapers);
+}
+
 TEST(HttpServerAbuseTest, StopLetsAScrapeUnderWayFinish) {
   MetricsRegistry registry;
   std::atomic<bool> scraping{false};

@@ -3,6 +3,7 @@
 // (cache_test_harness.h). Bytes are checked byte for byte against the pattern each engine wrote.
 #include "server/rpc/cache_service.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -838,6 +839,47 @@ TEST(CacheServiceTest, MemfdRegionByProcPathRoundTripsBytes) {
   EXPECT_TRUE(h.UnregisterEngine(unreg, &unreg_resp).ok());
   munmap(p, bytes);
   close(fd);
+}
+
+// An engine that truncates its KV object under the daemon's mapping: the op under way fails, and
+// every later Load and Backup answers one code, FAILED_PRECONDITION (HANDLE_OPEN_FAILED): the
+// engine's doing, fixed by registering again. Before issue #24 Load answered INTERNAL (a daemon
+// bug, by the API's table) where Backup's op failed with the device's FAILED_PRECONDITION.
+TEST(CacheServiceTest, LoadAndBackupAfterTheEngineTruncatedItsMemoryAreFailedPrecondition) {
+  CacheHarness h;
+  const v1::NamespaceSpec spec = Spec();
+  TestEngine a(16, false, 1);
+  h.Register(a, "inst-trunc", 0, spec);
+  const std::vector<core::PageKey> keys = CacheHarness::Keys(spec, Tokens(7, 3));
+  ASSERT_EQ(h.Wait(a.session, h.Backup(a.session, keys, 0, 3, {0, 1, 2}).op().op_id()).state(),
+            v1::OP_STATE_DONE);
+
+  // The engine shrinks its object to nothing; it does not touch its own mapping afterwards.
+  const int fd = shm_open(a.kv().memory().name().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0) << strerror(errno);
+  ASSERT_EQ(ftruncate(fd, 0), 0);
+  close(fd);
+
+  v1::LoadResponse l;
+  ASSERT_TRUE(h.Load(LoadOf(a.session, keys, 0, 3, {5, 6, 7}), &l).ok());
+  const v1::OpResult faulted = h.Wait(a.session, l.op().op_id());
+  EXPECT_EQ(faulted.state(), v1::OP_STATE_FAILED);
+  EXPECT_THAT(faulted.error_message(), HasSubstr("truncated"));
+
+  Rpc load = h.Load(LoadOf(a.session, keys, 0, 3, {8, 9, 10}), &l);
+  EXPECT_EQ(load.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+      << load.status.error_message();
+  EXPECT_EQ(load.reason, "ERROR_REASON_HANDLE_OPEN_FAILED");
+  EXPECT_EQ(load.field, "session_id");
+  EXPECT_THAT(load.status.error_message(), HasSubstr("register again"));
+
+  Rpc backup;
+  const std::vector<core::PageKey> fresh = CacheHarness::Keys(spec, Tokens(8, 2));
+  h.Backup(a.session, fresh, 0, 2, {11, 12}, &backup);
+  EXPECT_EQ(backup.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+      << backup.status.error_message();
+  EXPECT_EQ(backup.reason, "ERROR_REASON_HANDLE_OPEN_FAILED");
+  EXPECT_EQ(backup.field, "session_id");
 }
 
 // A SIM registration whose memfd the daemon cannot find is refused, naming the region.

@@ -80,6 +80,7 @@ int RawConnect(const std::string& path) {
 }
 
 struct Served {
+  MetricsRegistry registry;
   PeerCredentials credentials;
   WhoCalls service{&credentials};
   std::unique_ptr<grpc::Server> server;
@@ -91,7 +92,7 @@ struct Served {
     builder.RegisterService(&service);
     server = builder.BuildAndStart();
     absl::StatusOr<std::unique_ptr<UnixListener>> l =
-        UnixListener::Start(path, server.get(), &credentials, max_per_uid);
+        UnixListener::Start(path, server.get(), &credentials, max_per_uid, &registry);
     EXPECT_TRUE(l.ok()) << l.status();
     if (l.ok()) listener = *std::move(l);
   }
@@ -118,12 +119,20 @@ TEST(UnixListenerTest, EveryCallCarriesTheKernelsCredentialsOfTheCaller) {
   EXPECT_EQ(s.listener->accepted(), 3u);
 }
 
-// True when the daemon side closed `fd` within `timeout` (the client reads end of file).
-bool ClosedByDaemon(int fd, int timeout_ms = 3000) {
-  pollfd p{fd, POLLIN, 0};
-  if (::poll(&p, 1, timeout_ms) <= 0) return false;
-  char c;
-  return ::recv(fd, &c, 1, MSG_DONTWAIT) == 0;
+// True when the daemon side closed `fd` within `timeout` (the client reads end of file); what
+// the daemon wrote before is appended to `said`.
+bool ClosedByDaemon(int fd, int timeout_ms = 3000, std::string* said = nullptr) {
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(timeout_ms);
+  for (;;) {
+    const int64_t left = absl::ToInt64Milliseconds(deadline - absl::Now());
+    pollfd p{fd, POLLIN, 0};
+    if (left <= 0 || ::poll(&p, 1, static_cast<int>(left)) <= 0) return false;
+    char buf[512];
+    const ssize_t n = ::recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+    if (n == 0) return true;
+    if (n < 0) return errno == ECONNRESET;
+    if (said != nullptr) said->append(buf, static_cast<size_t>(n));
+  }
 }
 
 TEST(UnixListenerTest, OneUserHoldsAtMostItsConnections) {
@@ -134,10 +143,13 @@ TEST(UnixListenerTest, OneUserHoldsAtMostItsConnections) {
     held.push_back(RawConnect(s.path));
     ASSERT_GE(held.back(), 0);
   }
-  // The fourth is accepted by the kernel and closed by the daemon at once.
+  // The fourth is accepted by the kernel, answered with the server preface (it sends no call to
+  // be told why) and closed by the daemon within RefusedConnections::kLinger.
   const int fourth = RawConnect(s.path);
   ASSERT_GE(fourth, 0);
-  EXPECT_TRUE(ClosedByDaemon(fourth));
+  std::string said;
+  EXPECT_TRUE(ClosedByDaemon(fourth, 3000, &said));
+  EXPECT_EQ(said, http2::ServerPreface());
   ::close(fourth);
   EXPECT_FALSE(ClosedByDaemon(held[0], 100)) << "the held ones stay open";
   EXPECT_EQ(s.listener->refused(), 1u);
@@ -153,6 +165,46 @@ TEST(UnixListenerTest, OneUserHoldsAtMostItsConnections) {
   }
   EXPECT_TRUE(served);
   for (int fd : held) ::close(fd);
+}
+
+// A refused gRPC client learns why (it saw only "Broken pipe" before issue #24), and the
+// refusal is counted under its uid.
+TEST(UnixListenerTest, ARefusedGrpcClientIsToldWhyAndCountedByUid) {
+  Served s(/*max_per_uid=*/1);
+  ASSERT_NE(s.listener, nullptr);
+  const int held = RawConnect(s.path);
+  ASSERT_GE(held, 0);
+  absl::SleepFor(absl::Milliseconds(100));  // Accepted before the next.
+  const absl::Time start = absl::Now();
+  const grpc::Status refused = CallHeartbeat(s.path);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << "answered, not left to its deadline";
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(refused.error_message(),
+              HasSubstr(absl::StrCat("kvcellard refused the connection: uid ", ::getuid(),
+                                     " already holds 1 connections to this socket "
+                                     "(listen.max_connections_per_uid)")));
+  EXPECT_GE(s.listener->refused(), 1u);
+  EXPECT_THAT(s.registry.Scrape(),
+              HasSubstr(absl::StrCat("kvcellar_unix_connections_refused_total{uid=\"", ::getuid(),
+                                     "\"} ", s.listener->refused(), "\n")));
+  ::close(held);
+}
+
+// Bytes that are not HTTP/2 end a refused connection at once.
+TEST(UnixListenerTest, ARefusedConnectionThatIsNotHttp2IsClosed) {
+  Served s(/*max_per_uid=*/1);
+  ASSERT_NE(s.listener, nullptr);
+  const int held = RawConnect(s.path);
+  ASSERT_GE(held, 0);
+  absl::SleepFor(absl::Milliseconds(100));
+  const int other = RawConnect(s.path);
+  ASSERT_GE(other, 0);
+  ASSERT_EQ(::send(other, "GET / HTTP/1.1\r\n\r\n", 18, MSG_NOSIGNAL), 18);
+  const absl::Time start = absl::Now();
+  EXPECT_TRUE(ClosedByDaemon(other, 3000));
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(900)) << "not kept for the linger";
+  ::close(other);
+  ::close(held);
 }
 
 TEST(UnixListenerTest, StopRefusesNewConnections) {

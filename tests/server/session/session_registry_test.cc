@@ -256,8 +256,9 @@ TEST_F(SessionRegistryTest, SecondLiveSessionOfASeatIsRefusedUnlessReplacing) {
                            "rank"));
   EXPECT_TRUE(IsCacheError(Add(second), absl::StatusCode::kAlreadyExists,
                            v1::ERROR_REASON_SESSION_EXISTS, "rank"));
+  // One scheduler per instance: the instance_id collides, not the role (issue #24).
   EXPECT_TRUE(IsCacheError(Add(Scheduler("inst")), absl::StatusCode::kAlreadyExists,
-                           v1::ERROR_REASON_SESSION_EXISTS, "role"));
+                           v1::ERROR_REASON_SESSION_EXISTS, "instance_id"));
   EXPECT_EQ(registry_.sessions(), 2u);
   EXPECT_EQ(registry_.Find(first->id(), absl::Now()), first);
 
