@@ -35,12 +35,8 @@ It also sends what belongs to others (issue #24, left open by #13):
     region) before the bytes are compared; for the pool, whose bytes change anyway, the
     acceptance alone fails the check.
 
-    AFTER-MERGE: the daemon-side refusal of other processes' memory (platform/shm_mapping,
-    gpu/sim_device, server/session/sim_counter_channel) is being written beside this change.
-    Today's daemon accepts these registrations, so these checks fail: they are collected apart
-    (Fuzzer.memory_failures) and enforced only with KVCELLAR_GRPC_FUZZ_FOREIGN_MEMORY=enforce;
-    otherwise test_foreign_sessions_and_memory marks itself xfail with what it found. Once the
-    refusal lands, make "enforce" the default (ENFORCE_FOREIGN_MEMORY below).
+    The findings are collected apart (Fuzzer.memory_failures) and fail the test; the daemon
+    refuses such memory since api_revision 3 (docs/security.md).
 
 Nothing the fuzzer sends may legitimately change bytes an engine loads.
 
@@ -87,8 +83,6 @@ CALL_TIMEOUT_S = 3.0
 # gRPC itself, RESOURCE_EXHAUSTED, before any of our code sees it).
 MAX_REQUEST_BYTES = 2 << 20
 
-# AFTER-MERGE switch (see the docstring): "enforce" fails the test on any foreign-memory finding.
-ENFORCE_FOREIGN_MEMORY = os.environ.get("KVCELLAR_GRPC_FUZZ_FOREIGN_MEMORY", "") == "enforce"
 FOREIGN_SECONDS = float(os.environ.get("KVCELLAR_GRPC_FUZZ_FOREIGN_SECONDS", "15"))
 # Share of the fuzz workers' requests that name an engine's session id.
 FOREIGN_SESSION_SHARE = 0.15
@@ -473,7 +467,7 @@ class Fuzzer:
         # self-reported, and the fuzzer's mutated registrations send any.)
         self.engine_prefix = engine_prefix
         self.foreign_ids = []  # Session ids of other processes (the engines').
-        self.memory_failures = []  # AFTER-MERGE findings (see the docstring).
+        self.memory_failures = []  # Foreign memory not refused (see the docstring).
         self.memory_codes = collections.Counter()  # answers to foreign-memory registrations
         self.memory_rounds = 0
         self.channels = {"engine": grpc.insecure_channel(f"unix:{daemon.socket}"),
@@ -595,6 +589,9 @@ class Fuzzer:
         except grpc.RpcError as e:
             with self.lock:
                 self.memory_codes[f"{e.code().name} {reason_of(e)}".strip()] += 1
+            if e.code() != grpc.StatusCode.PERMISSION_DENIED:
+                self.memory_finding(f"RegisterEngine naming {what} answered {e.code().name} "
+                                    f"{reason_of(e)} (expected PERMISSION_DENIED)")
             return 0
         with self.lock:
             self.memory_codes["OK"] += 1
@@ -776,10 +773,9 @@ def test_grpc_fuzz_every_rpc_under_asan(tmp_path, capsys):
 
 
 def check_foreign_memory(fuzzer):
-    """AFTER-MERGE: the foreign-memory findings fail the test only when enforced (see the
-    module docstring); until then they are reported, and the caller may mark itself xfail."""
+    """Every foreign-memory registration was refused and left the victim's bytes alone."""
     assert fuzzer.memory_rounds > 0, "no foreign-memory round ran"
-    if fuzzer.memory_failures and ENFORCE_FOREIGN_MEMORY:
+    if fuzzer.memory_failures:
         raise AssertionError("other processes' memory was not refused:\n" +
                              "\n".join(sorted(set(fuzzer.memory_failures))[:20]))
 
@@ -848,9 +844,6 @@ def test_foreign_sessions_and_memory(tmp_path, capsys):
             # No request naming its session acted on it: it never lost the session.
             assert r["stats"]["sessions_lost"] == 0, r.describe()
         check_foreign_memory(fuzzer)
-        if fuzzer.memory_failures:
-            pytest.xfail("AFTER-MERGE: other processes' memory is not refused yet: " +
-                         "; ".join(sorted(set(fuzzer.memory_failures))[:6]))
     finally:
         for e in engines:
             e.kill()
@@ -873,7 +866,7 @@ def report(capsys, fuzzer, sessions, duration_s=DURATION_S):
         print(f"  foreign memory: {fuzzer.memory_rounds} rounds, registrations answered "
               f"{dict(fuzzer.memory_codes)}")
         for finding in sorted(set(fuzzer.memory_failures)):
-            print(f"  AFTER-MERGE finding: {finding}")
+            print(f"  foreign-memory finding: {finding}")
 
 
 def admin_stub(daemon):
