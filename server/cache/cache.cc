@@ -8,6 +8,7 @@
 #include "absl/time/clock.h"
 #include "platform/log.h"
 #include "server/errors/cache_error.h"
+#include "server/config/tenant_quota.h"
 #include "server/session/namespace_metrics.h"
 
 namespace kvcellar::server {
@@ -23,6 +24,28 @@ core::EvictionPolicyKind PolicyOf(const Config& config) {
                                                         : core::EvictionPolicyKind::kS3Fifo;
 }
 
+// tenants.quotas in bytes of the pool actually mapped. LoadConfig checked them against
+// pool.capacity; the pool is that rounded down to whole regions, so byte amounts may no longer
+// fit: those are clamped to the pool (and logged), never refused at this point.
+std::vector<TenantQuotaBytes> QuotasOf(const Config& config, const core::HostPool* pool) {
+  absl::StatusOr<std::vector<TenantQuotaSpec>> specs = ParseTenantQuotas(config.tenants.quotas);
+  if (!specs.ok() || pool == nullptr) return {};
+  const uint64_t pool_bytes = pool->capacity_bytes();
+  absl::StatusOr<std::vector<TenantQuotaBytes>> bytes = ResolveTenantQuotas(*specs, pool_bytes);
+  if (bytes.ok()) return *std::move(bytes);
+  KVLOG(Warn, "tenant quotas clamped to the pool",
+        {{"error", bytes.status().ToString()}, {"pool_bytes", pool_bytes}});
+  std::vector<TenantQuotaBytes> clamped;
+  uint64_t left = pool_bytes;
+  for (const TenantQuotaSpec& s : *specs) {
+    const uint64_t ceiling = std::min(s.ceiling.Resolve(pool_bytes), pool_bytes);
+    const uint64_t guarantee = std::min({s.guarantee.Resolve(pool_bytes), ceiling, left});
+    left -= guarantee;
+    clamped.push_back({s.tenant, guarantee, ceiling});
+  }
+  return clamped;
+}
+
 NamespaceRegistry::EventSinkFactory EventSinks(EventHub* hub) {
   if (hub == nullptr) return nullptr;
   return [hub](uint32_t id, const core::NamespaceSpec& spec) { return hub->SinkFor(id, spec); };
@@ -36,11 +59,12 @@ Cache::Cache(CacheOptions options)
       daemon_epoch_(options.daemon_epoch),
       devices_(std::move(options.devices)),
       metrics_(options.metrics != nullptr ? options.metrics : &DefaultRegistry()),
+      tenants_(QuotasOf(config_, options.pool)),
       namespaces_(options.pool, PolicyOf(config_),
                   options.l3 != nullptr ? static_cast<int>(options.l3->size()) : 0,
-                  EventSinks(options.events)),
+                  EventSinks(options.events), &tenants_),
       l2_(options.pool, &namespaces_, config_.pool.high_watermark, config_.pool.low_watermark,
-          &metrics_),
+          &metrics_, &tenants_),
       ops_(&metrics_, absl::Milliseconds(limits_.op_result_retention_ms)),
       no_l3_(options.l3 == nullptr ? L3Tiers::None() : nullptr),
       l3_(options.l3 != nullptr ? options.l3 : no_l3_.get()),
