@@ -7,9 +7,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "platform/log.h"
-#include "server/errors/cache_error.h"
 #include "server/config/tenant_quota.h"
+#include "server/errors/cache_error.h"
 #include "server/session/namespace_metrics.h"
+#include "server/session/tenant_metrics.h"
 
 namespace kvcellar::server {
 namespace {
@@ -68,7 +69,8 @@ Cache::Cache(CacheOptions options)
       ops_(&metrics_, absl::Milliseconds(limits_.op_result_retention_ms)),
       no_l3_(options.l3 == nullptr ? L3Tiers::None() : nullptr),
       l3_(options.l3 != nullptr ? options.l3 : no_l3_.get()),
-      writer_(l3_, &l2_, [this] { return ops_.NextId(); }, &metrics_, config_.storage),
+      writer_(
+          l3_, &l2_, [this] { return ops_.NextId(); }, &metrics_, config_.storage),
       prefetcher_(l3_, &l2_, &ops_, &pins_, &metrics_, &limits_, config_.storage),
       recovery_(l3_, &namespaces_),
       mover_(&devices_, &l2_, &pins_, &ops_, &pump_, &metrics_, &limits_, &writer_),
@@ -190,6 +192,7 @@ void Cache::AddCollectors() {
   metrics_.AddCollector(
       [this, cap = static_cast<size_t>(config_.http.max_namespace_series)](MetricWriter& out) {
         CollectNamespaceMetrics(namespaces_.Snapshot(), cap, out);
+        WriteTenantMetrics(TenantUsages(), cap, out);
       });
 }
 
@@ -238,6 +241,11 @@ void Cache::FillInfo(DaemonInfo* info) const {
   const L2Usage l2 = GetL2Usage();
   info->pool_pinned_bytes = l2.pinned_bytes;
   info->pool_in_flight_bytes = l2.in_flight_bytes;
+  info->tenants = TenantUsages();
+}
+
+std::vector<TenantUsage> Cache::TenantUsages() const {
+  return CollectTenantUsage(tenants_, namespaces_.Snapshot(), l2_.pool()->capacity_bytes());
 }
 
 Cache::EndCounts Cache::EndSession(const std::shared_ptr<Session>& session,

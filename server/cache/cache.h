@@ -35,6 +35,7 @@
 #include "core/host_pool.h"
 #include "server/admin/cache_admin.h"
 #include "server/admin/daemon_info.h"
+#include "server/cache/housekeeper.h"
 #include "server/config/cache_limits.h"
 #include "server/config/config.h"
 #include "server/datapath/device_mover.h"
@@ -42,10 +43,9 @@
 #include "server/datapath/matcher.h"
 #include "server/datapath/sim_signal_pump.h"
 #include "server/events/event_hub.h"
-#include "server/cache/housekeeper.h"
+#include "server/l2/l2_recovery.h"
 #include "server/l2/l2_space.h"
 #include "server/l3/l3_prefetcher.h"
-#include "server/l2/l2_recovery.h"
 #include "server/l3/l3_recovery.h"
 #include "server/l3/l3_tiers.h"
 #include "server/l3/l3_writer.h"
@@ -56,6 +56,7 @@
 #include "server/session/pin_table.h"
 #include "server/session/session_registry.h"
 #include "server/session/tenant_ledger.h"
+#include "server/session/tenant_metrics.h"
 
 namespace kvcellar::server {
 
@@ -162,6 +163,8 @@ class Cache {
   CacheAdmin& admin() { return admin_; }
   // Per-tenant L2 bytes, quotas and evictions.
   const TenantLedger& tenants() const { return tenants_; }
+  // Per tenant: its account joined with its namespaces' counters (GetStatus, metrics).
+  std::vector<TenantUsage> TenantUsages() const;
 
  private:
   void AddCollectors();

@@ -1,7 +1,5 @@
 // Loading the effective config: the defaults, then the YAML file (every problem found, each
 // with FILE:LINE:COL), then the --set overrides, then the checks across keys.
-#include "server/config/config.h"
-
 #include <fcntl.h>
 #include <grp.h>
 #include <sys/stat.h>
@@ -25,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "server/config/config.h"
 #include "server/config/config_schema.h"
 #include "server/config/tenant_grant.h"
 #include "server/config/tenant_quota.h"

@@ -37,7 +37,6 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "platform/runtime_paths.h"
-
 #include "server/config/l3_tier_spec.h"
 #include "server/config/tenant_grant.h"
 #include "server/config/tenant_quota.h"
@@ -454,15 +453,13 @@ std::vector<KeySpec> SchemaTable() {
       StringKey(KVC_FIELD(tls, client_ca_file), "", nullptr, "readable file, or \"\"",
                 "PEM CA bundle that client certificates must chain to; required by mtls."),
       // tenants
-      ListKey(StringKey(KVC_FIELD(tenants, allow), "", CheckTenantGrants,
-                        "tenant grants, or \"\"",
+      ListKey(StringKey(KVC_FIELD(tenants, allow), "", CheckTenantGrants, "tenant grants, or \"\"",
                         "Who may register engines under which tenant, separated by ';': "
                         "TENANT=uid:USER, TENANT=gid:GROUP (Unix socket peers), "
                         "TENANT=subject:SUBJECT (mTLS client certificates), or a YAML list of "
                         "them; \"\" = every peer may use every tenant (docs/security.md)."),
               ';'),
-      ListKey(StringKey(KVC_FIELD(tenants, quotas), "", CheckTenantQuotas,
-                        "tenant quotas, or \"\"",
+      ListKey(StringKey(KVC_FIELD(tenants, quotas), "", CheckTenantQuotas, "tenant quotas, or \"\"",
                         "Per-tenant shares of the L2 pool, separated by ';': "
                         "TENANT=guarantee:AMOUNT,ceiling:AMOUNT (either part may be left out), "
                         "or a YAML list of them. AMOUNT is a fraction of pool.capacity (0.5, "
@@ -523,10 +520,11 @@ std::vector<KeySpec> SchemaTable() {
               "second, memcpy backend. Without a GPU the sim device serves them anyway."),
       // storage
       ListKey(StringKey(KVC_FIELD(storage, tiers), "", CheckL3Tiers, "tier specs, or \"\"",
-                "L3 tiers in lookup order, fastest first, separated by spaces or ';': "
-                "file:/DIR?name=nvme&capacity=500GiB, redis:HOST:PORT?prefix=kvc:, "
-                "redis-cluster:H1:P1,H2:P2 (options in docs/storage.md), or a YAML list of "
-                "them; \"\" = no L3."), ' '),
+                        "L3 tiers in lookup order, fastest first, separated by spaces or ';': "
+                        "file:/DIR?name=nvme&capacity=500GiB, redis:HOST:PORT?prefix=kvc:, "
+                        "redis-cluster:H1:P1,H2:P2 (options in docs/storage.md), or a YAML list of "
+                        "them; \"\" = no L3."),
+              ' '),
       Secret(StringKey(KVC_FIELD(storage, redis_password), "", nullptr, "",
                        "Password (AUTH) for every redis tier; \"\" = none.")),
       ChoiceKey(KVC_ENUM(storage, write_policy), "write_through",

@@ -147,10 +147,9 @@ absl::StatusOr<std::vector<TenantQuotaBytes>> ResolveTenantQuotas(
     out.push_back(std::move(q));
   }
   if (guaranteed > pool_bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("'tenants.quotas': the guarantees sum to ", guaranteed,
-                     " bytes, above 'pool.capacity' (", pool_bytes,
-                     " bytes); they may sum to at most 1.0 of the pool"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'tenants.quotas': the guarantees sum to ", guaranteed, " bytes, above 'pool.capacity' (",
+        pool_bytes, " bytes); they may sum to at most 1.0 of the pool"));
   }
   return out;
 }

@@ -40,8 +40,8 @@ struct QuotaAmount {
 
 struct TenantQuotaSpec {
   std::string tenant;
-  QuotaAmount guarantee;                        // Default 0.
-  QuotaAmount ceiling{true, 1.0, 0};            // Default: the whole pool.
+  QuotaAmount guarantee;              // Default 0.
+  QuotaAmount ceiling{true, 1.0, 0};  // Default: the whole pool.
   bool operator==(const TenantQuotaSpec&) const = default;
 };
 

@@ -245,10 +245,9 @@ L2RecoveryStats RecoverL2(core::HostPool& pool, core::SlotJournal& journal,
   }
   // Each record names its tenant's account, so a later Free discharges it (l2_space.h).
   for (core::OwnedSlot& o : owned) {
-    const TenantAccount* account =
-        o.owner.ns < table.size() && table[o.owner.ns] != nullptr
-            ? table[o.owner.ns]->tenant_account()
-            : nullptr;
+    const TenantAccount* account = o.owner.ns < table.size() && table[o.owner.ns] != nullptr
+                                       ? table[o.owner.ns]->tenant_account()
+                                       : nullptr;
     o.owner.tenant = account != nullptr ? account->number() : 0;
   }
 

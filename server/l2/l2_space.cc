@@ -83,8 +83,11 @@ absl::StatusOr<core::SlotRef> L2Space::AllocateCharged(Namespace& ns, const core
   // the requesting namespace before the others, the others largest first; then the requester's
   // own tenant below its guarantee.
   evict_bytes = std::max(evict_bytes, ns.slot_bytes());
+  // The requester's own tenant counts as above its guarantee when it is at least there without
+  // this allocation (whose charge is taken already). Guarantee 0: always, the order before quotas.
   const TenantAccount* mine = AccountOf(ns);
-  const bool mine_above = mine == nullptr || mine->excess_bytes() > 0;
+  const bool mine_above =
+      mine == nullptr || mine->guarantee_bytes() == 0 || mine->excess_bytes() >= ns.slot_bytes();
   std::vector<std::pair<uint64_t, std::shared_ptr<Namespace>>> same_class;
   for (std::shared_ptr<Namespace>& other : namespaces_->Snapshot()) {
     if (other.get() == &ns || other->index() == nullptr || other->slot_bytes() != ns.slot_bytes()) {
@@ -202,7 +205,7 @@ void L2Space::FreeReleased(absl::Span<const core::ReleasedObject> released) {
 }
 
 uint64_t L2Space::EvictFrom(Namespace& ns, uint64_t bytes, EvictReason reason,
-                           TenantEvictCause cause) {
+                            TenantEvictCause cause) {
   core::RadixIndex* index = ns.index();
   if (index == nullptr) return 0;
   std::vector<core::ReleasedObject> evicted;

@@ -204,8 +204,8 @@ std::shared_ptr<Namespace> NamespaceRegistry::Create(const core::NamespaceSpec& 
     core::SlotJournal* journal = pool_->journal();
     core::IndexEventSink* events = event_sinks_ ? event_sinks_(id, spec) : nullptr;
     TenantAccount* account = tenants_ != nullptr ? tenants_->ForTenant(spec.tenant) : nullptr;
-    it->second = std::make_shared<Namespace>(spec, pool_, policy_, l3_tiers_, id, journal, events,
-                                             account);
+    it->second =
+        std::make_shared<Namespace>(spec, pool_, policy_, l3_tiers_, id, journal, events, account);
     by_id_.push_back(it->second);
     // Logged before any page of it can be: a restarted daemon recreates it under the same id.
     if (journal != nullptr && journal_it) {

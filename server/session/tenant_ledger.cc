@@ -35,8 +35,7 @@ TenantLedger::TenantLedger(const std::vector<TenantQuotaBytes>& quotas)
 TenantAccount* TenantLedger::MakeLocked(std::string tenant, uint64_t guarantee, uint64_t ceiling,
                                         bool has_quota) {
   const uint16_t number = count_.load(std::memory_order_relaxed) + 1;
-  owned_.push_back(
-      std::make_unique<TenantAccount>(tenant, number, guarantee, ceiling, has_quota));
+  owned_.push_back(std::make_unique<TenantAccount>(tenant, number, guarantee, ceiling, has_quota));
   TenantAccount* account = owned_.back().get();
   by_tenant_.emplace(std::move(tenant), account);
   accounts_[number - 1].store(account, std::memory_order_release);
