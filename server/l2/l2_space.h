@@ -63,8 +63,11 @@
 //     At most kMaxDraining regions drain at a time, bounding the slots they strand.
 //
 // Threads: any thread. Dependencies are thread-safe; region releases are serialized by
-// release_mu_, taken before any index or pool lock. It never holds an index lock while calling
-// the pool (the index calls nothing).
+// release_mu_, taken before any index or pool lock; evictions spending another tenant's excess by
+// reclaim_mu_, likewise taken before any index or pool lock, and never held together with
+// release_mu_. It never holds an index lock while calling the pool (the index calls nothing).
+// Tenant accounts are atomics (tenant_ledger.h): the fast path (TryAllocate, Free) adds one
+// atomic operation per slot and no lock.
 #ifndef KVCELLAR_SERVER_L2_L2_SPACE_H_
 #define KVCELLAR_SERVER_L2_L2_SPACE_H_
 
