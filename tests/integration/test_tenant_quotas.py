@@ -29,9 +29,9 @@ SHAPE = ["--page-size", "64", "--layers", "8", "--kv-heads", "8", "--head-dim", 
          "--dtype", "bf16", "--output-tokens", "1", "--no-progress"]
 MULTI_TURN = ["--tenant", "team-a", "--clients", "4", "--rounds", "4", "--new-tokens", "256",
               "--parallel", "2", "--seed", "1"]
-# Far more than the flood needs to outlast team-a (200 x 16 pages = 6.4 GiB, 16x the pool); it is
-# stopped once team-a is done.
-FLOOD = ["--tenant", "team-b", "--clients", "200", "--rounds", "1", "--new-tokens", "1024",
+# Far more than the flood needs to outlast team-a (1000 x 16 pages = 32 GiB, 83x the pool; it
+# sent about 10x the pool during team-a's run here); it is stopped once team-a is done.
+FLOOD = ["--tenant", "team-b", "--clients", "1000", "--rounds", "1", "--new-tokens", "1024",
          "--parallel", "4", "--seed", "2"]
 QUOTAS = "tenants.quotas=team-a=guarantee:0.5;team-b=guarantee:0.5"
 
