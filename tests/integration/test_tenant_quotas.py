@@ -18,8 +18,12 @@ import signal
 import subprocess
 import time
 
+import grpc
+
 from conftest import BIN_DIR
 from engine_sim import DAEMON_ARGS, metric, require_cache_service, status, wait_until
+
+from kvcellar.v1 import admin_service_pb2, admin_service_pb2_grpc
 
 BENCH = os.path.join(BIN_DIR, "kvcellar-bench")
 KVCELLARCTL = os.path.join(BIN_DIR, "kvcellarctl")
@@ -121,3 +125,7 @@ def test_equal_guarantees_keep_a_tenants_hit_rate_under_anothers_flood(daemon_fa
     p = subprocess.run([KVCELLARCTL, "--addr", guarded.admin_socket, "tenants"],
                        capture_output=True, text=True, timeout=30)
     assert p.returncode == 0 and "team-b" in p.stdout and "EVICT_OTHER" in p.stdout, p.stdout
+    # On the engine socket GetStatus lists no tenants: their names are for admin callers.
+    engine_side = admin_service_pb2_grpc.AdminServiceStub(
+        grpc.insecure_channel(f"unix:{guarded.socket}"))
+    assert not engine_side.GetStatus(admin_service_pb2.GetStatusRequest(), timeout=5).tenants
