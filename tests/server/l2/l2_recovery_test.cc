@@ -61,8 +61,8 @@ class Life {
     EXPECT_TRUE(journal.ok()) << journal.status();
     journal_ = *std::move(journal);
     pool_->set_journal(journal_.get());
-    namespaces_ = std::make_unique<NamespaceRegistry>(
-        pool_.get(), core::EvictionPolicyKind::kLru, 0, nullptr, &tenants_);
+    namespaces_ = std::make_unique<NamespaceRegistry>(pool_.get(), core::EvictionPolicyKind::kLru,
+                                                      0, nullptr, &tenants_);
     metrics_ = std::make_unique<CacheMetrics>(&registry_);
     l2_ = std::make_unique<L2Space>(pool_.get(), namespaces_.get(), 1.0, 0.99, metrics_.get(),
                                     &tenants_);
