@@ -30,9 +30,11 @@ int Tenants(const Options& options, v1::AdminService::Stub& stub) {
   }
   if (options.json) return PrintJson(only);
   if (reply.tenants().empty()) {
+    // An engine-socket caller, or a daemon before any namespace and without quotas.
     std::fprintf(stderr,
-                 "kvcellarctl: no tenants listed: the daemon lists them to admin callers only "
-                 "(the admin socket, or a client certificate)\n");
+                 "kvcellarctl: no tenants listed (the daemon lists them to admin callers only: "
+                 "the admin socket, or a client certificate)\n");
+    return 0;
   }
   Table table({"TENANT", "GUARANTEE", "CEILING", "L2_USED", "OF_GUAR", "L2_PAGES", "NS", "LOOKUPS",
                "L2_HIT", "L3_HIT", "EVICT_OWN", "EVICT_OTHER", "EVICT_WMARK", "REFUSED"});
