@@ -107,12 +107,14 @@ def test_equal_guarantees_keep_a_tenants_hit_rate_under_anothers_flood(daemon_fa
     assert rate["quotas"] >= 0.9 * rate["alone"], rate
     assert flooded_guarded >= POOL_BYTES, "the flood did not reach the pool's size during the run"
 
-    # The reclaim is visible per tenant: team-a took its guarantee back from team-b, and nothing
-    # of team-a's went to team-b's allocations.
+    # The reclaim is visible per tenant: what team-b borrowed of team-a's guarantee went back
+    # (taken by team-a's allocations, or by the watermark, which takes only excess over
+    # guarantees: which of the two depends on timing), and team-a, never above its guarantee,
+    # lost nothing to either.
     a, b = tenant(guarded, "team-a"), tenant(guarded, "team-b")
     assert a.has_quota and a.guarantee_bytes == POOL_BYTES // 2 == b.guarantee_bytes
-    assert b.evicted_by_other_tenant_pages > 0
-    assert a.evicted_by_other_tenant_pages == 0
+    assert b.evicted_by_other_tenant_pages + b.evicted_watermark_pages > 0
+    assert a.evicted_by_other_tenant_pages == 0 and a.evicted_watermark_pages == 0
     assert a.l2_hit_pages > 0 and a.lookup_pages >= a.l2_hit_pages
     assert metric(guarded, "kvcellar_tenant_l2_guarantee_bytes", tenant="team-a") == POOL_BYTES // 2
     assert metric(guarded, "kvcellar_tenant_l2_evicted_pages_total", tenant="team-b",
