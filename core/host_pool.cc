@@ -247,7 +247,7 @@ absl::Status HostPool::NotAllocatedError(SlotRef ref) const {
       owner == kNoClass ? std::string("free") : absl::StrCat("in class ", owner)));
 }
 
-absl::Status HostPool::Free(SlotRef ref) {
+absl::Status HostPool::Free(SlotRef ref, SlotOwner* owner) {
   if (!InRange(ref)) return RangeError(ref);
   SizeClass& sc = classes_[ref.size_class];
   MutexLock lock(&sc.mu);
@@ -255,6 +255,7 @@ absl::Status HostPool::Free(SlotRef ref) {
   // The record first: once the slot is on the free stack another thread may take it.
   if (journal_ != nullptr) journal_->Clear(ref);
   Region& g = regions_[ref.region];
+  if (owner != nullptr) *owner = g.owners[ref.index];
   g.allocated[ref.index >> 6] &= ~(uint64_t{1} << (ref.index & 63));
   g.free_stack[g.free_top++] = ref.index;
   --sc.slots_used;

@@ -83,12 +83,16 @@ struct HostPoolOptions {
   uint64_t huge_page_bytes = 0;
 };
 
-// Whose object a slot holds, recorded at Allocate. `ns` 0 means no owner was given.
+// Whose object a slot holds, recorded at Allocate. `ns` 0 means no owner was given. `tenant`:
+// the number of the tenant account charged for the slot (server/session/tenant_ledger.h), 0 for
+// none; it fills what was padding, so a record is still 40 bytes.
 struct SlotOwner {
   PageKey key;
   uint32_t ns = 0;
   uint16_t shard = 0;
+  uint16_t tenant = 0;
 };
+static_assert(sizeof(SlotOwner) == 40, "the per-slot cost stated above");
 
 // One allocated slot of a region and its owner record.
 struct OwnedSlot {
@@ -162,7 +166,8 @@ class HostPool {
   // currently allocated (double free, or a stale ref into a region that has since changed hands)
   // is FailedPrecondition. Either way nothing changes: accounting stays exact. Errors are values
   // rather than aborts because the caller (the index) can log and count them and keep serving.
-  absl::Status Free(SlotRef ref);
+  // `owner` (optional) receives the freed slot's owner record, on success only.
+  absl::Status Free(SlotRef ref, SlotOwner* owner = nullptr);
 
   // True when `ref` names a slot of this pool that is currently allocated.
   bool Owns(SlotRef ref) const;

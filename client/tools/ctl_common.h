@@ -77,6 +77,8 @@ int Stats(const Options& options, v1::AdminService::Stub& stub);
 int Evict(const Options& options, v1::AdminService::Stub& stub);
 int Clear(const Options& options, v1::AdminService::Stub& stub);
 int Events(const Options& options, v1::AdminService::Stub& stub);
+// ctl_tenants.cc
+int Tenants(const Options& options, v1::AdminService::Stub& stub);
 
 }  // namespace kvcellar::ctl
 

@@ -36,6 +36,7 @@ constexpr char kUsage[] =
     "  config      the effective configuration (YAML, secrets redacted)\n"
     "  engines     registered sessions [--instance ID] [--namespace HEX] [--tenant T]\n"
     "  namespaces  namespaces with usage and hit rates [--tenant T]\n"
+    "  tenants     per tenant: L2 quota and use, hit rates, evictions by cause [--tenant T]\n"
     "  stats       counters [--per-namespace] [--namespace HEX]\n"
     "  evict       evict cold pages (admin socket): scope, --tier, --target-bytes N, --dry-run\n"
     "  clear       remove every page in scope (admin socket): scope, --tier, --yes, --dry-run\n"
@@ -271,9 +272,11 @@ int main(int argc, char** argv) {
 
   using Command = std::function<int(const Options&, v1::AdminService::Stub&)>;
   const std::map<std::string, Command> commands = {
-      {"status", Status},          {"config", Config},         {"engines", ctl::Engines},
-      {"namespaces", ctl::Namespaces}, {"stats", ctl::Stats}, {"evict", ctl::Evict},
-      {"clear", ctl::Clear},       {"events", ctl::Events}};
+      {"status", Status},        {"config", Config},
+      {"engines", ctl::Engines}, {"namespaces", ctl::Namespaces},
+      {"stats", ctl::Stats},     {"evict", ctl::Evict},
+      {"clear", ctl::Clear},     {"events", ctl::Events},
+      {"tenants", ctl::Tenants}};
   auto command = commands.find(options.command);
   if (command == commands.end()) {
     return Usage(absl::StrCat("unknown command '", options.command, "'"));

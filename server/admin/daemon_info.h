@@ -9,6 +9,7 @@
 #include "absl/time/time.h"
 #include "server/l2/l2_recovery.h"
 #include "server/l3/l3_recovery.h"
+#include "server/session/tenant_metrics.h"
 
 namespace kvcellar::server {
 
@@ -55,6 +56,7 @@ struct DaemonInfo {
   bool ready = false;
   bool draining = false;
   std::vector<L3TierInfo> l3_tiers;  // In lookup order.
+  std::vector<TenantUsage> tenants;  // In account order (server/session/tenant_metrics.h).
 };
 
 }  // namespace kvcellar::server

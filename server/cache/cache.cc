@@ -7,8 +7,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "platform/log.h"
+#include "server/config/tenant_quota.h"
 #include "server/errors/cache_error.h"
 #include "server/session/namespace_metrics.h"
+#include "server/session/tenant_metrics.h"
 
 namespace kvcellar::server {
 namespace {
@@ -21,6 +23,28 @@ constexpr absl::Duration kCancelledOpWait = absl::Seconds(10);
 core::EvictionPolicyKind PolicyOf(const Config& config) {
   return config.eviction.policy == EvictionPolicy::kLru ? core::EvictionPolicyKind::kLru
                                                         : core::EvictionPolicyKind::kS3Fifo;
+}
+
+// tenants.quotas in bytes of the pool actually mapped. LoadConfig checked them against
+// pool.capacity; the pool is that rounded down to whole regions, so byte amounts may no longer
+// fit: those are clamped to the pool (and logged), never refused at this point.
+std::vector<TenantQuotaBytes> QuotasOf(const Config& config, const core::HostPool* pool) {
+  absl::StatusOr<std::vector<TenantQuotaSpec>> specs = ParseTenantQuotas(config.tenants.quotas);
+  if (!specs.ok() || pool == nullptr) return {};
+  const uint64_t pool_bytes = pool->capacity_bytes();
+  absl::StatusOr<std::vector<TenantQuotaBytes>> bytes = ResolveTenantQuotas(*specs, pool_bytes);
+  if (bytes.ok()) return *std::move(bytes);
+  KVLOG(Warn, "tenant quotas clamped to the pool",
+        {{"error", bytes.status().ToString()}, {"pool_bytes", pool_bytes}});
+  std::vector<TenantQuotaBytes> clamped;
+  uint64_t left = pool_bytes;
+  for (const TenantQuotaSpec& s : *specs) {
+    const uint64_t ceiling = std::min(s.ceiling.Resolve(pool_bytes), pool_bytes);
+    const uint64_t guarantee = std::min({s.guarantee.Resolve(pool_bytes), ceiling, left});
+    left -= guarantee;
+    clamped.push_back({s.tenant, guarantee, ceiling});
+  }
+  return clamped;
 }
 
 NamespaceRegistry::EventSinkFactory EventSinks(EventHub* hub) {
@@ -37,11 +61,12 @@ Cache::Cache(CacheOptions options)
       devices_(std::move(options.devices)),
       daemon_objects_(std::move(options.daemon_objects)),
       metrics_(options.metrics != nullptr ? options.metrics : &DefaultRegistry()),
+      tenants_(QuotasOf(config_, options.pool)),
       namespaces_(options.pool, PolicyOf(config_),
                   options.l3 != nullptr ? static_cast<int>(options.l3->size()) : 0,
-                  EventSinks(options.events)),
+                  EventSinks(options.events), &tenants_),
       l2_(options.pool, &namespaces_, config_.pool.high_watermark, config_.pool.low_watermark,
-          &metrics_),
+          &metrics_, &tenants_),
       ops_(&metrics_, absl::Milliseconds(limits_.op_result_retention_ms)),
       no_l3_(options.l3 == nullptr ? L3Tiers::None() : nullptr),
       l3_(options.l3 != nullptr ? options.l3 : no_l3_.get()),
@@ -172,6 +197,7 @@ void Cache::AddCollectors() {
   metrics_.AddCollector(
       [this, cap = static_cast<size_t>(config_.http.max_namespace_series)](MetricWriter& out) {
         CollectNamespaceMetrics(namespaces_.Snapshot(), cap, out);
+        WriteTenantMetrics(TenantUsages(), cap, out);
       });
 }
 
@@ -220,6 +246,11 @@ void Cache::FillInfo(DaemonInfo* info) const {
   const L2Usage l2 = GetL2Usage();
   info->pool_pinned_bytes = l2.pinned_bytes;
   info->pool_in_flight_bytes = l2.in_flight_bytes;
+  info->tenants = TenantUsages();
+}
+
+std::vector<TenantUsage> Cache::TenantUsages() const {
+  return CollectTenantUsage(tenants_, namespaces_.Snapshot(), l2_.pool()->capacity_bytes());
 }
 
 void Cache::EndSession(std::shared_ptr<Session> session, bool last_of_instance,

@@ -63,6 +63,8 @@
 #include "server/session/op_table.h"
 #include "server/session/pin_table.h"
 #include "server/session/session_registry.h"
+#include "server/session/tenant_ledger.h"
+#include "server/session/tenant_metrics.h"
 
 namespace kvcellar::server {
 
@@ -173,6 +175,10 @@ class Cache {
   Matcher& matcher() { return matcher_; }
   // The AdminService's view of the cache (listings, statistics, Evict, Clear).
   CacheAdmin& admin() { return admin_; }
+  // Per-tenant L2 bytes, quotas and evictions.
+  const TenantLedger& tenants() const { return tenants_; }
+  // Per tenant: its account joined with its namespaces' counters (GetStatus, metrics).
+  std::vector<TenantUsage> TenantUsages() const;
 
  private:
   void AddCollectors();
@@ -191,6 +197,7 @@ class Cache {
   // Declaration order is construction order; destruction runs backwards, so every component is
   // destroyed before what it points to.
   CacheMetrics metrics_;
+  TenantLedger tenants_;  // Accounts and quotas (tenants.quotas), resolved against the pool.
   NamespaceRegistry namespaces_;
   L2Space l2_;
   SessionRegistry sessions_;

@@ -69,6 +69,8 @@ struct TlsConfig {
 // Who may register engines under which tenant (server/config/tenant_grant.h says the syntax).
 struct TenantsConfig {
   std::string allow;  // "" = every peer may register every tenant.
+  // Per-tenant L2 guarantees and ceilings (server/config/tenant_quota.h); "" = none.
+  std::string quotas;
   bool operator==(const TenantsConfig&) const = default;
 };
 

@@ -1,7 +1,5 @@
 // Loading the effective config: the defaults, then the YAML file (every problem found, each
 // with FILE:LINE:COL), then the --set overrides, then the checks across keys.
-#include "server/config/config.h"
-
 #include <fcntl.h>
 #include <grp.h>
 #include <sys/stat.h>
@@ -25,8 +23,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "server/config/config.h"
 #include "server/config/config_schema.h"
 #include "server/config/tenant_grant.h"
+#include "server/config/tenant_quota.h"
 
 namespace kvcellar::server {
 namespace {
@@ -406,6 +406,16 @@ void CheckTenantGrants(const Config& config, std::vector<std::string>* errors) {
   }
 }
 
+// Quotas in bytes need the pool's size: a ceiling below its guarantee once both are bytes,
+// guarantees summing above the pool.
+void CheckTenantQuotaSums(const Config& config, std::vector<std::string>* errors) {
+  absl::StatusOr<std::vector<TenantQuotaSpec>> quotas = ParseTenantQuotas(config.tenants.quotas);
+  if (!quotas.ok()) return;  // The key's own check reported it.
+  absl::StatusOr<std::vector<TenantQuotaBytes>> bytes =
+      ResolveTenantQuotas(*quotas, config.pool.capacity);
+  if (!bytes.ok()) errors->push_back(std::string(bytes.status().message()));
+}
+
 std::vector<std::string> CrossCheck(const Config& config) {
   std::vector<std::string> errors;
   const PoolConfig& pool = config.pool;
@@ -421,6 +431,7 @@ std::vector<std::string> CrossCheck(const Config& config) {
   }
   CheckTls(config, &errors);
   CheckTenantGrants(config, &errors);
+  CheckTenantQuotaSums(config, &errors);
   const ListenConfig& listen = config.listen;
   if (!listen.unix_socket.empty() && listen.admin_socket == listen.unix_socket) {
     errors.push_back(absl::StrCat("'listen.admin_socket' and 'listen.unix_socket' are both ",

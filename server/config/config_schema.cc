@@ -37,9 +37,9 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "platform/runtime_paths.h"
-
 #include "server/config/l3_tier_spec.h"
 #include "server/config/tenant_grant.h"
+#include "server/config/tenant_quota.h"
 
 namespace kvcellar::server {
 namespace config_schema {
@@ -251,6 +251,12 @@ std::string CheckTenantGrants(absl::string_view value) {
   return absl::StrCat("is invalid: ", grants.status().message());
 }
 
+std::string CheckTenantQuotas(absl::string_view value) {
+  absl::StatusOr<std::vector<TenantQuotaSpec>> quotas = ParseTenantQuotas(value);
+  if (quotas.ok()) return "";
+  return absl::StrCat("is invalid: ", quotas.status().message());
+}
+
 std::string CheckShmName(absl::string_view value) {
   if (value.empty()) return "";
   absl::string_view name = absl::StripPrefix(value, "/");
@@ -457,6 +463,14 @@ std::vector<KeySpec> SchemaTable() {
                         "TENANT=uid:USER, TENANT=gid:GROUP (Unix socket peers), "
                         "TENANT=subject:SUBJECT (mTLS client certificates), or a YAML list of "
                         "them; \"\" = every peer may use every tenant (docs/security.md)."),
+              ';'),
+      ListKey(StringKey(KVC_FIELD(tenants, quotas), "", CheckTenantQuotas, "tenant quotas, or \"\"",
+                        "Per-tenant shares of the L2 pool, separated by ';': "
+                        "TENANT=guarantee:AMOUNT,ceiling:AMOUNT (either part may be left out), "
+                        "or a YAML list of them. AMOUNT is a fraction of pool.capacity (0.5, "
+                        "50%) or a size (4GiB). Eviction takes pages of tenants above their "
+                        "guarantee first, and a tenant at its ceiling evicts its own; guarantees "
+                        "may sum to at most the pool. \"\" = no quotas (docs/security.md)."),
               ';'),
       // http
       StringKey(KVC_FIELD(http, address), "127.0.0.1:9740", CheckHostPort, "host:port, or \"\"",

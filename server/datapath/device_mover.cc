@@ -477,12 +477,10 @@ void DeviceMover::FindPresent(BackupBatch& batch) {
 
 void DeviceMover::AllocateSlots(BackupBatch& batch) {
   // Slots, page by page in sequence order; a sequence stops at its first page without one.
-  core::HostPool* pool = l2_->pool();
   const SessionInfo& info = batch.info;
   Namespace& ns = batch.ns;
   const std::vector<core::PageKey>& keys = batch.keys;
   const std::vector<uint32_t>& seq_begin = batch.record->seq_begin;
-  const uint64_t object_bytes = ns.object_bytes();
   uint64_t wanted = 0;
   for (const core::SlotRef& p : batch.present) wanted += p.valid() ? 0 : 1;
   batch.requests.reserve(wanted);
@@ -495,8 +493,7 @@ void DeviceMover::AllocateSlots(BackupBatch& batch) {
         batch.record->statuses[p] = v1::PAGE_STATUS_ALREADY_PRESENT;
         continue;
       }
-      absl::StatusOr<core::SlotRef> slot =
-          pool->Allocate(object_bytes, L2Space::Owner(ns, keys[p], info.shard));
+      absl::StatusOr<core::SlotRef> slot = l2_->TryAllocate(ns, keys[p], info.shard);
       if (!slot.ok() && slot.status().code() == absl::StatusCode::kResourceExhausted) {
         if (!batch.protected_pages) {
           // Eviction must not take what this batch builds on: the pages found present and the

@@ -243,6 +243,13 @@ L2RecoveryStats RecoverL2(core::HostPool& pool, core::SlotJournal& journal,
     Add(stats, s.counts);
     for (const Kept& k : s.kept) owned.push_back(k.slot);
   }
+  // Each record names its tenant's account, so a later Free discharges it (l2_space.h).
+  for (core::OwnedSlot& o : owned) {
+    const TenantAccount* account = o.owner.ns < table.size() && table[o.owner.ns] != nullptr
+                                       ? table[o.owner.ns]->tenant_account()
+                                       : nullptr;
+    o.owner.tenant = account != nullptr ? account->number() : 0;
+  }
 
   // Step 3.
   if (absl::Status s = pool.Restore(owned); !s.ok()) {
@@ -261,7 +268,14 @@ L2RecoveryStats RecoverL2(core::HostPool& pool, core::SlotJournal& journal,
     for (const Kept& k : s.kept) by_ns[k.slot.owner.ns].push_back(&k);
   }
   for (size_t id = 1; id < table.size(); ++id) {
-    if (!by_ns[id].empty()) IndexNamespace(*table[id], by_ns[id], pool, stats);
+    if (by_ns[id].empty()) continue;
+    IndexNamespace(*table[id], by_ns[id], pool, stats);
+    // The slots still allocated are the ones the index holds (the rest were freed above, never
+    // charged): charged whatever the ceiling, as the tenant held them before the restart.
+    TenantAccount* account = table[id]->tenant_account();
+    if (account != nullptr && table[id]->index() != nullptr) {
+      account->Charge(table[id]->index()->Stats().l2_bytes);
+    }
   }
   stats.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -60,7 +60,9 @@ L2Space::RegionEviction L2Space::EvictRegion(uint32_t r, uint16_t size_class, bo
     out.pages += result.pages;
     out.blocked |= result.blocked > 0;
     out.waiting |= result.absent > 0;
-    if (!dry_run) FinishEviction(*ns, evicted, EvictReason::kRegionRelease);
+    if (!dry_run) {
+      FinishEviction(*ns, evicted, EvictReason::kRegionRelease, TenantEvictCause::kRegionRelease);
+    }
   }
   return out;
 }

@@ -1,27 +1,70 @@
 #include "server/l2/l2_space.h"
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "core/slot_journal.h"
 #include "platform/log.h"
 
 namespace kvcellar::server {
 
 L2Space::L2Space(core::HostPool* pool, NamespaceRegistry* namespaces, double high_watermark,
-                 double low_watermark, CacheMetrics* metrics)
+                 double low_watermark, CacheMetrics* metrics, TenantLedger* tenants)
     : pool_(pool),
       namespaces_(namespaces),
       high_watermark_(high_watermark),
       low_watermark_(low_watermark),
       metrics_(metrics),
+      tenants_(tenants),
       sealer_(pool->journal() != nullptr ? std::make_unique<L2Sealer>(pool, pool->journal())
                                          : nullptr) {}
 
 L2Space::~L2Space() = default;
 
+absl::StatusOr<core::SlotRef> L2Space::TryAllocate(Namespace& ns, const core::PageKey& key,
+                                                   uint16_t shard) {
+  TenantAccount* account = AccountOf(ns);
+  const uint64_t slot_bytes = ns.slot_bytes();
+  if (account != nullptr && !account->TryCharge(slot_bytes)) {
+    return absl::ResourceExhaustedError("the tenant is at its L2 ceiling");
+  }
+  absl::StatusOr<core::SlotRef> slot = pool_->Allocate(ns.object_bytes(), Owner(ns, key, shard));
+  if (!slot.ok() && account != nullptr) account->Discharge(slot_bytes);
+  return slot;
+}
+
 absl::StatusOr<core::SlotRef> L2Space::Allocate(Namespace& ns, const core::PageKey& key,
                                                 uint16_t shard, uint64_t evict_bytes) {
+  TenantAccount* account = AccountOf(ns);
+  const uint64_t slot_bytes = ns.slot_bytes();
+  if (account != nullptr && !account->TryCharge(slot_bytes)) {
+    // At its ceiling: room comes from its own pages only, the requesting namespace's first.
+    const uint64_t want = std::max(evict_bytes, slot_bytes);
+    if (EvictFrom(ns, want, EvictReason::kPoolFull, TenantEvictCause::kOwn) == 0) {
+      for (const std::shared_ptr<Namespace>& other : namespaces_->Snapshot()) {
+        if (other.get() == &ns || other->tenant_account() != account ||
+            other->slot_bytes() != slot_bytes) {
+          continue;
+        }
+        if (EvictFrom(*other, want, EvictReason::kPoolFull, TenantEvictCause::kOwn) > 0) break;
+      }
+    }
+    if (!account->TryCharge(slot_bytes)) {
+      account->CountCeilingRefusal();
+      return absl::ResourceExhaustedError(
+          absl::StrCat("tenant '", ns.spec().tenant.substr(0, 80), "' is at its L2 ceiling (",
+                       account->ceiling_bytes(), " bytes) and none of its pages can go now"));
+    }
+  }
+  absl::StatusOr<core::SlotRef> slot = AllocateCharged(ns, key, shard, evict_bytes);
+  if (!slot.ok() && account != nullptr) account->Discharge(slot_bytes);
+  return slot;
+}
+
+absl::StatusOr<core::SlotRef> L2Space::AllocateCharged(Namespace& ns, const core::PageKey& key,
+                                                       uint16_t shard, uint64_t evict_bytes) {
   const uint64_t object_bytes = ns.object_bytes();
   const core::SlotOwner owner = Owner(ns, key, shard);
   absl::StatusOr<core::SlotRef> slot = pool_->Allocate(object_bytes, owner);
@@ -34,16 +77,17 @@ absl::StatusOr<core::SlotRef> L2Space::Allocate(Namespace& ns, const core::PageK
     slot = ReleaseRegionFor(*c, owner, /*anyway=*/false);
     if (slot.ok()) return slot;
   }
-  // Otherwise it makes room within itself: the requesting namespace first, then the others of
-  // the same class, largest first. Only same-class evictions help: another class's freed slots
-  // are scattered over its regions and would not free one (that is what region release is for).
+  // Otherwise it makes room within itself. Only same-class evictions help: another class's freed
+  // slots are scattered over its regions and would not free one (that is what region release is
+  // for). The order (see "Tenant quotas" in the header): tenants above their guarantee first,
+  // the requesting namespace before the others, the others largest first; then the requester's
+  // own tenant below its guarantee.
   evict_bytes = std::max(evict_bytes, ns.slot_bytes());
-  bool freed = false;
-  if (EvictFrom(ns, evict_bytes, EvictReason::kPoolFull) > 0) {
-    freed = true;
-    slot = pool_->Allocate(object_bytes, owner);
-    if (slot.ok()) return slot;
-  }
+  // The requester's own tenant counts as above its guarantee when it is at least there without
+  // this allocation (whose charge is taken already). Guarantee 0: always, the order before quotas.
+  const TenantAccount* mine = AccountOf(ns);
+  const bool mine_above =
+      mine == nullptr || mine->guarantee_bytes() == 0 || mine->excess_bytes() >= ns.slot_bytes();
   std::vector<std::pair<uint64_t, std::shared_ptr<Namespace>>> same_class;
   for (std::shared_ptr<Namespace>& other : namespaces_->Snapshot()) {
     if (other.get() == &ns || other->index() == nullptr || other->slot_bytes() != ns.slot_bytes()) {
@@ -53,12 +97,46 @@ absl::StatusOr<core::SlotRef> L2Space::Allocate(Namespace& ns, const core::PageK
   }
   std::sort(same_class.begin(), same_class.end(),
             [](const auto& a, const auto& b) { return a.first > b.first; });
-  for (auto& [bytes, other] : same_class) {
-    if (bytes == 0) break;
-    if (EvictFrom(*other, evict_bytes, EvictReason::kPoolFull) == 0) continue;
+  bool freed = false;
+  auto retry = [&](uint64_t bytes_freed) {
+    if (bytes_freed == 0) return false;
     freed = true;
     slot = pool_->Allocate(object_bytes, owner);
-    if (slot.ok()) return slot;
+    return slot.ok();
+  };
+  auto own_tenant = [&](const Namespace& other) {
+    return mine != nullptr && AccountOf(other) == mine;
+  };
+  // (1) Above their guarantee: the requester first (when its tenant is), then the others.
+  if (mine_above &&
+      retry(EvictFrom(ns, evict_bytes, EvictReason::kPoolFull, TenantEvictCause::kOwn))) {
+    return slot;
+  }
+  for (auto& [bytes, other] : same_class) {
+    if (bytes == 0) break;
+    if (own_tenant(*other)) {
+      if (!mine_above) continue;  // In (3).
+      if (retry(EvictFrom(*other, evict_bytes, EvictReason::kPoolFull, TenantEvictCause::kOwn))) {
+        return slot;
+      }
+      continue;
+    }
+    if (retry(EvictForOther(*other, evict_bytes, EvictReason::kPoolFull,
+                            TenantEvictCause::kOtherTenant))) {
+      return slot;
+    }
+  }
+  // (3) The requester's own tenant, below its guarantee: its own pages, nobody else's.
+  if (!mine_above) {
+    if (retry(EvictFrom(ns, evict_bytes, EvictReason::kPoolFull, TenantEvictCause::kOwn))) {
+      return slot;
+    }
+    for (auto& [bytes, other] : same_class) {
+      if (bytes == 0 || !own_tenant(*other)) continue;
+      if (retry(EvictFrom(*other, evict_bytes, EvictReason::kPoolFull, TenantEvictCause::kOwn))) {
+        return slot;
+      }
+    }
   }
   // Nothing of this class could go (all busy, or it holds no region): a region, if another
   // class has plenty.
@@ -67,6 +145,28 @@ absl::StatusOr<core::SlotRef> L2Space::Allocate(Namespace& ns, const core::PageK
     if (released.ok()) return released;
   }
   return slot;
+}
+
+uint64_t L2Space::EvictForOther(Namespace& victim, uint64_t bytes, EvictReason reason,
+                                TenantEvictCause cause) {
+  const TenantAccount* account = AccountOf(victim);
+  if (account == nullptr || account->guarantee_bytes() == 0) {
+    return EvictFrom(victim, bytes, reason, cause);  // Everything it holds is excess.
+  }
+  core::RadixIndex* index = victim.index();
+  if (index == nullptr) return 0;
+  // A page frees at most all its shards' slots; whole pages within the excess never take the
+  // tenant below its guarantee. Under reclaim_mu_, so no other eviction spends the same excess
+  // between the read and the frees (Free discharges before FinishEviction returns).
+  const uint64_t page_bytes = std::max<uint64_t>(1, victim.shards() * victim.slot_bytes());
+  absl::MutexLock lock(&reclaim_mu_);
+  const uint64_t fits = account->excess_bytes() / page_bytes;
+  const uint64_t wanted = (bytes + page_bytes - 1) / page_bytes;
+  const uint64_t pages = std::min(fits, wanted);
+  if (pages == 0) return 0;
+  std::vector<core::ReleasedObject> evicted;
+  index->EvictPages(static_cast<size_t>(pages), &evicted);
+  return FinishEviction(victim, evicted, reason, cause);
 }
 
 void L2Space::JournalWriting(const Namespace& ns, const core::WriteRequest& w) {
@@ -85,10 +185,18 @@ void L2Space::JournalCommitted(const Namespace& ns, core::SlotRef slot) {
 
 void L2Space::Free(core::SlotRef slot) {
   if (!slot.valid()) return;
-  if (absl::Status s = pool_->Free(slot); !s.ok()) {
+  core::SlotOwner owner;
+  if (absl::Status s = pool_->Free(slot, &owner); !s.ok()) {
     // The index hands each slot back exactly once; a failure here is a bookkeeping bug. Keep
-    // serving (the slot stays allocated: a leak, never a double use).
+    // serving (the slot stays allocated: a leak, never a double use; still charged).
     KVLOG(Error, "host pool free failed", {{"error", s.ToString()}});
+    return;
+  }
+  // The record names the account its allocation charged (0: none).
+  if (tenants_ != nullptr) {
+    if (TenantAccount* account = tenants_->ByNumber(owner.tenant)) {
+      account->Discharge(pool_->SlotBytes(slot));
+    }
   }
 }
 
@@ -96,16 +204,17 @@ void L2Space::FreeReleased(absl::Span<const core::ReleasedObject> released) {
   for (const core::ReleasedObject& r : released) Free(r.slot);
 }
 
-uint64_t L2Space::EvictFrom(Namespace& ns, uint64_t bytes, EvictReason reason) {
+uint64_t L2Space::EvictFrom(Namespace& ns, uint64_t bytes, EvictReason reason,
+                            TenantEvictCause cause) {
   core::RadixIndex* index = ns.index();
   if (index == nullptr) return 0;
   std::vector<core::ReleasedObject> evicted;
   index->EvictBytes(bytes, &evicted);
-  return FinishEviction(ns, evicted, reason);
+  return FinishEviction(ns, evicted, reason, cause);
 }
 
 uint64_t L2Space::FinishEviction(Namespace& ns, std::vector<core::ReleasedObject>& evicted,
-                                 EvictReason reason) {
+                                 EvictReason reason, TenantEvictCause cause) {
   if (evicted.empty()) return 0;
   const uint64_t freed = evicted.size() * ns.slot_bytes();
   // A write-back observer takes the slots of pages it writes to L3 (and frees them after).
@@ -119,6 +228,7 @@ uint64_t L2Space::FinishEviction(Namespace& ns, std::vector<core::ReleasedObject
     if (i == 0 || evicted[i].key != evicted[i - 1].key) ++pages;
   }
   metrics_->CountEviction(reason, pages, freed);
+  if (TenantAccount* account = AccountOf(ns)) account->CountEviction(cause, pages);
   NamespaceCounters::Add(ns.counters().evicted_objects, evicted.size());
   NamespaceCounters::Add(ns.counters().evicted_bytes, freed);
   return freed;
@@ -135,7 +245,7 @@ core::AdminEvictResult L2Space::EvictScope(Namespace& ns,
   if (evicted.empty()) return result;
   // The one ending every eviction has: a write-back observer takes the slots of the pages it
   // writes to L3 (and frees them after), so WRITE_BACK pages are not lost to an admin Evict.
-  FinishEviction(ns, evicted, EvictReason::kAdmin);
+  FinishEviction(ns, evicted, EvictReason::kAdmin, TenantEvictCause::kAdmin);
   if (written_back_pages != nullptr) {
     // Pages, not objects: a page's shards are adjacent; it counts once any shard was taken.
     const core::PageKey* counted = nullptr;
@@ -199,23 +309,31 @@ uint64_t L2Space::EnforceWatermarks() {
   const uint64_t target = static_cast<uint64_t>(low_watermark_ * capacity);
   uint64_t to_free = used - std::min(used, target);
 
-  std::vector<std::pair<uint64_t, std::shared_ptr<Namespace>>> by_size;
+  // Each namespace gives up its share of the excess, in proportion to what it holds above its
+  // tenant's guarantee (its part of its tenant's excess), so one busy model does not drain the
+  // others and no tenant goes below its guarantee. Without quotas: in proportion to what it holds.
+  std::vector<std::pair<double, std::shared_ptr<Namespace>>> weighted;
+  double total = 0;
   for (std::shared_ptr<Namespace>& ns : namespaces_->Snapshot()) {
     if (ns->index() == nullptr) continue;
-    by_size.emplace_back(ns->index()->Stats().l2_bytes, std::move(ns));
+    double weight = static_cast<double>(ns->index()->Stats().l2_bytes);
+    if (const TenantAccount* account = AccountOf(*ns);
+        account != nullptr && account->guarantee_bytes() > 0) {
+      const uint64_t tenant_used = account->used_bytes();
+      weight = tenant_used == 0
+                   ? 0
+                   : weight * static_cast<double>(account->excess_bytes()) / tenant_used;
+    }
+    total += weight;
+    weighted.emplace_back(weight, std::move(ns));
   }
-  uint64_t total = 0;
-  for (const auto& [bytes, ns] : by_size) total += bytes;
-  if (total == 0) return 0;
-  // Each namespace gives up its share of the excess, in proportion to what it holds, so one
-  // busy model does not drain the others.
+  if (total <= 0) return 0;
   uint64_t freed = 0;
-  for (const auto& [bytes, ns] : by_size) {
-    if (bytes == 0) continue;
+  for (const auto& [weight, ns] : weighted) {
+    if (weight <= 0) continue;
     const uint64_t share =
-        static_cast<uint64_t>(static_cast<double>(to_free) * (static_cast<double>(bytes) / total)) +
-        1;
-    freed += EvictFrom(*ns, share, EvictReason::kWatermark);
+        static_cast<uint64_t>(static_cast<double>(to_free) * (weight / total)) + 1;
+    freed += EvictForOther(*ns, share, EvictReason::kWatermark, TenantEvictCause::kWatermark);
   }
   if (freed > 0) {
     KVLOG(Info, "l2 watermark eviction",

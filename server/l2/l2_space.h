@@ -10,6 +10,30 @@
 //     for the caller. Pinned and in-flight pages are never evicted: the index refuses them.
 //   - EnforceWatermarks: once the pool's fill passes pool.high_watermark, evicts across
 //     namespaces until it is back at pool.low_watermark. Called by the housekeeper.
+//
+// Tenant quotas (tenants.quotas; server/session/tenant_ledger.h keeps the accounts). Each slot is
+// charged to its namespace's tenant, in slot bytes, from allocation to Free (the owner record
+// names the account, so Free finds it without asking the namespace).
+//   - Ceiling: the charge is taken before the pool is asked (TenantAccount::TryCharge), so a
+//     tenant never holds more than its ceiling. At its ceiling a tenant makes room among its own
+//     pages only (the requesting namespace, then its tenant's others of the same class); if that
+//     frees nothing the page is NO_SPACE (a miss for the engine, never an engine failure).
+//   - Guarantee: on a full pool the victims are, in order: (1) the namespaces of tenants holding
+//     more than their guarantee, in the order above (the requesting namespace first when its own
+//     tenant is above its guarantee, then the others largest first); another tenant's pages are
+//     taken only by whole pages that fit in its excess, so (2) no allocation of one tenant takes
+//     another below its guarantee. (3) Then the requester's own tenant, even below its guarantee.
+//     Watermark eviction takes only excess over guarantees, in proportion to it. Guarantees are
+//     not reserved: a tenant's unused guarantee is lent to whoever allocates, and reclaimed by
+//     step (1) when the tenant allocates again (the borrower is then above its own guarantee).
+//   - Without quotas every tenant's guarantee is 0 and its ceiling the pool: (1) is exactly the
+//     order above, and eviction behaves as it did before quotas.
+//   - Exactness: evictions that take another tenant's pages down toward its guarantee are
+//     serialized by reclaim_mu_ (taken only when that tenant's guarantee is not 0, off the
+//     pool's fast path), so two allocations cannot both spend the same excess. Slots that an L3
+//     write-back still holds after an eviction stay charged until written, so under write_back a
+//     tenant may dip below its guarantee by what its pending write-backs hold. Region release
+//     (another size class's pressure) does not look at tenants.
 //   - Free / FreeReleased: slots the indexes let go of (Abort, eviction) go back to the pool.
 //
 // Region release (after CacheLib's slab release). Evicting a region's worth of pages in some
@@ -39,8 +63,11 @@
 //     At most kMaxDraining regions drain at a time, bounding the slots they strand.
 //
 // Threads: any thread. Dependencies are thread-safe; region releases are serialized by
-// release_mu_, taken before any index or pool lock. It never holds an index lock while calling
-// the pool (the index calls nothing).
+// release_mu_, taken before any index or pool lock; evictions spending another tenant's excess by
+// reclaim_mu_, likewise taken before any index or pool lock, and never held together with
+// release_mu_. It never holds an index lock while calling the pool (the index calls nothing).
+// Tenant accounts are atomics (tenant_ledger.h): the fast path (TryAllocate, Free) adds one
+// atomic operation per slot and no lock.
 #ifndef KVCELLAR_SERVER_L2_L2_SPACE_H_
 #define KVCELLAR_SERVER_L2_L2_SPACE_H_
 
@@ -59,6 +86,7 @@
 #include "server/l2/l2_sealer.h"
 #include "server/metrics/cache_metrics.h"
 #include "server/session/namespace_registry.h"
+#include "server/session/tenant_ledger.h"
 
 namespace kvcellar::server {
 
@@ -77,20 +105,29 @@ class L2Space {
  public:
   // Every pointer outlives this object. Watermarks are fractions of the pool capacity.
   // With a journal on the pool (pool.shm_name), starts its sealer.
+  // `tenants` (nullable: no per-tenant accounting or quotas) is the ledger the namespaces'
+  // accounts come from.
   L2Space(core::HostPool* pool, NamespaceRegistry* namespaces, double high_watermark,
-          double low_watermark, CacheMetrics* metrics);
+          double low_watermark, CacheMetrics* metrics, TenantLedger* tenants = nullptr);
   // Stops the sealer, which seals every landed page first.
   ~L2Space();
 
   // A slot for shard `shard` of page `key` of `ns` (whose geometry is fixed). On a full pool,
   // releases a region or evicts at least `evict_bytes` (at least one slot's worth) and retries,
   // as described above. ResourceExhausted when no slot can be had.
+  // ResourceExhausted too when the tenant is at its ceiling and its own pages free nothing.
   absl::StatusOr<core::SlotRef> Allocate(Namespace& ns, const core::PageKey& key, uint16_t shard,
                                          uint64_t evict_bytes);
-  // The owner record of that object (what Allocate stores with the slot), for callers that try
-  // the pool directly first.
-  static core::SlotOwner Owner(const Namespace& ns, const core::PageKey& key, uint16_t shard) {
-    return core::SlotOwner{key, ns.id(), shard};
+  // The data path's first try: a free slot, charged to the tenant, without evicting anything.
+  // ResourceExhausted when the pool has none free or the tenant is at its ceiling: then Allocate.
+  // Takes the pool's class mutex and one atomic operation on the tenant's account.
+  absl::StatusOr<core::SlotRef> TryAllocate(Namespace& ns, const core::PageKey& key,
+                                            uint16_t shard);
+  // The owner record of that object (what Allocate stores with the slot).
+  core::SlotOwner Owner(const Namespace& ns, const core::PageKey& key, uint16_t shard) const {
+    const TenantAccount* account = AccountOf(ns);
+    return core::SlotOwner{key, ns.id(), shard,
+                           account != nullptr ? account->number() : uint16_t{0}};
   }
 
   void Free(core::SlotRef slot);
@@ -134,8 +171,21 @@ class L2Space {
   // Regions released to another size class since start.
   uint64_t regions_released() const { return regions_released_.load(std::memory_order_relaxed); }
   core::HostPool* pool() const { return pool_; }
+  // nullptr without per-tenant accounting.
+  TenantLedger* tenants() const { return tenants_; }
 
  private:
+  // The account `ns` is charged to; nullptr without a ledger.
+  TenantAccount* AccountOf(const Namespace& ns) const {
+    return tenants_ != nullptr ? ns.tenant_account() : nullptr;
+  }
+  // Allocate once the tenant's charge is taken: the pool, region release, eviction in class.
+  absl::StatusOr<core::SlotRef> AllocateCharged(Namespace& ns, const core::PageKey& key,
+                                                uint16_t shard, uint64_t evict_bytes);
+  // Evicts up to `bytes` of `victim`'s pages for another tenant's allocation, never taking its
+  // tenant below its guarantee (whole pages within its excess). Returns bytes freed.
+  uint64_t EvictForOther(Namespace& victim, uint64_t bytes, EvictReason reason,
+                         TenantEvictCause cause) ABSL_LOCKS_EXCLUDED(reclaim_mu_);
   // Frees the valid slots of objects an admin Clear removed and counts them as cleared.
   void FreeCleared(Namespace& ns, absl::Span<const core::ReleasedObject> released);
   // Regions priced by a dry run per release, and regions draining at once (see above).
@@ -151,10 +201,10 @@ class L2Space {
   };
 
   // Evicts about `bytes` from `ns`, frees the slots and counts them. Returns bytes freed.
-  uint64_t EvictFrom(Namespace& ns, uint64_t bytes, EvictReason reason);
+  uint64_t EvictFrom(Namespace& ns, uint64_t bytes, EvictReason reason, TenantEvictCause cause);
   // After an index let go of `evicted`: the observer, Free, the counters. Returns bytes freed.
   uint64_t FinishEviction(Namespace& ns, std::vector<core::ReleasedObject>& evicted,
-                          EvictReason reason);
+                          EvictReason reason, TenantEvictCause cause);
   // Class `c` is out of slots and the pool of regions: releases a region of another class for
   // it and allocates. `anyway`: c could evict nothing of its own (see "When" above).
   absl::StatusOr<core::SlotRef> ReleaseRegionFor(uint16_t c, const core::SlotOwner& owner,
@@ -170,7 +220,10 @@ class L2Space {
   const double high_watermark_;
   const double low_watermark_;
   CacheMetrics* const metrics_;
+  TenantLedger* const tenants_;
   std::atomic<L2EvictionObserver*> observer_{nullptr};
+  // Serializes evictions that spend another tenant's excess over a non-zero guarantee.
+  absl::Mutex reclaim_mu_;
   absl::Mutex release_mu_;
   std::atomic<uint64_t> regions_released_{0};
   std::unique_ptr<L2Sealer> sealer_;

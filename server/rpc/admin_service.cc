@@ -134,6 +134,29 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetStatus(grpc::CallbackServerContex
   response->set_device_kind(info.device_kind == "sim"    ? v1::DEVICE_KIND_SIM
                             : info.device_kind == "cuda" ? v1::DEVICE_KIND_CUDA
                                                          : v1::DEVICE_KIND_UNSPECIFIED);
+  if (MayMutate(context)) {
+    for (const TenantUsage& u : info.tenants) {
+      v1::TenantStatus* out = response->add_tenants();
+      out->set_tenant(u.tenant);
+      out->set_has_quota(u.has_quota);
+      out->set_guarantee_bytes(u.guarantee_bytes);
+      out->set_ceiling_bytes(u.ceiling_bytes);
+      out->set_l2_used_bytes(u.l2_bytes);
+      out->set_l2_pages(u.l2_pages);
+      out->set_namespaces(u.namespaces);
+      out->set_match_requests(u.match_requests);
+      out->set_lookup_pages(u.lookup_pages);
+      out->set_l2_hit_pages(u.l2_hit_pages);
+      out->set_l3_hit_pages(u.l3_hit_pages);
+      auto evicted = [&u](TenantEvictCause c) { return u.evicted_pages[static_cast<int>(c)]; };
+      out->set_evicted_own_pages(evicted(TenantEvictCause::kOwn));
+      out->set_evicted_by_other_tenant_pages(evicted(TenantEvictCause::kOtherTenant));
+      out->set_evicted_watermark_pages(evicted(TenantEvictCause::kWatermark));
+      out->set_evicted_region_release_pages(evicted(TenantEvictCause::kRegionRelease));
+      out->set_evicted_admin_pages(evicted(TenantEvictCause::kAdmin));
+      out->set_ceiling_refusals(u.ceiling_refusals);
+    }
+  }
   for (const L3TierInfo& t : info.l3_tiers) {
     v1::L3TierStatus* out = response->add_l3_tiers();
     out->set_name(t.name);

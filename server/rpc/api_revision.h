@@ -3,7 +3,8 @@
 //   1: the first stable revision.
 //   2: AdminService.WatchEvents (KV events, docs/events.md).
 //   3: RegisterEngine maps only memory the registering engine owns; refusals are
-//      ERROR_REASON_MEMORY_NOT_OWNED (docs/security.md).
+//      ERROR_REASON_MEMORY_NOT_OWNED (docs/security.md). GetStatusResponse.tenants (tenants.quotas).
+//      UnregisterEngine replies once the drain is over without holding a server thread.
 #ifndef KVCELLAR_SERVER_RPC_API_REVISION_H_
 #define KVCELLAR_SERVER_RPC_API_REVISION_H_
 

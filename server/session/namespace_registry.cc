@@ -20,7 +20,8 @@ absl::Status GroupMismatch(absl::string_view field, absl::string_view message) {
 
 Namespace::Namespace(core::NamespaceSpec spec, core::HostPool* pool,
                      core::EvictionPolicyKind policy, int l3_tiers, uint32_t id,
-                     core::SlotJournal* journal, core::IndexEventSink* events)
+                     core::SlotJournal* journal, core::IndexEventSink* events,
+                     TenantAccount* tenant)
     : spec_(std::move(spec)),
       digest_(spec_.Digest()),
       shards_(static_cast<int>(spec_.ShardsPerPage())),
@@ -29,7 +30,8 @@ Namespace::Namespace(core::NamespaceSpec spec, core::HostPool* pool,
       l3_tiers_(l3_tiers),
       id_(id),
       journal_(journal),
-      events_(events) {}
+      events_(events),
+      tenant_account_(tenant) {}
 
 Namespace::~Namespace() = default;
 
@@ -176,8 +178,13 @@ void Namespace::ReleaseLayout() {
 }
 
 NamespaceRegistry::NamespaceRegistry(core::HostPool* pool, core::EvictionPolicyKind policy,
-                                     int l3_tiers, EventSinkFactory event_sinks)
-    : pool_(pool), policy_(policy), l3_tiers_(l3_tiers), event_sinks_(std::move(event_sinks)) {}
+                                     int l3_tiers, EventSinkFactory event_sinks,
+                                     TenantLedger* tenants)
+    : pool_(pool),
+      policy_(policy),
+      l3_tiers_(l3_tiers),
+      event_sinks_(std::move(event_sinks)),
+      tenants_(tenants) {}
 
 std::shared_ptr<Namespace> NamespaceRegistry::GetOrCreate(const core::NamespaceSpec& spec) {
   return Create(spec, /*journal=*/true);
@@ -196,8 +203,9 @@ std::shared_ptr<Namespace> NamespaceRegistry::Create(const core::NamespaceSpec& 
     const uint32_t id = static_cast<uint32_t>(by_id_.size() + 1);
     core::SlotJournal* journal = pool_->journal();
     core::IndexEventSink* events = event_sinks_ ? event_sinks_(id, spec) : nullptr;
+    TenantAccount* account = tenants_ != nullptr ? tenants_->ForTenant(spec.tenant) : nullptr;
     it->second =
-        std::make_shared<Namespace>(spec, pool_, policy_, l3_tiers_, id, journal, events);
+        std::make_shared<Namespace>(spec, pool_, policy_, l3_tiers_, id, journal, events, account);
     by_id_.push_back(it->second);
     // Logged before any page of it can be: a restarted daemon recreates it under the same id.
     if (journal != nullptr && journal_it) {

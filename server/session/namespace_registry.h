@@ -45,6 +45,7 @@
 #include "core/radix_index.h"
 #include "core/slot_journal.h"
 #include "server/session/namespace_counters.h"
+#include "server/session/tenant_ledger.h"
 
 namespace kvcellar::server {
 
@@ -54,9 +55,10 @@ class Namespace {
   // registry's number for it (see id()).
   // `journal` (nullable, outlives it): where a fixed geometry is logged for a warm restart.
   // `events` (nullable, outlives it): where its index reports pages stored and removed.
+  // `tenant` (nullable, outlives it): its tenant's account of L2 bytes and quota.
   Namespace(core::NamespaceSpec spec, core::HostPool* pool, core::EvictionPolicyKind policy,
             int l3_tiers = 0, uint32_t id = 0, core::SlotJournal* journal = nullptr,
-            core::IndexEventSink* events = nullptr);
+            core::IndexEventSink* events = nullptr, TenantAccount* tenant = nullptr);
   ~Namespace();
   Namespace(const Namespace&) = delete;
   Namespace& operator=(const Namespace&) = delete;
@@ -102,6 +104,9 @@ class Namespace {
   // another epoch is of another geometry), modulo 2^16.
   uint16_t geometry_epoch() const { return geometry_epoch_.load(std::memory_order_acquire); }
 
+  // Its tenant's account (tenant_ledger.h); nullptr when the daemon keeps none (tests).
+  TenantAccount* tenant_account() const { return tenant_account_; }
+
   // Lookups, hits and churn of this namespace since daemon start.
   NamespaceCounters& counters() const { return counters_; }
 
@@ -126,6 +131,7 @@ class Namespace {
   const uint32_t id_;
   core::SlotJournal* const journal_;
   core::IndexEventSink* const events_;
+  TenantAccount* const tenant_account_;
 
   absl::Mutex mu_;
   bool has_geometry_ ABSL_GUARDED_BY(mu_) = false;
@@ -146,9 +152,10 @@ class NamespaceRegistry {
   using EventSinkFactory =
       std::function<core::IndexEventSink*(uint32_t id, const core::NamespaceSpec& spec)>;
 
-  // `pool` outlives the registry; so do the sinks `event_sinks` returns.
+  // `pool` outlives the registry; so do the sinks `event_sinks` returns, and `tenants`
+  // (nullable: no per-tenant accounts), which gives each namespace its tenant's account.
   NamespaceRegistry(core::HostPool* pool, core::EvictionPolicyKind policy, int l3_tiers = 0,
-                    EventSinkFactory event_sinks = nullptr);
+                    EventSinkFactory event_sinks = nullptr, TenantLedger* tenants = nullptr);
 
   // The namespace of `spec` (which passed Validate()), created on first use.
   std::shared_ptr<Namespace> GetOrCreate(const core::NamespaceSpec& spec) ABSL_LOCKS_EXCLUDED(mu_);
@@ -170,6 +177,7 @@ class NamespaceRegistry {
   const core::EvictionPolicyKind policy_;
   const int l3_tiers_;
   const EventSinkFactory event_sinks_;
+  TenantLedger* const tenants_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<core::PageKey, std::shared_ptr<Namespace>> by_digest_ ABSL_GUARDED_BY(mu_);
   // by_id_[id - 1], which is also creation order; namespaces are never removed, so ids are dense.

@@ -21,14 +21,16 @@
 #include "absl/types/span.h"
 #include "core/eviction_policy.h"
 #include "core/host_pool.h"
+#include "core/kv_layout.h"
 #include "core/namespace_spec.h"
 #include "core/page_key.h"
 #include "core/radix_index.h"
-#include "core/kv_layout.h"
 #include "gtest/gtest.h"
 #include "kvcellar/v1/cache_service.pb.h"
 #include "kvcellar/v1/common.pb.h"
 #include "server/config/config.h"
+#include "server/config/tenant_quota.h"
+#include "server/errors/cache_error.h"
 #include "server/l2/l2_space.h"
 #include "server/l3/l3_tiers.h"
 #include "server/metrics/cache_metrics.h"
@@ -36,7 +38,7 @@
 #include "server/session/namespace_registry.h"
 #include "server/session/op_table.h"
 #include "server/session/session_registry.h"
-#include "server/errors/cache_error.h"
+#include "server/session/tenant_ledger.h"
 #include "tests/storage/storage_test_util.h"
 
 namespace kvcellar::server::testing {
@@ -209,17 +211,21 @@ class L2World {
     double low_watermark = 0.99;
     int l3_tiers = 0;
     core::EvictionPolicyKind policy = core::EvictionPolicyKind::kLru;
+    // tenants.quotas in bytes; empty: every tenant accounted, none with a quota.
+    std::vector<TenantQuotaBytes> quotas;
   };
 
   L2World() : L2World(Options()) {}
   explicit L2World(const Options& o)
       : pool_(SmallPool(o.pool_bytes)),
-        namespaces_(pool_.get(), o.policy, o.l3_tiers),
+        tenants_(o.quotas),
+        namespaces_(pool_.get(), o.policy, o.l3_tiers, nullptr, &tenants_),
         metrics_(&registry_),
-        l2_(pool_.get(), &namespaces_, o.high_watermark, o.low_watermark, &metrics_) {}
+        l2_(pool_.get(), &namespaces_, o.high_watermark, o.low_watermark, &metrics_, &tenants_) {}
 
   core::HostPool& pool() { return *pool_; }
   NamespaceRegistry& namespaces() { return namespaces_; }
+  TenantLedger& tenants() { return tenants_; }
   MetricsRegistry& registry() { return registry_; }
   CacheMetrics& metrics() { return metrics_; }
   L2Space& l2() { return l2_; }
@@ -293,6 +299,7 @@ class L2World {
 
  private:
   std::unique_ptr<core::HostPool> pool_;
+  TenantLedger tenants_;
   NamespaceRegistry namespaces_;
   MetricsRegistry registry_;
   CacheMetrics metrics_;

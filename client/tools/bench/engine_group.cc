@@ -35,6 +35,7 @@ absl::StatusOr<std::unique_ptr<EngineGroup>> EngineGroup::Create(EngineGroupOpti
   std::unique_ptr<EngineGroup> g(new EngineGroup(std::move(options), stats));
   const EngineGroupOptions& o = g->options_;
   const ModelShape& shape = o.shape;
+  g->ns_.tenant = o.tenant;
   g->ns_.model_id = o.model_id;
   g->ns_.model_revision = o.revision;
   g->ns_.kv_dtype = shape.dtype;

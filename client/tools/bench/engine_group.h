@@ -39,6 +39,7 @@ struct EngineGroupOptions {
   uint32_t num_blocks = 0;  // Per rank.
   std::string instance_id;
   std::string model_id;
+  std::string tenant;
   std::string revision;
   uint64_t kv_seed = 0;  // Seed of the KV byte pattern.
   absl::Duration rpc_timeout = absl::Seconds(2);

@@ -81,6 +81,7 @@ struct Config {
   uint32_t gpu_blocks = 0;  // 0: parallel x the largest request.
   std::string revision;
   std::string model_id;
+  std::string tenant;
   bool json = false;
   std::string json_file;
   bool progress = true;
@@ -116,6 +117,8 @@ void DefineFlags(Flags& f) {
   f.Section("engine");
   f.Define("--gpu-blocks", "", "KV blocks per rank (default: --parallel x the largest request)");
   f.Define("--model", "kvcellar-bench", "namespace model id", "ID");
+  f.Define("--tenant", "", "namespace tenant (tenants.allow must grant it; tenants.quotas)",
+           "TENANT");
   f.Define("--revision", "",
            "namespace revision (default: fresh per run, so runs start cold;\n"
            "give one to reuse and re-verify an earlier run's pages)",
@@ -167,6 +170,7 @@ absl::Status ReadConfig(const Flags& f, Config* c) {
   }
   c->model_id = f.Str("--model");
   if (c->model_id.empty()) return absl::InvalidArgumentError("--model: empty");
+  c->tenant = f.Str("--tenant");
   c->revision = f.Str("--revision");
   if (f.Given("--revision") && c->revision.empty()) {
     return absl::InvalidArgumentError("--revision: empty");
@@ -447,6 +451,7 @@ int Main(int argc, char** argv) {
   go.num_blocks = c.gpu_blocks;
   go.instance_id = info.instance_id;
   go.model_id = c.model_id;
+  go.tenant = c.tenant;
   go.revision = info.revision;
   go.kv_seed = c.workload.seed ^ 0x6b76636c6c6172ull;  // "kvcllar": apart from the token seed.
   go.rpc_timeout = c.rpc_timeout;

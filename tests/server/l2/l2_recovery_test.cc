@@ -61,9 +61,11 @@ class Life {
     EXPECT_TRUE(journal.ok()) << journal.status();
     journal_ = *std::move(journal);
     pool_->set_journal(journal_.get());
-    namespaces_ = std::make_unique<NamespaceRegistry>(pool_.get(), core::EvictionPolicyKind::kLru);
+    namespaces_ = std::make_unique<NamespaceRegistry>(pool_.get(), core::EvictionPolicyKind::kLru,
+                                                      0, nullptr, &tenants_);
     metrics_ = std::make_unique<CacheMetrics>(&registry_);
-    l2_ = std::make_unique<L2Space>(pool_.get(), namespaces_.get(), 1.0, 0.99, metrics_.get());
+    l2_ = std::make_unique<L2Space>(pool_.get(), namespaces_.get(), 1.0, 0.99, metrics_.get(),
+                                    &tenants_);
   }
 
   // A Backup of `keys` (a chain under `parent`) into L2: journaled WRITING, bytes gathered
@@ -98,10 +100,12 @@ class Life {
   core::HostPool& pool() { return *pool_; }
   NamespaceRegistry& namespaces() { return *namespaces_; }
   L2Space& l2() { return *l2_; }
+  TenantLedger& tenants() { return tenants_; }
 
  private:
   std::unique_ptr<core::HostPool> pool_;
   std::unique_ptr<core::SlotJournal> journal_;
+  TenantLedger tenants_;
   std::unique_ptr<NamespaceRegistry> namespaces_;
   MetricsRegistry registry_;
   std::unique_ptr<CacheMetrics> metrics_;
@@ -159,9 +163,16 @@ TEST(L2RecoveryTest, CommittedPagesComeBackWithTheirNamespaceAndBytes) {
   // The geometry is held by the pages: an engine with another layout is refused.
   EXPECT_FALSE(ns->AdoptLayout(TestLayout(kLayers + 1)).ok());
   EXPECT_TRUE(ns->AdoptLayout(TestLayout()).ok());
-  // The pool accounts for them, with their owners.
+  // The pool accounts for them, with their owners, and so does their tenant (tenants.quotas);
+  // the records name its account, so evicting them discharges it.
   EXPECT_EQ(second.l2().UsedBytes(), (12u * 2 + 5) * kObjectBytes);
+  TenantAccount* tenant = second.tenants().ForTenant(tp2.tenant);
+  EXPECT_EQ(tenant->used_bytes(), (12u * 2 + 5) * kObjectBytes);
   EXPECT_TRUE(ns->index()->CheckInvariants().ok());
+  second.l2().EvictScope(*ns, std::nullopt, 0, false);
+  second.l2().EvictScope(*second.namespaces().ById(3), std::nullopt, 0, false);
+  EXPECT_EQ(second.l2().UsedBytes(), 0u);
+  EXPECT_EQ(tenant->used_bytes(), 0u);
 }
 
 TEST(L2RecoveryTest, InFlightTornDamagedAndOrphanedObjectsAreDroppedAndCounted) {
@@ -213,6 +224,8 @@ TEST(L2RecoveryTest, InFlightTornDamagedAndOrphanedObjectsAreDroppedAndCounted) 
   EXPECT_EQ(r->l2_pages, 0u);
   // Every dropped slot is free again: only the 7 recovered objects hold the pool.
   EXPECT_EQ(second.l2().UsedBytes(), 7 * kObjectBytes);
+  // Only they are charged to the tenant: the dropped ones were freed uncharged.
+  EXPECT_EQ(second.tenants().ForTenant(spec.tenant)->used_bytes(), 7 * kObjectBytes);
   // And their records are gone: a third life recovers exactly the same pages.
   Life third(shared, /*attach=*/true);
   const L2RecoveryStats again = third.Recover();

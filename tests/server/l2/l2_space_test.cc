@@ -60,7 +60,7 @@ TEST_F(L2SpaceTest, AllocateRecordsWhoseObjectTheSlotHolds) {
   std::vector<core::OwnedSlot> owned;
   ASSERT_TRUE(world_.pool().RegionSlots(slot->region, slot->size_class, &owned).ok());
   ASSERT_THAT(owned, SizeIs(1));
-  const core::SlotOwner expected = L2Space::Owner(*ns, key, 1);
+  const core::SlotOwner expected = world_.l2().Owner(*ns, key, 1);
   EXPECT_EQ(owned[0].owner.key, expected.key);
   EXPECT_EQ(owned[0].owner.ns, ns->id());
   EXPECT_EQ(owned[0].owner.shard, 1);
