@@ -36,6 +36,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "server/config/tenant_quota.h"
 
 namespace kvcellar::server {
 
@@ -110,7 +111,6 @@ class TenantAccount {
   std::array<std::atomic<uint64_t>, kTenantEvictCauses> evicted_pages_{};
 };
 
-struct TenantQuotaBytes;  // server/config/tenant_quota.h
 
 class TenantLedger {
  public:
