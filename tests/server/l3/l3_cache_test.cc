@@ -18,6 +18,7 @@
 namespace kvcellar::server::testing {
 namespace {
 
+using ::testing::AnyOf;
 using ::testing::ElementsAre;
 
 std::string TempDir() {
@@ -147,10 +148,12 @@ TEST(L3CacheTest, PrefetchRpcReportsEveryPageOutcome) {
   v1::PrefetchResponse all;
   ASSERT_TRUE(
       h.Prefetch(PrefetchOf(a.session, keys, 0, 5, v1::PREFETCH_POLICY_BEST_EFFORT), &all).ok());
-  EXPECT_THAT(Statuses(all.op()), ElementsAre(v1::PAGE_STATUS_ALREADY_PRESENT,
-                                              v1::PAGE_STATUS_ALREADY_PRESENT,
-                                              v1::PAGE_STATUS_PENDING, v1::PAGE_STATUS_PENDING,
-                                              v1::PAGE_STATUS_MISS));
+  // A best-effort read may land before the reply is built (a loaded machine deschedules the
+  // handler): then the page's submission status is already OK.
+  const auto pending_or_ok = AnyOf(v1::PAGE_STATUS_PENDING, v1::PAGE_STATUS_OK);
+  EXPECT_THAT(Statuses(all.op()),
+              ElementsAre(v1::PAGE_STATUS_ALREADY_PRESENT, v1::PAGE_STATUS_ALREADY_PRESENT,
+                          pending_or_ok, pending_or_ok, v1::PAGE_STATUS_MISS));
   EXPECT_THAT(Statuses(h.Wait(a.session, all.op().op_id())),
               ElementsAre(v1::PAGE_STATUS_ALREADY_PRESENT, v1::PAGE_STATUS_ALREADY_PRESENT,
                           v1::PAGE_STATUS_OK, v1::PAGE_STATUS_OK, v1::PAGE_STATUS_MISS));
