@@ -4,10 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/cord.h"
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/strip.h"
 
 namespace kvcellar::platform {
 
@@ -44,13 +41,9 @@ EngineMemoryAccess EngineMemoryAccess::ForPeer(uint32_t uid, int32_t pid) {
   return a;
 }
 
-absl::Status EngineMemoryAccess::CheckName(absl::string_view name) const {
+absl::Status EngineMemoryAccess::CheckProcPid(int32_t pid, absl::string_view name) const {
   if (!check_owner_) return absl::OkStatus();
-  absl::string_view rest = name;
-  if (!absl::ConsumePrefix(&rest, "/proc/")) return absl::OkStatus();
-  // ShmMapping::CheckName admitted exactly "/proc/<pid>/fd/<fd>".
-  int32_t pid = 0;
-  if (!absl::SimpleAtoi(rest.substr(0, rest.find('/')), &pid) || pid_ == 0 || pid != pid_) {
+  if (pid_ == 0 || pid != pid_) {
     return MemoryRefusal(
         absl::StrCat(name, ": a /proc fd path must name the registering engine's own process (pid ",
                      pid_ == 0 ? std::string("not visible to the daemon") : absl::StrCat(pid_),

@@ -76,15 +76,13 @@ class EngineMemoryAccess {
     return *this;
   }
 
-  // Before opening `name` (a POSIX shm name or "/proc/<pid>/fd/<fd>"): PERMISSION_DENIED for a
-  // /proc path of another process.
-  absl::Status CheckName(absl::string_view name) const;
+  // Before opening `name`, a "/proc/<pid>/fd/<fd>" path (ShmMapping parses it): PERMISSION_DENIED
+  // when `pid` is not the peer's.
+  absl::Status CheckProcPid(int32_t pid, absl::string_view name) const;
   // After opening it, before mapping: PERMISSION_DENIED when the object is one of the daemon's
   // own or (checked) not owned by the peer's uid. Messages name the object and the owner uid,
   // never what the object holds.
   absl::Status CheckOpened(const struct stat& st, absl::string_view name) const;
-
-  bool checks_owner() const { return check_owner_; }
 
  private:
   bool check_owner_ = false;

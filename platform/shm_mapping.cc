@@ -14,6 +14,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 
@@ -112,6 +113,14 @@ absl::Status CheckSharedMemory(int fd, const struct stat& st, absl::string_view 
   return absl::OkStatus();
 }
 
+// The <pid> of a name IsProcFdPath accepted.
+int32_t ProcFdPid(absl::string_view name) {
+  name.remove_prefix(kProcPrefix.size());
+  int32_t pid = 0;
+  (void)absl::SimpleAtoi(name.substr(0, name.find('/')), &pid);  // IsProcNumber: <= INT_MAX.
+  return pid;
+}
+
 }  // namespace
 
 bool ShmMapping::IsProcFdPath(absl::string_view name) {
@@ -141,7 +150,7 @@ absl::StatusOr<ShmMapping> ShmMapping::Create(absl::string_view name, uint64_t b
   int fd = shm_open(n.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (fd < 0) return ErrnoStatus(errno, absl::StrCat("shm_open(", n, ", create)"));
   // fchmod, not shm_open's mode: the umask would take bits a daemon of another user needs.
-  if ((mode != 0600 && fchmod(fd, static_cast<mode_t>(mode & 07777)) != 0) ||
+  if ((mode != kDefaultMode && fchmod(fd, static_cast<mode_t>(mode & 07777)) != 0) ||
       ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
     int err = errno;
     close(fd);
@@ -161,10 +170,12 @@ absl::StatusOr<ShmMapping> ShmMapping::Create(absl::string_view name, uint64_t b
 absl::StatusOr<ShmMapping> ShmMapping::Open(absl::string_view name, uint64_t bytes,
                                             const EngineMemoryAccess& access) {
   if (absl::Status s = CheckName(name); !s.ok()) return s;
-  if (absl::Status s = access.CheckName(name); !s.ok()) return s;
+  const bool proc = IsProcFdPath(name);
+  if (proc) {
+    if (absl::Status s = access.CheckProcPid(ProcFdPid(name), name); !s.ok()) return s;
+  }
   if (bytes == 0) return absl::InvalidArgumentError("shm mapping size is 0");
   std::string n(name);
-  const bool proc = IsProcFdPath(n);
   // A /proc name reopens the engine's fd: a new open file description of the same object.
   int fd = proc ? open(n.c_str(), O_RDWR | O_CLOEXEC) : shm_open(n.c_str(), O_RDWR | O_CLOEXEC, 0);
   if (fd < 0) {

@@ -18,6 +18,7 @@ root) to start processes under other uids.
 """
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -64,7 +65,7 @@ class Node:
         if grants:
             args += ["--set", f"tenants.allow=team-a=uid:{UID_A};team-b=uid:{UID_B};"
                               f"=uid:{daemon_uid}"]
-        self.daemon = Daemon(_Path(self.dir), args=args)
+        self.daemon = Daemon(pathlib.Path(self.dir), args=args)
         if daemon_uid != 0:
             self.daemon.args = [*as_user(daemon_uid), *self.daemon.args]
         self.daemon.start()
@@ -94,13 +95,6 @@ class Node:
             except FileNotFoundError:
                 pass
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-class _Path(str):
-    """The little of pathlib.Path that Daemon uses (`dir / name`)."""
-
-    def __truediv__(self, name):
-        return os.path.join(self, name)
 
 
 class Victim:
