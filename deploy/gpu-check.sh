@@ -91,8 +91,9 @@ fi
 # 1. CUDA device tests. CudaIpcEngineChild.Run is the engine process the IPC test starts.
 run gpu_tests 300 "$bundle/bin/kvcellar_gpu_tests" --gtest_filter='-CudaIpcEngineChild.*'
 rc=$?
-passed=$(sed -n 's/^\[  PASSED  \] \([0-9]*\) test.*/\1/p' "$logs/gpu_tests.log")
-skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) test.*/\1/p' "$logs/gpu_tests.log")
+# The last summary line is this process's (the engine child prints its own before it).
+passed=$(sed -n 's/^\[  PASSED  \] \([0-9]*\) test.*/\1/p' "$logs/gpu_tests.log" | tail -1)
+skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) test.*/\1/p' "$logs/gpu_tests.log" | tail -1)
 cuda_skips=$(grep '^\[  SKIPPED \] Cuda' "$logs/gpu_tests.log" | sort -u | wc -l)
 result=$(verdict $rc)
 # On a GPU machine a CUDA test that skips is a failure: it did not run what it is for.

@@ -354,9 +354,8 @@ class _Builder:
                 # handle names the caching allocator's block (cudaMalloc base), so the region
                 # starts at the storage's offset inside it (torch/multiprocessing/reductions.py).
                 shared = storage._share_cuda_()
-                handle, size, offset = bytes(shared[1]), int(shared[2]), int(shared[3])
-                if len(handle) != 64:
-                    raise ValueError(f"{what}: CUDA IPC handle of {len(handle)} bytes, expected 64")
+                handle = cuda_ipc_mem_handle(bytes(shared[1]), what)
+                size, offset = int(shared[2]), int(shared[3])
                 self.region_index[key] = len(self.regions)
                 self.regions.append(Region(handle, offset, size))
             idx = self.region_index[key]
@@ -416,6 +415,39 @@ def _disjoint_mod(a: Buffer, b: Buffer) -> bool:
         if rb + shift < ea and ra < eb + shift:
             return False
     return True
+
+
+# torch's shareable handle (c10/cuda/CUDACachingAllocator.cpp, ``shareIpcHandle``): a version
+# byte (2 from torch 2.5 to 2.12, 3 from 2.13 on), a type byte, then the type's payload. Type 'c'
+# is a cudaMalloc block, whose payload is the 64-byte cudaIpcMemHandle_t of the block's base;
+# type 'e' is an expandable segment (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), exported
+# as file descriptors of cuMem allocations, which cudaIpcOpenMemHandle cannot open. Older torch
+# returned the bare 64-byte handle.
+_IPC_HANDLE_BYTES = 64
+_SHAREABLE_VERSIONS = (2, 3)
+_SHAREABLE_CUDA_MALLOC = ord("c")
+_SHAREABLE_EXPANDABLE_SEGMENT = ord("e")
+
+
+def cuda_ipc_mem_handle(shared: bytes, what: str = "tensor") -> bytes:
+    """The cudaIpcMemHandle_t in the handle torch's ``UntypedStorage._share_cuda_()`` returns.
+    Raises ValueError, naming ``what``, for memory the daemon cannot open by CUDA IPC."""
+    if len(shared) == _IPC_HANDLE_BYTES:
+        return shared
+    if len(shared) < 2 or shared[0] not in _SHAREABLE_VERSIONS:
+        raise ValueError(f"{what}: torch's CUDA IPC handle ({len(shared)} bytes, version byte "
+                         f"{shared[0] if shared else None}) is of no format kvcellar knows "
+                         f"(versions {list(_SHAREABLE_VERSIONS)})")
+    kind = shared[1]
+    if kind == _SHAREABLE_EXPANDABLE_SEGMENT:
+        raise ValueError(f"{what}: allocated in an expandable segment "
+                         "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), which CUDA IPC "
+                         "cannot share: allocate the KV cache with expandable_segments:False")
+    if kind != _SHAREABLE_CUDA_MALLOC or len(shared) != 2 + _IPC_HANDLE_BYTES:
+        raise ValueError(f"{what}: torch's CUDA IPC handle of type {chr(kind)!r} and "
+                         f"{len(shared)} bytes: expected type 'c' (cudaMalloc) and "
+                         f"{2 + _IPC_HANDLE_BYTES} bytes")
+    return shared[2:]
 
 
 def _cuda_identity(index: Optional[int]) -> tuple[bytes, str]:

@@ -187,3 +187,29 @@ def test_second_engine_process_loads_what_the_first_backed_up(daemon, tmp_path):
                               env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert torch.equal(torch.load(out), raw[:, :, 10:16].cpu())
+
+
+EXPANDABLE = textwrap.dedent("""
+    import torch
+    from kvcellar import KvLayout
+    raw = torch.zeros((2, 2, 512, 16, 8, 128), device="cuda")  # 128 MiB: a large-pool segment
+    try:
+        KvLayout.from_vllm([raw[0], raw[1]])
+    except ValueError as e:
+        print("refused:", e)
+    else:
+        print("registered")
+""")
+
+
+def test_expandable_segments_are_refused_with_the_setting_to_change():
+    """KV allocated under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True cannot be opened by
+    CUDA IPC: the layout says so at registration, naming the setting, instead of the daemon
+    failing to open a handle."""
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1])] + sys.path))
+    proc = subprocess.run([sys.executable, "-c", EXPANDABLE], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "refused: kv_caches[0]" in proc.stdout or "refused: k[0]" in proc.stdout, proc.stdout
+    assert "expandable_segments:False" in proc.stdout

@@ -130,3 +130,23 @@ def test_registration_mismatches_name_the_argument(daemon):
         bad_register(daemon, ns(), None)
     with Client(daemon.socket) as client:  # the same layout registers fine
         assert client.register("good", ns(), layout=layout).wait_active(5000)
+
+
+def test_cuda_ipc_handle_formats_of_torch():
+    """torch's _share_cuda_ handle: bare (old torch), or version (2: torch 2.5-2.12, 3: 2.13+),
+    type and payload; only a cudaMalloc block ('c') can be opened by CUDA IPC."""
+    from kvcellar.layout import cuda_ipc_mem_handle
+
+    raw = bytes(range(64))
+    assert cuda_ipc_mem_handle(raw) == raw
+    assert cuda_ipc_mem_handle(b"\x02c" + raw) == raw
+    assert cuda_ipc_mem_handle(b"\x03c" + raw) == raw
+    with pytest.raises(ValueError, match="k\\[0\\]: allocated in an expandable segment.*"
+                                         "expandable_segments:False"):
+        cuda_ipc_mem_handle(b"\x03e" + bytes(40), "k[0]")
+    with pytest.raises(ValueError, match="version byte 9"):
+        cuda_ipc_mem_handle(b"\x09c" + raw)
+    with pytest.raises(ValueError, match="expected type 'c'"):
+        cuda_ipc_mem_handle(b"\x02c" + raw[:63])
+    with pytest.raises(ValueError, match="0 bytes"):
+        cuda_ipc_mem_handle(b"")
