@@ -102,4 +102,16 @@ cudaError_t LaunchStoreFailure(uint64_t* first_layer_word, uint32_t num_layers,
   return cudaGetLastError();
 }
 
+cudaError_t LoadKernels() {
+  cudaFuncAttributes attr;
+  for (const void* kernel : {reinterpret_cast<const void*>(&CopyRunsKernel<16>),
+                             reinterpret_cast<const void*>(&CopyRunsKernel<128>),
+                             reinterpret_cast<const void*>(&CopyRunsKernel<kMaxRunsPerLaunch>),
+                             reinterpret_cast<const void*>(&StoreTicketKernel),
+                             reinterpret_cast<const void*>(&StoreFailureKernel)}) {
+    if (cudaError_t err = cudaFuncGetAttributes(&attr, kernel); err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
 }  // namespace kvcellar::gpu::cuda

@@ -40,6 +40,13 @@ cudaError_t LaunchStoreFailure(uint64_t* first_layer_word, uint32_t num_layers,
                                uint64_t layer_value, uint64_t* op_word, uint64_t op_value,
                                cudaStream_t stream);
 
+// Loads every kernel above into the current device's context. With CUDA's lazy loading (the
+// default since 12.2) a kernel is otherwise loaded at its first launch, and loading may
+// synchronize the context: a first Backup enqueued behind an engine's ready event would then hold
+// its RPC until the engine's forward pass ends (seen on an H200). Called for each engine's device
+// before any op is enqueued there; cheap once loaded.
+cudaError_t LoadKernels();
+
 }  // namespace kvcellar::gpu::cuda
 
 #endif  // KVCELLAR_GPU_CUDA_COPY_KERNELS_H_

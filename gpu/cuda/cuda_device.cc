@@ -569,6 +569,9 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> CudaDevice::OpenEngine(const Engi
   if (absl::Status s = CheckRegionHandles(layout); !s.ok()) return s;
   ScopedDevice sd(dev->index);
   if (!sd.status().ok()) return sd.status();
+  if (absl::Status s = CudaStatus(cuda::LoadKernels(), "loading the copy kernels"); !s.ok()) {
+    return s;
+  }
 
   auto e = std::make_unique<CudaEngine>(*dev, options_);  // Cleans up after itself on failure.
   e->layout_ = layout;
