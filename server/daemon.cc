@@ -446,6 +446,17 @@ absl::Status Daemon::CreateDeviceBackend() {
     case DeviceKind::kCuda: options.kind = gpu::DeviceKind::kCuda; break;
     case DeviceKind::kSim: options.kind = gpu::DeviceKind::kSim; break;
   }
+  switch (config_.device.cuda_copy_path) {
+    case CudaCopyPath::kCopyEngine:
+      options.cuda.copy_path = gpu::CudaDeviceOptions::CopyPath::kMemcpy;
+      break;
+    case CudaCopyPath::kKernel:
+      options.cuda.copy_path = gpu::CudaDeviceOptions::CopyPath::kKernel;
+      break;
+    case CudaCopyPath::kAuto:
+      options.cuda.copy_path = gpu::CudaDeviceOptions::CopyPath::kAuto;
+      break;
+  }
   absl::StatusOr<std::unique_ptr<gpu::DeviceBackend>> device = gpu::CreateDeviceBackend(options);
   if (!device.ok()) {
     return absl::Status(device.status().code(),

@@ -36,7 +36,9 @@ namespace kvcellar::gpu {
 struct CudaDeviceOptions {
   enum class CopyPath { kAuto, kMemcpy, kKernel };
   // kAuto: the kernel when every host page lies in registered memory and the mean merged run is
-  // at most kernel_max_run_bytes; memcpy otherwise. The others force a path (tests, benchmarks).
+  // at most kernel_max_run_bytes; memcpy otherwise. The others force a path. kvcellard takes it
+  // from device.cuda_copy_path, kMemcpy (the copy engines) by default: without MPS a kernel of
+  // the daemon's time-slices the GPU with the engine's (README, "GPU check").
   CopyPath copy_path = CopyPath::kAuto;
   // Copy engines reach full speed from about 64 KiB per copy; below that the per-copy cost
   // dominates and SM copies win (measured by LMCache and vLLM's offloading connector on H100).

@@ -39,6 +39,7 @@ enum class TlsMode { kPlaintext, kTls, kMtls };
 enum class HugePages { kAuto, kOn, kOff };
 enum class EvictionPolicy { kS3Fifo, kLru };
 enum class DeviceKind { kAuto, kCuda, kSim };
+enum class CudaCopyPath { kCopyEngine, kKernel, kAuto };
 enum class L3WritePolicy { kWriteThrough, kWriteThroughSelective, kWriteBack, kL2Only };
 enum class L3PrefetchPolicy { kNone, kBestEffort, kWaitComplete, kTimeout };
 
@@ -120,6 +121,9 @@ struct DeviceConfig {
   // With a CUDA primary device: also serve DEVICE_KIND_SIM sessions, engines whose KV lives in
   // host shared memory (SGLang's HiCache host pool), through a second, sim backend.
   bool host_memory_engines = true;
+  // How the CUDA backend moves pages: the copy engines (DMA), the copy kernel, or the kernel for
+  // small runs and the copy engines for large ones (gpu/cuda/cuda_device.h).
+  CudaCopyPath cuda_copy_path{};
   bool operator==(const DeviceConfig&) const = default;
 };
 

@@ -523,6 +523,11 @@ std::vector<KeySpec> SchemaTable() {
               "With kind cuda (or auto resolving to cuda): also serve engines whose KV lives in "
               "host shared memory (DEVICE_KIND_SIM, e.g. SGLang's HiCache host pool) with a "
               "second, memcpy backend. Without a GPU the sim device serves them anyway."),
+      ChoiceKey(KVC_ENUM(device, cuda_copy_path), "copy_engine", {"copy_engine", "kernel", "auto"},
+                "How the CUDA backend copies: copy_engine (DMA; leaves the engine's kernels "
+                "alone), kernel (a copy kernel, faster for small blocks but without MPS it "
+                "time-slices the GPU with the engine: a GEMM ran 66% slower beside it on an "
+                "H200), or auto = the kernel for runs up to 64 KiB."),
       // storage
       ListKey(StringKey(KVC_FIELD(storage, tiers), "", CheckL3Tiers, "tier specs, or \"\"",
                         "L3 tiers in lookup order, fastest first, separated by spaces or ';': "

@@ -167,8 +167,7 @@ void Report(benchmark::State& state, CudaSummary* summary, const CaseSpec& c, ui
   state.counters["vs_bulk"] = gbps / bulk;
   state.counters["vs_per_block"] = gbps / per_block;
   summary->AddCopy(ShapeName(c.block_bytes, c.layers, pages), c.load ? "Load" : "Backup",
-                   c.backend ? c.backend->Name() : "kvcellard (auto)", c.signals, gbps, bulk,
-                   per_block);
+                   c.backend ? c.backend->Name() : "kvcellard", c.signals, gbps, bulk, per_block);
 }
 
 // The baselines of one iteration, in the op's direction, on `host`.

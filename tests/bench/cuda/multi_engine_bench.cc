@@ -175,8 +175,7 @@ void RunEngines(benchmark::State& state, CudaBenchEnv* env, CudaSummary* summary
     state.counters["aggregate_GBps"] = gbps;
     state.counters["link_GBps"] = link;
     state.counters["ratio"] = gbps / link;
-    summary->AddEngines(n, load ? "Load" : "Backup", key ? key->Name() : "kvcellard (auto)", gbps,
-                        link);
+    summary->AddEngines(n, load ? "Load" : "Backup", key ? key->Name() : "kvcellard", gbps, link);
   }
 }
 

@@ -313,6 +313,22 @@ TEST_F(ConfigTest, EveryChoiceMapsToItsEnumerator) {
   }
 }
 
+TEST_F(ConfigTest, CudaCopyPathDefaultsToTheCopyEngines) {
+  EXPECT_EQ(DefaultConfig().device.cuda_copy_path, CudaCopyPath::kCopyEngine);
+  for (const auto& [text, path] :
+       {std::pair{"copy_engine", CudaCopyPath::kCopyEngine},
+        std::pair{"kernel", CudaCopyPath::kKernel}, std::pair{"auto", CudaCopyPath::kAuto}}) {
+    absl::StatusOr<Config> c = LoadSets({absl::StrCat("device.cuda_copy_path=", text)});
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(c->device.cuda_copy_path, path) << text;
+    EXPECT_THAT(ConfigToYaml(*c, false),
+                HasSubstr(absl::StrCat("  cuda_copy_path: \"", text, "\"\n")));
+  }
+  const std::string err = ErrorOf(LoadSets({"device.cuda_copy_path=memcpy"}));
+  EXPECT_THAT(err, HasSubstr("device.cuda_copy_path"));
+  EXPECT_THAT(err, HasSubstr("copy_engine"));
+}
+
 TEST_F(ConfigTest, HostMemoryEnginesIsABoolean) {
   absl::StatusOr<Config> off = LoadText("device:\n  kind: cuda\n  host_memory_engines: false\n");
   ASSERT_TRUE(off.ok()) << off.status();
