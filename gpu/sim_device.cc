@@ -1,14 +1,20 @@
 #include "gpu/sim_device.h"
 
+#include <sys/uio.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstring>
+#include <optional>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "platform/bus_fault_guard.h"
 #include "platform/log.h"
+#include "platform/process_memory.h"
 #include "platform/shm_mapping.h"
 #include "platform/signal_region.h"
 
@@ -20,10 +26,14 @@ class SimDevice::Engine {
  public:
   core::KvLayout layout;
   std::vector<core::PageSegment> segs;
-  // Per segment: the address of block 0 (region base + device_offset).
+  // Per segment: the address of block 0 (region base + device_offset). For an engine registered
+  // by its process memory, the address in the engine's address space, never dereferenced here.
   std::vector<uint8_t*> seg_base;
   uint64_t object_bytes = 0;
   std::vector<platform::ShmMapping> shms;
+  // Set for an engine registered by its own process memory ("/proc/<pid>/mem"): copies go
+  // through process_vm_readv / process_vm_writev instead of memcpy.
+  std::optional<platform::ProcessMemory> process;
   platform::SignalRegion completion;  // !valid() when the engine registered none.
   // Set first thing in Close(): queued tasks of this engine skip their copies.
   std::atomic<bool> closing{false};
@@ -53,6 +63,7 @@ class SimDevice::Engine {
     }
     completion = platform::SignalRegion();
     shms.clear();
+    process.reset();
     seg_base.clear();
   }
 
@@ -268,6 +279,45 @@ void CopyScatter(const SimDevice::Engine& e, const SimDevice::Op& op, const Task
   }
 }
 
+// One task's copies for an engine registered by its process memory: the same runs as
+// CopyGather / CopyScatter, handed to the kernel in batches (one process_vm_readv or
+// process_vm_writev per batch). False (errno set) when a run could not be copied.
+bool CopyProcessMemory(const SimDevice::Engine& e, const SimDevice::Op& op, const Task& t,
+                       bool scatter) {
+  constexpr size_t kBatch = 1024;
+  const core::PageSegment* segs = e.segs.data();
+  iovec local[kBatch];
+  iovec remote[kBatch];
+  size_t n = 0;
+  auto flush = [&]() {
+    const bool ok = n == 0 || (scatter ? e.process->Write({local, n}, {remote, n})
+                                       : e.process->Read({local, n}, {remote, n}));
+    n = 0;
+    return ok;
+  };
+  for (uint32_t i = t.item_begin; i < t.item_end; ++i) {
+    const uint64_t block = op.items[i].device_block;
+    uint8_t* host = op.items[i].host_page;
+    for (uint32_t s = t.seg_begin; s < t.seg_end;) {
+      // Addresses in the engine: integer arithmetic, nothing here points into them.
+      const uintptr_t dev =
+          reinterpret_cast<uintptr_t>(e.seg_base[s]) + block * segs[s].block_stride;
+      uint64_t len = segs[s].bytes;
+      uint32_t next = s + 1;
+      while (next < t.seg_end &&
+             reinterpret_cast<uintptr_t>(e.seg_base[next]) + block * segs[next].block_stride ==
+                 dev + len) {
+        len += segs[next++].bytes;
+      }
+      local[n] = {host + segs[s].object_offset, len};
+      remote[n] = {reinterpret_cast<void*>(dev), len};
+      if (++n == kBatch && !flush()) return false;
+      s = next;
+    }
+  }
+  return flush();
+}
+
 // One task's copies, run under RunCatchingBusFaults: raw pointers and loops only, no locks.
 struct CopyArgs {
   const SimDevice::Engine* engine;
@@ -330,10 +380,28 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> SimDevice::OpenEngine(const Engin
   const core::KvLayout& layout = spec.layout;
   if (absl::Status s = layout.Validate(); !s.ok()) return s;
 
-  // Map each shm object once, as far as the furthest region in it reaches.
+  // An engine's regions are either shared objects, each mapped once as far as the furthest region
+  // in it reaches, or all its own process memory ("/proc/<pid>/mem", offsets are addresses).
   absl::flat_hash_map<std::string, std::pair<uint64_t, size_t>> extent;  // name -> (bytes, first)
+  std::vector<platform::ProcessMemory::Range> process_ranges;
   for (size_t i = 0; i < layout.regions.size(); ++i) {
     const core::MemoryRegion& r = layout.regions[i];
+    const bool process = platform::ParseProcessMemoryName(r.handle).has_value();
+    if (i > 0 && process != !process_ranges.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("regions[", i,
+                       "].handle: an engine registers either shared-memory objects or its own "
+                       "process memory (/proc/<pid>/mem), not both"));
+    }
+    if (process) {
+      if (i > 0 && r.handle != layout.regions[0].handle) {
+        return absl::InvalidArgumentError(absl::StrCat("regions[", i, "].handle: ", r.handle,
+                                                       " is not regions[0]'s process (",
+                                                       layout.regions[0].handle, ")"));
+      }
+      process_ranges.push_back({r.offset, r.size});
+      continue;
+    }
     if (absl::Status s = platform::ShmMapping::CheckName(r.handle); !s.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("regions[", i, "].handle: ", s.message()));
     }
@@ -345,6 +413,12 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> SimDevice::OpenEngine(const Engin
   engine->segs = core::PageSegments(layout);
   engine->object_bytes = layout.PageObjectBytes();
   absl::flat_hash_map<std::string, uint8_t*> base;
+  if (!process_ranges.empty()) {
+    absl::StatusOr<platform::ProcessMemory> m = platform::ProcessMemory::Open(
+        layout.regions[0].handle, spec.memory_access, process_ranges, "regions");
+    if (!m.ok()) return m.status();
+    engine->process = *std::move(m);
+  }
   for (const auto& [name, e] : extent) {
     absl::StatusOr<platform::ShmMapping> m =
         platform::ShmMapping::Open(name, e.first, spec.memory_access);
@@ -356,8 +430,11 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> SimDevice::OpenEngine(const Engin
   }
   for (const core::PageSegment& s : engine->segs) {
     const core::MemoryRegion& r = layout.regions[s.region];
-    engine->seg_base.push_back(base[r.handle] + r.offset + s.device_offset);
+    engine->seg_base.push_back(engine->process ? reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(
+                                                     r.offset + s.device_offset))
+                                               : base[r.handle] + r.offset + s.device_offset);
   }
+
   if (!spec.completion_region.empty()) {
     absl::StatusOr<platform::SignalRegion> c = OpenCompletionRegion(
         spec.completion_region, static_cast<uint32_t>(layout.layers.size()), spec.memory_access);
@@ -501,11 +578,17 @@ void SimDevice::RunTask(Op& op, size_t task) {
                     !engine.faulted.load(std::memory_order_acquire);
   const bool scatter = op.kind() == DeviceOp::Kind::kScatter;
   CopyArgs args{&engine, &op, &t, scatter};
-  if (copy && !platform::RunCatchingBusFaults(&RunCopy, &args)) {
+  int process_error = 0;
+  const bool copied = !copy || (engine.process ? CopyProcessMemory(engine, op, t, scatter) ||
+                                                     ((process_error = errno), false)
+                                               : platform::RunCatchingBusFaults(&RunCopy, &args));
+  if (!copied) {
     // Only this engine's op fails; the daemon and every other engine carry on.
     if (!engine.faulted.exchange(true, std::memory_order_acq_rel)) {
       KVLOG(Error, "engine memory fault",
-            {{"regions", engine.shms.size()}, {"op_kind", scatter ? "scatter" : "gather"}});
+            {{"regions", engine.layout.regions.size()},
+             {"op_kind", scatter ? "scatter" : "gather"},
+             {"process_memory_error", process_error == 0 ? "" : std::strerror(process_error)}});
     }
     op.faulted.store(true, std::memory_order_release);
     op.skipped.store(true, std::memory_order_release);

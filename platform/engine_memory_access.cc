@@ -1,5 +1,7 @@
 #include "platform/engine_memory_access.h"
 
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstring>
 
@@ -48,6 +50,26 @@ absl::Status EngineMemoryAccess::CheckProcPid(int32_t pid, absl::string_view nam
         absl::StrCat(name, ": a /proc fd path must name the registering engine's own process (pid ",
                      pid_ == 0 ? std::string("not visible to the daemon") : absl::StrCat(pid_),
                      "): the daemon maps only memory the engine itself holds"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status EngineMemoryAccess::CheckProcessMemory(int32_t pid, absl::string_view name) const {
+  if (pid == getpid()) {
+    return MemoryRefusal(
+        absl::StrCat(name,
+                     " is the daemon's own memory: engines register their own memory, never the "
+                     "daemon's"));
+  }
+  if (!check_owner_ || pid_ == 0) {
+    return MemoryRefusal(absl::StrCat(
+        name,
+        ": process memory is served only to an engine on the daemon's Unix socket whose "
+        "pid the daemon sees (SO_PEERCRED), and only its own"));
+  }
+  if (pid != pid_) {
+    return MemoryRefusal(absl::StrCat(name, " is not the registering engine's own process (pid ",
+                                      pid_, "): the daemon reaches only the engine's own memory"));
   }
   return absl::OkStatus();
 }

@@ -79,6 +79,10 @@ class EngineMemoryAccess {
   // Before opening `name`, a "/proc/<pid>/fd/<fd>" path (ShmMapping parses it): PERMISSION_DENIED
   // when `pid` is not the peer's.
   absl::Status CheckProcPid(int32_t pid, absl::string_view name) const;
+  // Before reaching process `pid`'s memory ("/proc/<pid>/mem", platform/process_memory.h):
+  // PERMISSION_DENIED unless the peer is known (ForPeer with a visible pid) and `pid` is its
+  // own, and always for the daemon's own process, whose memory holds the pool.
+  absl::Status CheckProcessMemory(int32_t pid, absl::string_view name) const;
   // After opening it, before mapping: PERMISSION_DENIED when the object is one of the daemon's
   // own or (checked) not owned by the peer's uid. Messages name the object and the owner uid,
   // never what the object holds.

@@ -10,6 +10,7 @@
 #include "core/page_key.h"
 #include "core/quote.h"
 #include "core/radix_index.h"
+#include "platform/process_memory.h"
 #include "platform/shm_mapping.h"
 #include "server/datapath/device_set.h"
 #include "server/errors/cache_error.h"
@@ -188,10 +189,15 @@ absl::StatusOr<core::KvLayout> ParseLayout(const v1::KvLayout& in, const core::N
       const std::string field = absl::StrCat(prefix, ".sim_shm_name");
       if (r.handle_case() != v1::MemoryRegion::kSimShmName) {
         return InvalidField(field, absl::StrCat(field,
-                                                ": a SIM device region needs a shm name or a "
-                                                "/proc/<pid>/fd/<fd> path of 1..255 bytes"));
+                                                ": a SIM device region needs a shm name, a "
+                                                "/proc/<pid>/fd/<fd> path of 1..255 bytes, or "
+                                                "/proc/<pid>/mem"));
       }
-      if (absl::Status s = CheckShmName(field, r.sim_shm_name()); !s.ok()) return s;
+      // "/proc/<pid>/mem": the engine's own memory at the addresses offset_bytes gives
+      // (platform/process_memory.h); the device checks whose it is.
+      if (!platform::ParseProcessMemoryName(r.sim_shm_name()).has_value()) {
+        if (absl::Status s = CheckShmName(field, r.sim_shm_name()); !s.ok()) return s;
+      }
       region.handle = r.sim_shm_name();
     } else {
       if (r.handle_case() != v1::MemoryRegion::kCudaIpcHandle ||

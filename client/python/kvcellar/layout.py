@@ -19,6 +19,7 @@ sim device the shared-memory object holding the tensor (``SimDevice``). Every ch
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
@@ -45,7 +46,9 @@ def kv_dtype_for(dtype: Any) -> Optional[str]:
 
 @dataclass
 class Region:
-    handle: Union[str, bytes]  # sim: shm object name; CUDA: 64-byte cudaIpcMemHandle_t
+    # sim: shm object name, or "/proc/<pid>/mem" (offset: an address of this process); CUDA: the
+    # 64-byte cudaIpcMemHandle_t
+    handle: Union[str, bytes]
     offset: int
     size: int
 
@@ -365,18 +368,32 @@ class _Builder:
                 raise ValueError(f"{what}: a CPU tensor, earlier tensors are on cuda")
             self.kind = "sim"
             if self.sim is None:
-                raise ValueError(f"{what}: a CPU tensor needs device=SimDevice(...) holding it "
-                                 "(the daemon can map only shared memory)")
-            mem = self.sim.find(t.data_ptr(), extent)
-            if mem is None:
-                raise ValueError(f"{what}: its {extent} bytes are not inside one shared-memory "
-                                 "object of the SimDevice (allocate it with SimDevice.empty)")
-            key = ("sim", mem.name)
-            if key not in self.region_index:
-                self.region_index[key] = len(self.regions)
-                self.regions.append(Region(mem.name, 0, mem.nbytes))
-            idx = self.region_index[key]
-            off = t.data_ptr() - mem.address
+                # Plain host memory of this process (vLLM's CPU worker allocates its KV cache with
+                # torch): the daemon copies straight from and to it (process_vm_readv/writev on
+                # this process, the only one it lets this engine name): "/proc/<pid>/mem", the
+                # offset being the storage's address (docs/api.md, "Process memory").
+                storage = t.untyped_storage()
+                base = storage.data_ptr()
+                key = ("process", base)
+                if key not in self.region_index:
+                    self.region_index[key] = len(self.regions)
+                    self.regions.append(Region(f"/proc/{os.getpid()}/mem", base,
+                                               storage.nbytes()))
+                idx = self.region_index[key]
+                off = t.data_ptr() - base
+            else:
+                mem = self.sim.find(t.data_ptr(), extent)
+                if mem is None:
+                    raise ValueError(f"{what}: its {extent} bytes are not inside one "
+                                     "shared-memory object of the SimDevice (allocate it with "
+                                     "SimDevice.empty, or pass no device to register this "
+                                     "process's own memory)")
+                key = ("sim", mem.name)
+                if key not in self.region_index:
+                    self.region_index[key] = len(self.regions)
+                    self.regions.append(Region(mem.name, 0, mem.nbytes))
+                idx = self.region_index[key]
+                off = t.data_ptr() - mem.address
         else:
             raise ValueError(f"{what}: device {t.device} is neither cuda nor a sim (CPU) tensor")
         region = self.regions[idx]
