@@ -416,7 +416,11 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> SimDevice::OpenEngine(const Engin
   if (!process_ranges.empty()) {
     absl::StatusOr<platform::ProcessMemory> m = platform::ProcessMemory::Open(
         layout.regions[0].handle, spec.memory_access, process_ranges, "regions");
-    if (!m.ok()) return m.status();
+    if (!m.ok()) {
+      // Errors about the process as a whole are regions[0]'s (the server names the field).
+      const bool names_region = absl::StartsWith(m.status().message(), "regions[");
+      return names_region ? m.status() : platform::WithPrefix(m.status(), "regions[0]: ");
+    }
     engine->process = *std::move(m);
   }
   for (const auto& [name, e] : extent) {

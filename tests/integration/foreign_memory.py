@@ -15,6 +15,7 @@ own when it registers.
 Interpreter: Debian's /usr/bin/python3 (python3-grpcio); the kvcellar.v1 stubs are on
 KVCELLAR_PY_DIR.
 """
+import ctypes
 import hashlib
 import json
 import mmap
@@ -64,11 +65,16 @@ def victim(prefix, mode):
     mm = mmap.mmap(memfd, KV_BYTES)
     mm[:] = os.urandom(KV_BYTES)
     objects["memfd"] = (memfd, mm)
+    # Plain memory of the victim's process: what a CPU engine registers as /proc/<pid>/mem.
+    private = mmap.mmap(-1, KV_BYTES)
+    private[:] = os.urandom(KV_BYTES)
+    objects["private"] = (None, private)
     print(json.dumps({
         "pid": os.getpid(), "memfd": memfd,
+        "private_address": ctypes.addressof(ctypes.c_char.from_buffer(private)),
         "names": {k: f"{prefix}-{k}" for k in ("kv", "sig", "ro")},
         # As /proc/<pid>/maps spells a file: "major:minor inode" (hex device numbers).
-        "files": {k: file_id(os.fstat(fd)) for k, (fd, _) in objects.items()},
+        "files": {k: file_id(os.fstat(fd)) for k, (fd, _) in objects.items() if fd is not None},
     }), flush=True)
     for _ in sys.stdin:
         print(json.dumps({k: hashlib.sha256(m[:]).hexdigest() for k, (_, m) in objects.items()}),
@@ -77,10 +83,10 @@ def victim(prefix, mode):
         os.unlink("/dev/shm" + name)
 
 
-def registration(cpb, common_pb2, instance, tenant, region, signals=None):
-    """A SIM WORKER registration whose one region is `region` (a name), with a completion
-    channel on the object `signals` when given."""
-    region_msg = cpb.MemoryRegion(sim_shm_name=region, offset_bytes=0, size_bytes=KV_BYTES)
+def registration(cpb, common_pb2, instance, tenant, region, signals=None, offset=0):
+    """A SIM WORKER registration whose one region is `region` (a name) from `offset`, with a
+    completion channel on the object `signals` when given."""
+    region_msg = cpb.MemoryRegion(sim_shm_name=region, offset_bytes=offset, size_bytes=KV_BYTES)
     layers = []
     for layer in range(LAYERS):
         buf = lambda i: cpb.BlockBuffer(region=0, offset_bytes=i * BLOCKS * BLOCK_BYTES,
@@ -116,6 +122,8 @@ def attack(target, plan_json):
     fds = {}
     for path in plan.get("open_readonly", []):
         fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    own_memory = mmap.mmap(-1, KV_BYTES)
+    own_memory_address = ctypes.addressof(ctypes.c_char.from_buffer(own_memory))
     channel = grpc.insecure_channel(target if ":" in target and not target.startswith("/")
                                     else f"unix:{target}")
     stub = cache_service_pb2_grpc.CacheServiceStub(channel)
@@ -124,8 +132,11 @@ def attack(target, plan_json):
         region = own if region == "own" else region
         if region.startswith("self-fd:"):
             region = f"/proc/{os.getpid()}/fd/{fds[region[len('self-fd:'):]]}"
+        offset = attempt.get("offset", 0)
+        if region == "self-mem":  # the attacker's own plain memory
+            region, offset = f"/proc/{os.getpid()}/mem", own_memory_address
         req = registration(cpb, common_pb2, f"attacker-{os.getpid()}-{i}",
-                           plan.get("tenant", ""), region, attempt.get("signals"))
+                           plan.get("tenant", ""), region, attempt.get("signals"), offset)
         out = {"name": attempt["name"], "region": region}
         try:
             resp = stub.RegisterEngine(req, timeout=10)

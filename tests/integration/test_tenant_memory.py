@@ -215,12 +215,19 @@ def test_an_engine_maps_only_its_own_memory(daemon_uid, grants):
                     {"name": "symlink", "region": sym},
                     {"name": "hard-link", "region": hard},
                     {"name": "hard-link-to-pool", "region": hard_pool},
+                    # Process memory (/proc/<pid>/mem, copied with process_vm_readv/writev):
+                    # the victim's plain memory, and the daemon's own, which holds the pool.
+                    {"name": "victim-process-memory", "region": f"/proc/{v['pid']}/mem",
+                     "offset": v["private_address"]},
+                    {"name": "daemon-process-memory",
+                     "region": f"/proc/{node.daemon.proc.pid}/mem", "offset": 1 << 20},
                 ]}
         assert_refused(attack(UID_A, node.socket, plan), {
             "daemon-pool": region, "daemon-journal": region, "victim-shm": region,
             "victim-memfd": region, "own-fd-of-victim-object": region,
             "victim-signal-region": "completion.sim_counters.shm_name", "symlink": region,
-            "hard-link": region, "hard-link-to-pool": region},
+            "hard-link": region, "hard-link-to-pool": region, "victim-process-memory": region,
+            "daemon-process-memory": region},
             # /proc/<pid>/fd of another user is a ptrace-mode open: a daemon that is neither
             # root nor the engine's user is refused by the kernel itself.
             os_refuses=() if daemon_uid == 0 else ("own-fd-of-victim-object",))
@@ -229,10 +236,23 @@ def test_an_engine_maps_only_its_own_memory(daemon_uid, grants):
         same_user = {"tenant": "", "own_mode": 0o600, "attempts": [
             {"name": "daemon-pool", "region": node.pool},
             {"name": "daemon-journal", "region": node.pool + ".journal"},
-            {"name": "hard-link-to-pool", "region": hard_pool}]}
+            {"name": "hard-link-to-pool", "region": hard_pool},
+            {"name": "daemon-process-memory", "region": f"/proc/{node.daemon.proc.pid}/mem",
+             "offset": 1 << 20}]}
         assert_refused(attack(daemon_uid, node.socket, same_user),
                        {"daemon-pool": region, "daemon-journal": region,
-                        "hard-link-to-pool": region})
+                        "hard-link-to-pool": region, "daemon-process-memory": region})
+        # An engine's own plain memory is served where the kernel lets the daemon reach it:
+        # by a root daemon; an unprivileged one may not ptrace another user's process.
+        own = attack(UID_A, node.socket, {"tenant": node.tenant_a,
+                                          "attempts": [{"name": "own-process-memory",
+                                                        "region": "self-mem"}]})[0]
+        if daemon_uid == 0:
+            assert own["code"] == "OK", own
+        else:
+            assert own["code"] == "FAILED_PRECONDITION", own
+            assert own["reason"] == "ERROR_REASON_HANDLE_OPEN_FAILED", own
+            assert "CAP_SYS_PTRACE" in own["details"], own
 
         # The attacker's own object, replaced by the victim's under the same name again and
         # again while it registers: whatever the daemon opens is judged as opened.
@@ -289,8 +309,13 @@ def test_host_memory_over_tcp_has_no_owner_to_check(trusted):
     try:
         tcp = node.daemon.ready["tcp"]
         results = attack(UID_A, tcp, {"attempts": [{"name": "own", "region": "own"},
-                                                   {"name": "daemon-pool", "region": node.pool}]})
-        own, pool = results
+                                                   {"name": "daemon-pool", "region": node.pool},
+                                                   {"name": "own-process-memory",
+                                                    "region": "self-mem"}]})
+        own, pool, process = results
+        # A TCP peer has no pid: its process memory is refused even on a trusting node.
+        assert process["code"] == "PERMISSION_DENIED", process
+        assert process["reason"] == "ERROR_REASON_MEMORY_NOT_OWNED", process
         if trusted:
             assert own["code"] == "OK", own
         else:

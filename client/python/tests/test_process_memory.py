@@ -106,3 +106,14 @@ def test_engine_killed_mid_copy_leaves_the_daemon_serving(daemon):
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
     test_plain_cpu_tensors_round_trip_bit_exact(daemon)
+
+
+def test_benchmark_runs_and_prints_every_path():
+    """Smoke run of client/python/bench/bench_process_memory.py (tiny ops: its figures are the
+    benchmark's output, not this test's)."""
+    from conftest import ROOT, bin_path, run_bench
+
+    _, names = run_bench(ROOT / "client" / "python" / "bench" / "bench_process_memory.py",
+                         "--kvcellard", bin_path("kvcellard"), "--pages", "8", "--layers", "4",
+                         "--rounds", "1")
+    assert names == ["memcpy", "backup", "load", "backup (shm)", "load (shm)"]
