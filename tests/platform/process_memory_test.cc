@@ -72,6 +72,13 @@ class EngineChild {
   int release_ = -1;
 };
 
+// The child's whole buffer, opened as the daemon does for the child's own registration.
+absl::StatusOr<ProcessMemory> OpenAsItsEngine(const EngineChild& child) {
+  const ProcessMemory::Range range{child.address(), kBytes};
+  return ProcessMemory::Open(child.name(), EngineMemoryAccess::ForPeer(getuid(), child.pid()),
+                             {&range, 1});
+}
+
 TEST(ProcessMemoryTest, ParsesOnlyProcPidMem) {
   EXPECT_EQ(ParseProcessMemoryName("/proc/4242/mem"), 4242);
   for (const char* bad :
@@ -103,9 +110,7 @@ TEST(ProcessMemoryTest, ReachesOnlyTheRegisteringEnginesOwnProcess) {
 
 TEST(ProcessMemoryTest, ReadsAndWritesTheEnginesBytes) {
   EngineChild child;
-  const ProcessMemory::Range range{child.address(), kBytes};
-  absl::StatusOr<ProcessMemory> m = ProcessMemory::Open(
-      child.name(), EngineMemoryAccess::ForPeer(getuid(), child.pid()), {&range, 1});
+  absl::StatusOr<ProcessMemory> m = OpenAsItsEngine(child);
   ASSERT_TRUE(m.ok()) << m.status();
   EXPECT_TRUE(m->alive());
   // Many short runs in one call, more than IOV_MAX: scattered 100-byte runs.
@@ -148,9 +153,7 @@ TEST(ProcessMemoryTest, RangesTheEngineHasNotMappedAreRefusedAtOpen) {
 
 TEST(ProcessMemoryTest, AnExitedEngineIsNeverReachedAgain) {
   EngineChild child;
-  const ProcessMemory::Range range{child.address(), kBytes};
-  absl::StatusOr<ProcessMemory> m = ProcessMemory::Open(
-      child.name(), EngineMemoryAccess::ForPeer(getuid(), child.pid()), {&range, 1});
+  absl::StatusOr<ProcessMemory> m = OpenAsItsEngine(child);
   ASSERT_TRUE(m.ok()) << m.status();
   child.Exit();
   EXPECT_FALSE(m->alive());
@@ -159,11 +162,7 @@ TEST(ProcessMemoryTest, AnExitedEngineIsNeverReachedAgain) {
   iovec remote{reinterpret_cast<void*>(child.address()), 1};
   EXPECT_FALSE(m->Read({&local, 1}, {&remote, 1}));
   EXPECT_EQ(errno, ESRCH);
-  EXPECT_EQ(ProcessMemory::Open(child.name(), EngineMemoryAccess::ForPeer(getuid(), child.pid()),
-                                {&range, 1})
-                .status()
-                .code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(OpenAsItsEngine(child).status().code(), absl::StatusCode::kNotFound);
 }
 
 }  // namespace

@@ -338,6 +338,13 @@ class _Builder:
         region, offset = self.region_of(t, what, (num_blocks - 1) * block_stride + bytes_per_block)
         return Buffer(region, offset, block_stride, bytes_per_block)
 
+    def region(self, key: tuple, make: Any) -> int:
+        """The index of the region `key` names, added from ``make()`` the first time."""
+        if key not in self.region_index:
+            self.region_index[key] = len(self.regions)
+            self.regions.append(make())
+        return self.region_index[key]
+
     def region_of(self, t: Any, what: str, extent: int) -> tuple[int, int]:
         """(region index, offset of t's first byte in the region); adds the region."""
         if t.device.type == "cuda":
@@ -351,17 +358,16 @@ class _Builder:
                                  f"{self.cuda_device}")
             storage = t.untyped_storage()
             base = storage.data_ptr()
-            key = ("cuda", base)
-            if key not in self.region_index:
+
+            def cuda_region() -> Region:
                 # (device, handle, storage bytes, storage offset in the allocation, ...): the
                 # handle names the caching allocator's block (cudaMalloc base), so the region
                 # starts at the storage's offset inside it (torch/multiprocessing/reductions.py).
                 shared = storage._share_cuda_()
-                handle = cuda_ipc_mem_handle(bytes(shared[1]), what)
-                size, offset = int(shared[2]), int(shared[3])
-                self.region_index[key] = len(self.regions)
-                self.regions.append(Region(handle, offset, size))
-            idx = self.region_index[key]
+                return Region(cuda_ipc_mem_handle(bytes(shared[1]), what), int(shared[3]),
+                              int(shared[2]))
+
+            idx = self.region(("cuda", base), cuda_region)
             off = t.data_ptr() - base
         elif t.device.type == "cpu":
             if self.kind == "cuda":
@@ -374,12 +380,8 @@ class _Builder:
                 # offset being the storage's address (docs/api.md, "Process memory").
                 storage = t.untyped_storage()
                 base = storage.data_ptr()
-                key = ("process", base)
-                if key not in self.region_index:
-                    self.region_index[key] = len(self.regions)
-                    self.regions.append(Region(f"/proc/{os.getpid()}/mem", base,
-                                               storage.nbytes()))
-                idx = self.region_index[key]
+                idx = self.region(("process", base), lambda: Region(
+                    f"/proc/{os.getpid()}/mem", base, storage.nbytes()))
                 off = t.data_ptr() - base
             else:
                 mem = self.sim.find(t.data_ptr(), extent)
@@ -388,11 +390,7 @@ class _Builder:
                                      "shared-memory object of the SimDevice (allocate it with "
                                      "SimDevice.empty, or pass no device to register this "
                                      "process's own memory)")
-                key = ("sim", mem.name)
-                if key not in self.region_index:
-                    self.region_index[key] = len(self.regions)
-                    self.regions.append(Region(mem.name, 0, mem.nbytes))
-                idx = self.region_index[key]
+                idx = self.region(("sim", mem.name), lambda: Region(mem.name, 0, mem.nbytes))
                 off = t.data_ptr() - mem.address
         else:
             raise ValueError(f"{what}: device {t.device} is neither cuda nor a sim (CPU) tensor")

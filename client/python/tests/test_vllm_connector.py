@@ -216,6 +216,13 @@ class Engine:
             self.free.extend(ids)
         return delay
 
+    def serve(self, rid, tokens):
+        """A whole request in one step: computed, backed up, finished, its Backups settled."""
+        self.add(rid, tokens)
+        self.step(new=[rid])
+        self.finish(rid)
+        self.drain()
+
     def drain(self, timeout=30.0):  # A hang guard; loaded CI machines need the room.
         deadline = time.monotonic() + timeout
         while self.delayed or self.finished_ids:
@@ -288,10 +295,7 @@ def test_sleep_mode_unregisters_then_restores_the_kv_caches(daemon):
     eng = Engine(daemon.socket)
     eng.wait_active()
     a = prompt(1, 3 * P + 5)
-    eng.add("a", a)
-    eng.step(new=["a"])
-    eng.finish("a")
-    eng.drain()
+    eng.serve("a", a)
     w = eng.workers[0]
     assert type(w).supports_sleep_mode(w._kv_transfer_config)
     ended = daemon.log().count("reason=unregistered")
@@ -370,10 +374,7 @@ def test_daemon_killed_and_restarted_misses_then_hits(daemon_factory):
     eng = Engine(d.socket, rpc_timeout_ms=200, register_timeout_ms=300, load_timeout_ms=1000)
     eng.wait_active()
     a = prompt(5, 2 * P + 1)
-    eng.add("a", a)
-    eng.step(new=["a"])
-    eng.finish("a")
-    eng.drain()
+    eng.serve("a", a)
     assert eng.hits(a) == 2
     d.stop(signal.SIGKILL)
     # Down: a miss, and a whole request's steps run without an exception.
@@ -401,10 +402,7 @@ def test_load_failure_reports_blocks(daemon):
     eng = Engine(daemon.socket, load_timeout_ms=1000)
     eng.wait_active()
     a = prompt(6, 2 * P + 1)
-    eng.add("a", a)
-    eng.step(new=["a"])
-    eng.finish("a")
-    eng.drain()
+    eng.serve("a", a)
     ext, ids = eng.add("b", a)
     assert ext == 2 * P
     eng.workers[0]._worker.session.close()  # the worker cannot Load: its blocks are reported
