@@ -15,7 +15,7 @@ cmd=${1:-}
 [[ $# -gt 0 ]] && shift
 
 configure_and_build() {
-  "$root/deploy/install-deps.sh"
+  "$root/deploy/install-deps.sh" system
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
         -DKVCELLAR_CUDA="${KVCELLAR_CUDA:-AUTO}" >/dev/null
   ninja -C "$build" -j "$jobs" "$@"
@@ -27,6 +27,14 @@ case "$cmd" in
     exec "$build/bin/kvcellard" "$@"
     ;;
   test)
+    # The tests' Python venvs (deploy/install-deps.sh venvs: downloads and unpacking, about
+    # 15 minutes on a fresh machine) are made while the three C++ builds below run.
+    mkdir -p "$build"
+    venv_log=$build/install-venvs.log
+    "$root/deploy/install-deps.sh" system
+    "$root/deploy/install-deps.sh" venvs >"$venv_log" 2>&1 &
+    venv_pid=$!
+    trap 'kill "$venv_pid" 2>/dev/null || true' EXIT
     configure_and_build
     # The 16-engine stress test runs a second time against kvcellard and kvcellar-engine-sim
     # built with AddressSanitizer and UBSan (tests/integration/test_datapath.py).
@@ -43,6 +51,13 @@ case "$cmd" in
           -DKVCELLAR_BUILD_TESTS=OFF -DKVCELLAR_BUILD_BENCHMARKS=OFF >/dev/null
     ninja -C "$fuzz" -j "$jobs" kvcellar_fuzz
     export KVCELLAR_FUZZ_BIN_DIR="$fuzz/bin"
+    wait "$venv_pid" && venv_rc=0 || venv_rc=$?
+    trap - EXIT
+    cat "$venv_log"
+    if [[ $venv_rc -ne 0 ]]; then
+      echo "dev.sh: making the Python venvs failed (exit $venv_rc; log above)" >&2
+      exit "$venv_rc"
+    fi
     cd "$build"
     rm -f soak-summary.txt
     ctest --output-on-failure -j "$jobs" "$@" && rc=0 || rc=$?

