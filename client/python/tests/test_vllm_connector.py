@@ -22,8 +22,10 @@ this file's (``Engine``), calling the connectors in vLLM 0.33's order:
     get_block_ids_with_load_errors -> clear_connector_metadata.
 """
 import os
+import re
 import signal
 import time
+import urllib.request
 from types import SimpleNamespace
 
 import numpy as np
@@ -53,6 +55,7 @@ from vllm.v1.core.sched.output import (CachedRequestData, NewRequestData,  # noq
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
                                         KVCacheGroupSpec, KVCacheTensor, create_kv_cache_views)
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from kvcellar import SimDevice  # noqa: E402
@@ -185,6 +188,8 @@ class Engine:
             sending.append(res.finished_sending)
             errors |= w.get_block_ids_with_load_errors()
             w.clear_connector_metadata()
+        if errors:  # Scheduler.update_from_output -> _update_from_kv_xfer_finished
+            self.sched.update_connector_output(KVConnectorOutput(invalid_block_ids=errors))
         for rid, n in so.num_scheduled_tokens.items():
             self.running[rid][0].num_computed_tokens += n
         done = set.intersection(*[set(s) for s in sending])  # KVOutputAggregator: every rank
@@ -403,12 +408,19 @@ def test_load_failure_reports_blocks(daemon):
     eng.wait_active()
     a = prompt(6, 2 * P + 1)
     eng.serve("a", a)
+    # The worker has no session (as after a daemon restart, before it has registered again) when
+    # the scheduler Matches: it cannot Load, and its blocks are reported.
+    eng.workers[0]._worker.session.close()
+    eng.workers[0]._worker.session = None
     ext, ids = eng.add("b", a)
     assert ext == 2 * P
-    eng.workers[0]._worker.session.close()  # the worker cannot Load: its blocks are reported
-    eng.workers[0]._worker.session = None
     eng.step(new=["b"])
     assert eng.last_errors == set(ids[:2])
+    # The Match's pin, which no rank's Load dropped, is released by the scheduler at once, not
+    # left on the daemon until pin_lease_ms.
+    text = urllib.request.urlopen(f"http://{daemon.http}/metrics", timeout=10).read().decode()
+    assert re.search(r"^kvcellar_pins 0$", text, re.M), [
+        line for line in text.splitlines() if line.startswith("kvcellar_pins")]
     eng.close()
 
 

