@@ -551,9 +551,13 @@ class Fuzzer:
         request.session_id = victim_id  # Last: whatever the mutations did, it names the engine.
         name = method.rsplit("/", 1)[1]
         code, reason = self.answer(method, request)
+        # A Heartbeat naming a session that is gone (the engine's lease lapsed on a loaded
+        # machine, or it registered again) answers OK with state SESSION_STATE_UNKNOWN: how any
+        # client learns to register again, and all it says is that the id names no session.
         ok = ((code, reason) in
               {(grpc.StatusCode.PERMISSION_DENIED, "ERROR_REASON_NOT_SESSION_OWNER"),
-               (grpc.StatusCode.FAILED_PRECONDITION, "ERROR_REASON_SESSION_UNKNOWN")})
+               (grpc.StatusCode.FAILED_PRECONDITION, "ERROR_REASON_SESSION_UNKNOWN"),
+               (grpc.StatusCode.OK, "SESSION_STATE_UNKNOWN")})
         if not ok and code == grpc.StatusCode.INVALID_ARGUMENT:
             # Refused for its own fields before the session was looked at (a Heartbeat renewing
             # more pins than any session may): acceptable only if naming the fuzzer's own
@@ -571,11 +575,16 @@ class Fuzzer:
                                      "fuzzer's own session gets)")
 
     def answer(self, method, request):
-        """(code, kvcellar-error-reason) of `request` sent on the engine socket."""
+        """(code, kvcellar-error-reason) of `request` sent on the engine socket; for a
+        Heartbeat answered OK, the session state it reports in place of the reason."""
         try:
-            self.call("engine", method)(request.SerializeToString(), timeout=CALL_TIMEOUT_S)
+            reply = self.call("engine", method)(request.SerializeToString(),
+                                                timeout=CALL_TIMEOUT_S)
         except grpc.RpcError as e:
             return e.code(), reason_of(e)
+        if method.endswith("/Heartbeat"):
+            state = cache_service_pb2.HeartbeatResponse.FromString(reply).state
+            return grpc.StatusCode.OK, cache_service_pb2.SessionState.Name(state)
         return grpc.StatusCode.OK, ""
 
     def memory_finding(self, what):

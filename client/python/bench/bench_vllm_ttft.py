@@ -77,8 +77,10 @@ def child(spec: dict) -> None:
     print(json.dumps({"times": times, "tokens": tokens}), flush=True)
 
 
-def run_engine(spec: dict, env: dict) -> dict:
-    proc = subprocess.run([sys.executable, str(HERE), "--child", json.dumps(spec)], env=env,
+def run_engine(spec: dict, env: dict, directory: Path) -> dict:
+    path = directory / f"spec-{spec['connector']}.json"  # prompts too long for an argument
+    path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, str(HERE), "--child", str(path)], env=env,
                           capture_output=True, text=True, timeout=1800)
     lines = [x for x in proc.stdout.splitlines() if x.startswith('{"times"')]
     if proc.returncode != 0 or not lines:
@@ -134,7 +136,7 @@ def main() -> None:
         spec = {"model": str(model), "prefix": args.prefix, "socket": daemon.socket,
                 "storage": str(tmp / "example"), "prompts": prompts(args.prefix, args.repeats)}
         try:
-            runs = {c: run_engine(dict(spec, connector=c), env)
+            runs = {c: run_engine(dict(spec, connector=c), env, tmp)
                     for c in ("none", "kvcellar", "example")}
         finally:
             daemon.stop()
@@ -157,6 +159,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
-        child(json.loads(sys.argv[2]))
+        child(json.loads(Path(sys.argv[2]).read_text()))
     else:
         main()
