@@ -15,7 +15,6 @@ cmd=${1:-}
 [[ $# -gt 0 ]] && shift
 
 configure_and_build() {
-  "$root/deploy/install-deps.sh" system
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
         -DKVCELLAR_CUDA="${KVCELLAR_CUDA:-AUTO}" >/dev/null
   ninja -C "$build" -j "$jobs" "$@"
@@ -23,6 +22,7 @@ configure_and_build() {
 
 case "$cmd" in
   start)
+    "$root/deploy/install-deps.sh" system
     configure_and_build kvcellard kvcellarctl
     exec "$build/bin/kvcellard" "$@"
     ;;
