@@ -315,18 +315,21 @@ void HttpServer::EventLoop::Run() {
 }
 
 void HttpServer::EventLoop::Dispatch(const epoll_event& event) {
-  if (event.data.u64 == kListenerId) {
+  // epoll_event is packed on x86-64: its u64 sits at offset 4, so it is read by value, never bound
+  // to a reference (a misaligned uint64_t&, which UBSan reports).
+  const uint64_t id = event.data.u64;
+  if (id == kListenerId) {
     if (!stopped_) Accept();
     return;
   }
-  if (event.data.u64 == kWakeId) {
+  if (id == kWakeId) {
     uint64_t count;
     while (read(server_->wake_fd_, &count, sizeof(count)) > 0) {
     }
     DeliverScrapes();
     return;
   }
-  const auto it = by_id_.find(event.data.u64);
+  const auto it = by_id_.find(id);
   if (it == by_id_.end()) return;  // closed earlier in this batch
   Connection& conn = *it->second;
   if (event.events & (EPOLLERR | EPOLLHUP)) {
