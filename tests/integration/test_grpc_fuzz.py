@@ -51,7 +51,7 @@ foreign-id and foreign-memory checks, for KVCELLAR_GRPC_FUZZ_FOREIGN_SECONDS (de
 ASan build when it is named, else on the regular one.
 KVCELLAR_GRPC_FUZZ_SECONDS sets the fuzzing time (default 120), KVCELLAR_GRPC_FUZZ_SEED the seed
 (default: random, printed). A longer run, e.g. 30 minutes:
-  KVCELLAR_ASAN_BIN_DIR=build-asan-tools/bin KVCELLAR_GRPC_FUZZ_SECONDS=1800 \
+  KVCELLAR_ASAN_BIN_DIR=build-fuzz/bin KVCELLAR_GRPC_FUZZ_SECONDS=1800 \
     ctest --test-dir build -R integration.test_grpc_fuzz --output-on-failure --timeout 2400
 """
 import collections
