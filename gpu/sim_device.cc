@@ -10,7 +10,6 @@
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "platform/bus_fault_guard.h"
 #include "platform/log.h"
@@ -236,47 +235,59 @@ inline void Prefetch(const uint8_t* p, uint64_t bytes) {
   for (uint64_t off = 0; off < bytes; off += kCacheLine) __builtin_prefetch(p + off);
 }
 
-void CopyGather(const SimDevice::Engine& e, const SimDevice::Op& op, const Task& t) {
+// Calls run(item, segment, engine address, bytes) for each run of a task's copies, in order: a
+// segment of the item's block together with the segments that lie right behind it in the engine's
+// memory (layouts that keep a block's layers side by side copy as one run). Engine addresses are
+// integers here: for a process-memory engine nothing in this process points into them. Stops at
+// the first run for which `run` returns false, and returns false then.
+template <typename Run>
+inline bool ForEachRun(const SimDevice::Engine& e, const SimDevice::Op& op, const Task& t,
+                       Run&& run) {
   const core::PageSegment* segs = e.segs.data();
   for (uint32_t i = t.item_begin; i < t.item_end; ++i) {
     const uint64_t block = op.items[i].device_block;
-    const uint64_t next_block = op.items[i + 1 < t.item_end ? i + 1 : i].device_block;
-    uint8_t* host = op.items[i].host_page;
     for (uint32_t s = t.seg_begin; s < t.seg_end;) {
-      const uint8_t* src = e.seg_base[s] + block * segs[s].block_stride;
+      const uintptr_t dev =
+          reinterpret_cast<uintptr_t>(e.seg_base[s]) + block * segs[s].block_stride;
       uint64_t len = segs[s].bytes;
       uint32_t next = s + 1;
-      // Layouts that keep a block's layers side by side copy as one run.
-      while (next < t.seg_end && e.seg_base[next] + block * segs[next].block_stride == src + len) {
+      while (next < t.seg_end &&
+             reinterpret_cast<uintptr_t>(e.seg_base[next]) + block * segs[next].block_stride ==
+                 dev + len) {
         len += segs[next++].bytes;
       }
-      if (len <= kPrefetchMaxRun) {
-        Prefetch(e.seg_base[s] + next_block * segs[s].block_stride, len);
-      }
-      std::memcpy(host + segs[s].object_offset, src, len);
+      if (!run(i, s, dev, len)) return false;
       s = next;
     }
   }
+  return true;
+}
+
+// The item after `i` in the task (or `i` itself, the last): whose source the copy prefetches.
+inline uint32_t NextItem(const Task& t, uint32_t i) { return i + 1 < t.item_end ? i + 1 : i; }
+
+void CopyGather(const SimDevice::Engine& e, const SimDevice::Op& op, const Task& t) {
+  const core::PageSegment* segs = e.segs.data();
+  ForEachRun(e, op, t, [&](uint32_t i, uint32_t s, uintptr_t dev, uint64_t len) {
+    if (len <= kPrefetchMaxRun) {
+      Prefetch(e.seg_base[s] + op.items[NextItem(t, i)].device_block * segs[s].block_stride, len);
+    }
+    std::memcpy(op.items[i].host_page + segs[s].object_offset,
+                reinterpret_cast<const uint8_t*>(dev), len);
+    return true;
+  });
 }
 
 void CopyScatter(const SimDevice::Engine& e, const SimDevice::Op& op, const Task& t) {
   const core::PageSegment* segs = e.segs.data();
-  for (uint32_t i = t.item_begin; i < t.item_end; ++i) {
-    const uint64_t block = op.items[i].device_block;
-    const uint8_t* host = op.items[i].host_page;
-    const uint8_t* next_host = op.items[i + 1 < t.item_end ? i + 1 : i].host_page;
-    for (uint32_t s = t.seg_begin; s < t.seg_end;) {
-      uint8_t* dst = e.seg_base[s] + block * segs[s].block_stride;
-      uint64_t len = segs[s].bytes;
-      uint32_t next = s + 1;
-      while (next < t.seg_end && e.seg_base[next] + block * segs[next].block_stride == dst + len) {
-        len += segs[next++].bytes;
-      }
-      if (len <= kPrefetchMaxRun) Prefetch(next_host + segs[s].object_offset, len);
-      std::memcpy(dst, host + segs[s].object_offset, len);
-      s = next;
+  ForEachRun(e, op, t, [&](uint32_t i, uint32_t s, uintptr_t dev, uint64_t len) {
+    if (len <= kPrefetchMaxRun) {
+      Prefetch(op.items[NextItem(t, i)].host_page + segs[s].object_offset, len);
     }
-  }
+    std::memcpy(reinterpret_cast<uint8_t*>(dev), op.items[i].host_page + segs[s].object_offset,
+                len);
+    return true;
+  });
 }
 
 // One task's copies for an engine registered by its process memory: the same runs as
@@ -295,27 +306,13 @@ bool CopyProcessMemory(const SimDevice::Engine& e, const SimDevice::Op& op, cons
     n = 0;
     return ok;
   };
-  for (uint32_t i = t.item_begin; i < t.item_end; ++i) {
-    const uint64_t block = op.items[i].device_block;
-    uint8_t* host = op.items[i].host_page;
-    for (uint32_t s = t.seg_begin; s < t.seg_end;) {
-      // Addresses in the engine: integer arithmetic, nothing here points into them.
-      const uintptr_t dev =
-          reinterpret_cast<uintptr_t>(e.seg_base[s]) + block * segs[s].block_stride;
-      uint64_t len = segs[s].bytes;
-      uint32_t next = s + 1;
-      while (next < t.seg_end &&
-             reinterpret_cast<uintptr_t>(e.seg_base[next]) + block * segs[next].block_stride ==
-                 dev + len) {
-        len += segs[next++].bytes;
-      }
-      local[n] = {host + segs[s].object_offset, len};
-      remote[n] = {reinterpret_cast<void*>(dev), len};
-      if (++n == kBatch && !flush()) return false;
-      s = next;
-    }
-  }
-  return flush();
+  return ForEachRun(e, op, t,
+                    [&](uint32_t i, uint32_t s, uintptr_t dev, uint64_t len) {
+                      local[n] = {op.items[i].host_page + segs[s].object_offset, len};
+                      remote[n] = {reinterpret_cast<void*>(dev), len};
+                      return ++n < kBatch || flush();
+                    }) &&
+         flush();
 }
 
 // One task's copies, run under RunCatchingBusFaults: raw pointers and loops only, no locks.
@@ -414,13 +411,10 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> SimDevice::OpenEngine(const Engin
   engine->object_bytes = layout.PageObjectBytes();
   absl::flat_hash_map<std::string, uint8_t*> base;
   if (!process_ranges.empty()) {
+    // Errors about the process as a whole are regions[0]'s, whose handle names it.
     absl::StatusOr<platform::ProcessMemory> m = platform::ProcessMemory::Open(
-        layout.regions[0].handle, spec.memory_access, process_ranges, "regions");
-    if (!m.ok()) {
-      // Errors about the process as a whole are regions[0]'s (the server names the field).
-      const bool names_region = absl::StartsWith(m.status().message(), "regions[");
-      return names_region ? m.status() : platform::WithPrefix(m.status(), "regions[0]: ");
-    }
+        layout.regions[0].handle, spec.memory_access, process_ranges, "regions", "regions[0]");
+    if (!m.ok()) return m.status();
     engine->process = *std::move(m);
   }
   for (const auto& [name, e] : extent) {

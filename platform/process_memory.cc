@@ -80,16 +80,22 @@ std::optional<int32_t> ParseProcessMemoryName(absl::string_view name) {
 absl::StatusOr<ProcessMemory> ProcessMemory::Open(absl::string_view name,
                                                   const EngineMemoryAccess& access,
                                                   absl::Span<const Range> ranges,
-                                                  absl::string_view what) {
+                                                  absl::string_view what,
+                                                  absl::string_view process_what) {
+  const std::string whole = process_what.empty() ? "" : absl::StrCat(process_what, ": ");
   std::optional<int32_t> pid = ParseProcessMemoryName(name);
   if (!pid) {
-    return absl::InvalidArgumentError(absl::StrCat(name, " is not /proc/<pid>/mem"));
+    return absl::InvalidArgumentError(absl::StrCat(whole, name, " is not /proc/<pid>/mem"));
   }
-  if (absl::Status s = access.CheckProcessMemory(*pid, name); !s.ok()) return s;
+  if (absl::Status s = access.CheckProcessMemory(*pid, name); !s.ok()) {
+    return WithPrefix(s, whole);
+  }
   const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, *pid, 0));
   if (pidfd < 0) {
-    if (errno == ESRCH) return absl::NotFoundError(absl::StrCat(name, ": no process ", *pid));
-    return absl::InternalError(absl::StrCat(name, ": pidfd_open: ", std::strerror(errno)));
+    if (errno == ESRCH) {
+      return absl::NotFoundError(absl::StrCat(whole, name, ": no process ", *pid));
+    }
+    return absl::InternalError(absl::StrCat(whole, name, ": pidfd_open: ", std::strerror(errno)));
   }
   ProcessMemory mem(*pid, pidfd);
   const std::vector<std::pair<uint64_t, uint64_t>> maps = WritableMappings(*pid);
@@ -105,8 +111,10 @@ absl::StatusOr<ProcessMemory> ProcessMemory::Open(absl::string_view name,
     iovec remote{reinterpret_cast<void*>(r.address), 1};
     if (process_vm_readv(*pid, &local, 1, &remote, 1, 0) != 1) {
       const int err = errno;
-      if (err == EPERM || err == EACCES) return AccessRefused(*pid, err);
-      if (err == ESRCH) return absl::NotFoundError(absl::StrCat(name, ": process exited"));
+      if (err == EPERM || err == EACCES) return WithPrefix(AccessRefused(*pid, err), whole);
+      if (err == ESRCH) {
+        return absl::NotFoundError(absl::StrCat(whole, name, ": process exited"));
+      }
       return absl::InvalidArgumentError(
           absl::StrCat(what, "[", i, "]: address 0x", absl::Hex(r.address), " of process ", *pid,
                        " is not readable (", std::strerror(err), ")"));

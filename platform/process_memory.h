@@ -49,11 +49,13 @@ class ProcessMemory {
   // pid; FAILED_PRECONDITION when the kernel refuses the daemon access to the process (the
   // message says what to grant); INVALID_ARGUMENT naming ranges[i] when a range is not mapped in
   // the engine; NOT_FOUND when the process is gone.
-  // Errors about a range name it as "<what>[i]".
+  // Errors about a range name it as "<what>[i]"; errors about the process as a whole start with
+  // "<process_what>: " when process_what is not empty (the field the caller took `name` from).
   static absl::StatusOr<ProcessMemory> Open(absl::string_view name,
                                             const EngineMemoryAccess& access,
                                             absl::Span<const Range> ranges,
-                                            absl::string_view what = "ranges");
+                                            absl::string_view what = "ranges",
+                                            absl::string_view process_what = "");
 
   ProcessMemory(ProcessMemory&& other) noexcept
       : pid_(std::exchange(other.pid_, 0)), pidfd_(std::exchange(other.pidfd_, -1)) {}

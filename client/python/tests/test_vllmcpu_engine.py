@@ -148,30 +148,24 @@ def test_vllm_engine_loads_the_daemons_pages_and_outputs_do_not_change(tmp_path,
     assert stale != fresh
 
 
-def test_tensor_parallel_2_engines_store_and_load_per_rank(tmp_path, daemon, reference):
+def test_tensor_parallel_2_engine_stores_and_loads_per_rank(tmp_path, daemon, reference):
     # vLLM's CPU backend runs tensor parallel 2 here once each worker is bound to a core of its
     # own (it refuses to place two workers on the one NUMA node by itself). Each rank holds half of
     # the KV heads in its own worker process, registers as its own rank of a tp_size 2 namespace,
-    # and loads its own half.
+    # backs up its half, and loads its half. (A second engine hitting the first one's pages is the
+    # test above; at TP 2 it is the same per rank.)
     model = tmp_path / "model"
     shutil.copytree(reference.model, model)
     tp2 = dict(tensor_parallel_size=2, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     loads_before = counter(daemon, "kvcellar_rpc_requests_total", method="Load", code="OK")
-    assert engine(model, daemon.socket, [[PROMPTS[0]], [PROMPTS[1]]], "vllm-tp-a", **tp2) == \
-        reference.outputs(PROMPTS[:2])
+    assert engine(model, daemon.socket, [[PROMPTS[0]], [PROMPTS[1]], [PROMPTS[2]]], "vllm-tp",
+                  **tp2) == reference.outputs(PROMPTS)
     loads = counter(daemon, "kvcellar_rpc_requests_total", method="Load", code="OK") - loads_before
-    # The second prompt's prefix: one Load per rank, in the same step.
-    assert loads >= 2 and loads % 2 == 0, loads
-    workers = re.findall(r'msg="session registered".*instance_id=vllm-tp-a role=worker rank=(\d)',
+    # The second and third prompts' prefix: one Load per rank in each of their steps.
+    assert loads >= 4 and loads % 2 == 0, loads
+    workers = re.findall(r'msg="session registered".*instance_id=vllm-tp role=worker rank=(\d)',
                          daemon.log())
     assert sorted(set(workers)) == ["0", "1"], workers
-
-    # A fresh TP 2 engine hits the first one's pages, rank by rank.
-    loads_before = counter(daemon, "kvcellar_rpc_requests_total", method="Load", code="OK")
-    assert engine(model, daemon.socket, [[PROMPTS[2]]], "vllm-tp-b", **tp2) == \
-        reference.outputs(PROMPTS[2:])
-    loads = counter(daemon, "kvcellar_rpc_requests_total", method="Load", code="OK") - loads_before
-    assert loads >= 2 and loads % 2 == 0, loads
 
 
 # ---- vllm serve ---------------------------------------------------------------------------------
