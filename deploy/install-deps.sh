@@ -92,9 +92,8 @@ dedupe_venvs() {
 # The Python test environment: torch (CPU use of the PyPI wheel), transformers, pytest,
 # scikit-build-core. About 3 GiB; 2-3 minutes on a fresh machine.
 # pip keeps no cache: the wheels (several GiB per torch release) would be downloaded once each and
-# then only take disk space. Nor does it byte-compile: the four venvs hold 77,000 .py files, about
-# 6 CPU minutes taken from the C++ builds that run beside (deploy/dev.sh test); Python compiles
-# the modules the tests import, once, at their first import.
+# then only take disk space. (It byte-compiles: with --no-compile the venvs were made 11 minutes
+# sooner beside the builds, but the real-engine tests ran 400 s longer in the same CI run.)
 make_venv() {  # make_venv DIR REQUIREMENTS [REQUIREMENTS installed with --no-deps]
   local venv=$1 req=$2 nodeps=${3:-}
   local stamp=$venv/.kvcellar-requirements
@@ -106,8 +105,7 @@ make_venv() {  # make_venv DIR REQUIREMENTS [REQUIREMENTS installed with --no-de
   echo "install-deps: creating $venv from $py ($("$py" --version 2>&1))"
   rm -rf "$venv"
   "$py" -m venv "$venv"
-  local pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir
-             --no-compile)
+  local pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir)
   "${pip[@]}" -r "$req"
   if [[ -n $nodeps ]]; then
     "${pip[@]}" --no-deps -r "$nodeps"
