@@ -53,7 +53,8 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 from vllm.v1.core.sched.output import (CachedRequestData, NewRequestData,  # noqa: E402
                                        SchedulerOutput)
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
-                                        KVCacheGroupSpec, KVCacheTensor, create_kv_cache_views)
+                                        KVCacheGroupSpec, KVCacheTensor, SlidingWindowSpec,
+                                        create_kv_cache_views)
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
@@ -329,6 +330,25 @@ def test_other_vllm_releases_are_refused_at_start():
     for v in ("0.31.2", "0.34.0", "1.0.0"):
         with pytest.raises(RuntimeError, match=f"0.32.x and 0.33.x .* this is vLLM {v}"):
             check_vllm_version(v)
+
+
+@pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
+def test_windowed_kv_is_refused_at_start(role):
+    # A model whose every layer has a sliding window (Mistral-style `sliding_window`, no
+    # `layer_types`) gets one SlidingWindowSpec group even with vLLM's hybrid manager off. Its
+    # block tables hold the null block (id 0) where the window has passed: the connector must
+    # refuse at start rather than save or load block 0 under the prompt's keys.
+    spec = SlidingWindowSpec(block_size=P, num_kv_heads=KV_HEADS, head_size=D,
+                             dtype=torch.bfloat16, sliding_window=4 * P)
+    page = spec.page_size_bytes
+    tensor = KVCacheTensor(size=page * BLOCKS * LAYERS, layers=list(NAMES),
+                           layer_stride=page * BLOCKS, block_stride=page)
+    kvcc = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[tensor],
+                         kv_cache_groups=[KVCacheGroupSpec(list(NAMES), spec)],
+                         kv_cache_layout="LBNHC")
+    with pytest.raises(ValueError, match="a SlidingWindowSpec group; KvcellarConnector serves "
+                                         "full attention"):
+        KVConnectorFactory.create_connector(vllm_config("/nonexistent/kvcellar.sock"), role, kvcc)
 
 
 def test_tp2_hits_are_group_consistent(daemon):

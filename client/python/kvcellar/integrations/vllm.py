@@ -55,7 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorMetadata,
                                                                KVConnectorRole)
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from ..client import BackupSeq, Client, LoadSeq, Op, Session
@@ -155,9 +155,19 @@ def _attention_spec(kv_cache_config: Optional["KVCacheConfig"]) -> AttentionSpec
         raise ValueError(f"kv_cache_config: {len(kv_cache_config.kv_cache_groups)} KV cache "
                          "groups; KvcellarConnector supports one (no hybrid models)")
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    if not isinstance(spec, AttentionSpec):
+    # Only specs whose block table holds a real block for every page of the request: there
+    # each page the connector saves or loads is the request's own KV. A SlidingWindowSpec group
+    # (a model whose every layer is windowed, e.g. Mistral-style `sliding_window` without
+    # `layer_types`: one group even with the hybrid manager off), an R-SWA or circular-buffer
+    # group, or chunked local attention puts vLLM's null block (id 0) where the window has
+    # passed: saving it would store another request's bytes under this prompt's keys, and
+    # loading would write into the null block. FullAttentionSpec with `sliding_window` set (what
+    # vLLM makes of windowed layers beside full ones with the hybrid manager off) allocates every
+    # block and is served.
+    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
         raise ValueError(f"kv_cache_config: a {type(spec).__name__} group; KvcellarConnector "
-                         "supports attention KV only")
+                         "serves full attention (FullAttentionSpec, MLAAttentionSpec) only, "
+                         "not windowed or recurrent KV")
     return spec
 
 
