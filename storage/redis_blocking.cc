@@ -4,6 +4,7 @@
 #include <sys/time.h>
 
 #include "absl/strings/str_cat.h"
+#include "platform/sigpipe_guard.h"
 
 namespace kvcellar::storage {
 
@@ -21,6 +22,7 @@ absl::StatusOr<HiredisContext> ConnectBlocking(const RedisAddress& node, absl::D
   }
   redisSetTimeout(c.get(), tv);
   if (!password.empty()) {
+    platform::ScopedSigpipeBlock no_sigpipe;  // hiredis writes with write(2).
     HiredisReply auth(static_cast<redisReply*>(redisCommand(c.get(), "AUTH %s", password.c_str())));
     if (auth == nullptr || auth->type == REDIS_REPLY_ERROR) {
       return absl::PermissionDeniedError(absl::StrCat("AUTH on ", node.ToString()));

@@ -11,6 +11,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "platform/sigpipe_guard.h"
 #include "storage/redis_blocking.h"
 
 namespace kvcellar::storage {
@@ -97,6 +98,7 @@ absl::StatusOr<std::vector<SlotRange>> FetchClusterSlots(const RedisAddress& nod
                                                          const std::string& password) {
   absl::StatusOr<HiredisContext> c = ConnectBlocking(node, timeout, password);
   if (!c.ok()) return c.status();
+  platform::ScopedSigpipeBlock no_sigpipe;  // hiredis writes with write(2).
   HiredisReply reply(static_cast<redisReply*>(redisCommand(c->get(), "CLUSTER SLOTS")));
   if (reply == nullptr) {
     return absl::UnavailableError(

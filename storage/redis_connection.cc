@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "platform/sigpipe_guard.h"
 
 namespace kvcellar::storage {
 namespace {
@@ -115,6 +116,7 @@ absl::Status RedisConnection::Connect(const RedisAddress& addr, absl::Duration t
   }
   if (!password.empty()) {
     redisSetTimeout(c, tv);
+    platform::ScopedSigpipeBlock no_sigpipe;  // hiredis writes with write(2).
     auto* r = static_cast<redisReply*>(redisCommand(c, "AUTH %s", password.c_str()));
     const bool ok = r != nullptr && r->type != REDIS_REPLY_ERROR;
     if (r != nullptr) freeReplyObject(r);

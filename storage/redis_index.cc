@@ -10,6 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "platform/log.h"
+#include "platform/sigpipe_guard.h"
 #include "storage/little_endian.h"
 #include "storage/object_name.h"
 #include "storage/redis_blocking.h"
@@ -77,6 +78,7 @@ class Reader {
 
   // Every index key of the node, then every entry of each; false when cut short.
   bool ReadNode(const std::string& node) {
+    platform::ScopedSigpipeBlock no_sigpipe;  // hiredis writes with write(2).
     absl::StatusOr<RedisAddress> a = ParseRedisAddress(node);
     if (!a.ok()) return false;
     absl::StatusOr<HiredisContext> ctx = ConnectBlocking(*a, o_.connect_timeout, o_.password);
