@@ -1,4 +1,5 @@
-// NamespaceSpec validation and the canonical "kvcellar-ns-v2" encoding (spec: docs/keys.md).
+// NamespaceSpec validation and the canonical "kvcellar-ns-v2" / "-v3" encodings (spec:
+// docs/keys.md).
 #include "core/namespace_spec.h"
 
 #include <openssl/sha.h>
@@ -14,6 +15,9 @@ namespace {
 // Version tag, the first field of every encoding. A change to the field list or to any field's
 // meaning takes a new tag, so old and new digests can never be confused.
 constexpr absl::string_view kEncodingTag = "kvcellar-ns-v2";
+// v2's fields, then the KV groups of a hybrid model. A model that is not hybrid keeps v2, so
+// its digest, and every page stored under it, stay as they were.
+constexpr absl::string_view kHybridEncodingTag = "kvcellar-ns-v3";
 
 constexpr std::array<absl::string_view, 8> kKvDtypes = {
     "fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "nvfp4", "mxfp4",
@@ -73,6 +77,18 @@ absl::StatusOr<LayoutKind> ParseLayoutKind(absl::string_view name) {
 
 absl::Span<const absl::string_view> SupportedKvDtypes() { return kKvDtypes; }
 
+absl::string_view GroupKindName(GroupKind kind) {
+  switch (kind) {
+    case GroupKind::kFull:
+      return "full";
+    case GroupKind::kWindow:
+      return "window";
+    case GroupKind::kState:
+      return "state";
+  }
+  return "unknown";
+}
+
 absl::Status NamespaceSpec::Validate() const {
   if (absl::Status s = CheckString("tenant", tenant, /*required=*/false); !s.ok()) return s;
   if (absl::Status s = CheckString("model_id", model_id, /*required=*/true); !s.ok()) return s;
@@ -100,6 +116,41 @@ absl::Status NamespaceSpec::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("namespace tp_size ", tp_size, " is out of range [1, ", kMaxTpSize, "]"));
   }
+  if (groups.size() > kMaxKvGroups) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "namespace groups: ", groups.size(), " groups, more than the limit of ", kMaxKvGroups));
+  }
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const KvGroup& group = groups[g];
+    const std::string field = absl::StrCat("namespace groups[", g, "]");
+    switch (group.kind) {
+      case GroupKind::kWindow:
+        if (group.window_tokens == 0 || group.window_tokens > kMaxWindowTokens) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(field, ".window_tokens ", group.window_tokens, " is out of range [1, ",
+                           kMaxWindowTokens, "] for a window group"));
+        }
+        break;
+      case GroupKind::kFull:
+      case GroupKind::kState:
+        if (group.window_tokens != 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(field, ".window_tokens is ", group.window_tokens, " for a ",
+                           GroupKindName(group.kind), " group; only window groups have one"));
+        }
+        break;
+      default:
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ".kind ", static_cast<uint32_t>(group.kind),
+                         " is not a known GroupKind (0=full, 1=window, 2=state)"));
+    }
+  }
+  // (Without groups the shard limit is the server's, which names tp_size: server/rpc.)
+  if (Hybrid() && ObjectsPerPage() > kMaxObjectsPerPage) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "namespace groups: ", NumGroups(), " groups of ", ShardsPerPage(), " shards are ",
+        ObjectsPerPage(), " objects per page, more than the limit of ", kMaxObjectsPerPage));
+  }
   return absl::OkStatus();
 }
 
@@ -108,7 +159,7 @@ std::string NamespaceSpec::CanonicalEncoding() const {
   // Five length prefixes and four integers, all u32.
   out.reserve(9 * sizeof(uint32_t) + kEncodingTag.size() + tenant.size() + model_id.size() +
               model_revision.size() + kv_dtype.size());
-  AppendString(&out, kEncodingTag);
+  AppendString(&out, Hybrid() ? kHybridEncodingTag : kEncodingTag);
   AppendString(&out, tenant);
   AppendString(&out, model_id);
   AppendString(&out, model_revision);
@@ -117,6 +168,13 @@ std::string NamespaceSpec::CanonicalEncoding() const {
   AppendU32LE(&out, static_cast<uint32_t>(layout));
   AppendU32LE(&out, ShardsPerPage());
   AppendU32LE(&out, opaque_keys ? 1 : 0);
+  if (Hybrid()) {
+    AppendU32LE(&out, static_cast<uint32_t>(groups.size()));
+    for (const KvGroup& group : groups) {
+      AppendU32LE(&out, static_cast<uint32_t>(group.kind));
+      AppendU32LE(&out, group.window_tokens);
+    }
+  }
   return out;
 }
 

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -26,6 +27,34 @@ namespace kvcellar::core {
 enum class LayoutKind : uint32_t {
   kMha = 0,  // MHA and GQA: KV heads are split across TP ranks, one shard per rank.
   kMla = 1,  // MLA: one latent KV, identical on every rank, stored once.
+};
+
+// What a hit at a token boundary needs of one KV group of a hybrid model (docs/keys.md "Groups").
+// The numeric values are part of the canonical encoding: never renumber.
+enum class GroupKind : uint8_t {
+  kFull = 0,    // Every page before the boundary: full attention, and any pool a hit needs whole
+                // (SGLang's ALL_PAGES pools, e.g. a sparse-attention indexer).
+  kWindow = 1,  // Sliding-window attention of W tokens: the pages of the last W - 1 tokens
+                // before the boundary.
+  kState = 2,   // Recurrent state (Mamba, Gated DeltaNet, short conv): the state saved at exactly
+                // the boundary, stored with the boundary's last page.
+};
+
+// "full", "window" or "state".
+absl::string_view GroupKindName(GroupKind kind);
+
+struct KvGroup {
+  GroupKind kind = GroupKind::kFull;
+  uint32_t window_tokens = 0;  // kWindow: W, 1..kMaxWindowTokens; 0 for the other kinds.
+
+  // Pages a hit needs before its boundary for a window of W tokens and pages of P tokens:
+  // ceil((W - 1) / P), the pages holding the W - 1 tokens the next token attends to.
+  uint32_t WindowPages(uint32_t page_size) const {
+    return window_tokens <= 1 ? 0 : (window_tokens - 2) / page_size + 1;
+  }
+  bool operator==(const KvGroup& other) const {
+    return kind == other.kind && window_tokens == other.window_tokens;
+  }
 };
 
 // "mha" or "mla".
@@ -44,6 +73,13 @@ inline constexpr uint32_t kMaxPageSize = 65536;
 inline constexpr uint32_t kMaxTpSize = 1024;
 // Per string field; bounds the encoding and the log lines that print it.
 inline constexpr size_t kMaxNamespaceStringBytes = 1024;
+// KV groups of one model: hybrids have a few (vLLM makes one group per run of same-kind layers).
+inline constexpr size_t kMaxKvGroups = 16;
+// Objects of one page, all groups and shards together (the index keeps a page's objects in one
+// 64-bit mask: core/radix_index.h kMaxShardsPerPage).
+inline constexpr uint32_t kMaxObjectsPerPage = 64;
+// Far above any model's window (Gemma 3: 1024 tokens, gpt-oss: 128, Mistral: 4096).
+inline constexpr uint32_t kMaxWindowTokens = 1u << 24;
 
 struct NamespaceSpec {
   std::string tenant;          // May be empty (single-tenant deployments).
@@ -55,17 +91,30 @@ struct NamespaceSpec {
   LayoutKind layout = LayoutKind::kMha;
   uint32_t tp_size = 1;      // Tensor-parallel size of the engine group (the shard spec).
   bool opaque_keys = false;  // Engine supplies its own 32-byte page keys (docs/keys.md).
+  // The KV groups of a hybrid model. Empty (or one kFull group, the same namespace): one
+  // full-attention group, every model that is not hybrid.
+  std::vector<KvGroup> groups;
 
   // OK, or InvalidArgument naming the first bad field and its value.
   absl::Status Validate() const;
 
-  // Objects stored per page: tp_size for MHA/GQA, 1 for MLA.
+  // Objects stored per page and group: tp_size for MHA/GQA, 1 for MLA.
   uint32_t ShardsPerPage() const { return layout == LayoutKind::kMla ? 1 : tp_size; }
+  // True when groups say more than one full-attention group.
+  bool Hybrid() const {
+    return groups.size() > 1 || (groups.size() == 1 && groups[0].kind != GroupKind::kFull);
+  }
+  // Groups of a page: groups.size(), or 1.
+  uint32_t NumGroups() const { return Hybrid() ? static_cast<uint32_t>(groups.size()) : 1; }
+  // Objects stored per page: ShardsPerPage() for each group. Object (g, r) of a page is
+  // g * ShardsPerPage() + r.
+  uint32_t ObjectsPerPage() const { return NumGroups() * ShardsPerPage(); }
 
-  // The canonical "kvcellar-ns-v2" encoding (docs/keys.md): length-prefixed strings and u32 LE
-  // integers in a fixed order. It encodes ShardsPerPage(), not tp_size, so MLA groups of any TP
-  // size share pages (their objects are byte-identical). Meaningful only for a spec that passes
-  // Validate().
+  // The canonical encoding (docs/keys.md): length-prefixed strings and u32 LE integers in a
+  // fixed order, "kvcellar-ns-v2" for a model that is not hybrid and "kvcellar-ns-v3" (the same
+  // fields, then the groups) for one that is. It encodes ShardsPerPage(), not tp_size, so MLA
+  // groups of any TP size share pages (their objects are byte-identical). Meaningful only for a
+  // spec that passes Validate().
   std::string CanonicalEncoding() const;
 
   // SHA-256 of CanonicalEncoding(): ns_digest, the root of the namespace's key chains.

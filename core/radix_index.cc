@@ -200,6 +200,25 @@ absl::StatusOr<std::unique_ptr<RadixIndex>> RadixIndex::Create(
                                                    options.shards_per_page, " not in [1, ",
                                                    kMaxShardsPerPage, "]"));
   }
+  if (!options.groups.empty() &&
+      options.shards_per_page % static_cast<int>(options.groups.size()) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("radix index: shards_per_page ", options.shards_per_page,
+                     " is not a multiple of the number of groups (", options.groups.size(), ")"));
+  }
+  for (size_t g = 0; g < options.groups.size(); ++g) {
+    const GroupRule& rule = options.groups[g];
+    if (rule.kind != GroupKind::kFull && rule.kind != GroupKind::kWindow &&
+        rule.kind != GroupKind::kState) {
+      return absl::InvalidArgumentError(absl::StrCat("radix index: groups[", g, "].kind ",
+                                                     static_cast<int>(rule.kind), " is unknown"));
+    }
+    if (rule.kind != GroupKind::kWindow && rule.window_pages != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("radix index: groups[", g,
+                                                     "].window_pages is ", rule.window_pages,
+                                                     " for a group that has no window"));
+    }
+  }
   if (options.l3_tiers < 0 || options.l3_tiers > kMaxL3Tiers) {
     return absl::InvalidArgumentError(
         absl::StrCat("radix index: l3_tiers ", options.l3_tiers, " not in [0, ", kMaxL3Tiers, "]"));
@@ -219,6 +238,8 @@ absl::StatusOr<std::unique_ptr<RadixIndex>> RadixIndex::Create(
 
 RadixIndex::RadixIndex(const RadixIndexOptions& options, std::unique_ptr<EvictionPolicy> policy)
     : shards_per_page_(options.shards_per_page),
+      groups_(options.groups.empty() ? std::vector<GroupRule>{GroupRule{}} : options.groups),
+      hybrid_(groups_.size() > 1 || groups_[0].kind != GroupKind::kFull),
       l3_tiers_(options.l3_tiers),
       object_bytes_(options.object_bytes),
       high_watermark_(options.high_watermark),
@@ -358,10 +379,17 @@ void RadixIndex::AfterL2Change(Node* n, bool held_l2_before) {
 absl::StatusOr<MatchResult> RadixIndex::Match(absl::Span<const PageKey> keys,
                                               const MatchOptions& options) {
   if (absl::Status s = CheckShardSet(options.shards); !s.ok()) return s;
+  for (size_t g = 0; hybrid_ && g < groups_.size(); ++g) {
+    if ((options.shards & GroupMask(g)) == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("match: shard set names no object of group ", g));
+    }
+  }
   const ShardMask need = options.shards;
   MatchResult result;
   absl::MutexLock lock(&mu_);
   scratch_.clear();
+  if (hybrid_) return MatchGroupsLocked(keys, options);
 
   // keys[i+1] must be a child of keys[i]: a sequence that is not a chain stops the match.
   const size_t slab_ahead = kSlabPrefetchNodes * slab_->node_bytes() + offsetof(Node, key);
@@ -433,6 +461,85 @@ absl::StatusOr<MatchResult> RadixIndex::Match(absl::Span<const PageKey> keys,
   if (options.pin.has_value()) {
     for (Node* hit : scratch_) AddPin(hit, options.pin->owner, options.pin->deadline);
     result.pinned_pages = result.l2_pages;
+  }
+  return result;
+}
+
+ShardMask RadixIndex::GroupMask(size_t g) const {
+  const int per_group = shards_per_page_ / static_cast<int>(groups_.size());
+  return AllShards(per_group) << (static_cast<int>(g) * per_group);
+}
+
+ShardMask RadixIndex::NeededObjects(ShardMask shards, uint32_t hit_pages, uint32_t page) const {
+  if (!hybrid_) return shards;
+  ShardMask needed = 0;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const GroupRule& rule = groups_[g];
+    bool used = false;
+    switch (rule.kind) {
+      case GroupKind::kFull:
+        used = page < hit_pages;
+        break;
+      case GroupKind::kWindow:
+        used = page < hit_pages && page + rule.window_pages >= hit_pages;
+        break;
+      case GroupKind::kState:
+        used = page + 1 == hit_pages;
+        break;
+    }
+    if (used) needed |= shards & GroupMask(g);
+  }
+  return needed;
+}
+
+MatchResult RadixIndex::MatchGroupsLocked(absl::Span<const PageKey> keys,
+                                          const MatchOptions& options) {
+  MatchResult result;
+  // The path: the chain's indexed pages, each holding committed L2 data (a tombstone or a doomed
+  // page ends it: nothing after it can be loaded under one pin).
+  Node* n = keys.empty() ? nullptr : Find(keys[0]);
+  for (size_t i = 0; n != nullptr && n->resident != 0 && !n->doomed;) {
+    scratch_.push_back(n);
+    if (++i == keys.size()) break;
+    n = FindChild(n, keys[i]);
+  }
+  // Boundary b = i + 1 is a hit when every full group has pages [0, b), every window group its
+  // last min(b, window_pages) pages before b, and every state group page b - 1.
+  ShardMask full_need = 0;
+  ShardMask state_need = 0;
+  absl::InlinedVector<std::pair<ShardMask, uint32_t>, 4> windows;  // (needed objects, pages)
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const ShardMask need = options.shards & GroupMask(g);
+    switch (groups_[g].kind) {
+      case GroupKind::kFull:
+        full_need |= need;
+        break;
+      case GroupKind::kWindow:
+        windows.push_back({need, groups_[g].window_pages});
+        break;
+      case GroupKind::kState:
+        state_need |= need;
+        break;
+    }
+  }
+  absl::InlinedVector<uint32_t, 4> runs(windows.size(), 0);
+  uint32_t hit = 0;
+  for (size_t i = 0; i < scratch_.size(); ++i) {
+    const ShardMask have = scratch_[i]->resident;
+    if ((have & full_need) != full_need) break;
+    bool ok = (have & state_need) == state_need;
+    for (size_t w = 0; w < windows.size(); ++w) {
+      runs[w] = (have & windows[w].first) == windows[w].first ? runs[w] + 1 : 0;
+      ok = ok && runs[w] >= std::min<uint32_t>(static_cast<uint32_t>(i + 1), windows[w].second);
+    }
+    if (ok) hit = static_cast<uint32_t>(i + 1);
+  }
+  scratch_.resize(hit);
+  result.l2_pages = hit;
+  for (size_t j = scratch_.size(); j-- > 0;) policy_->OnAccess(&scratch_[j]->hook);
+  if (options.pin.has_value()) {
+    for (Node* page : scratch_) AddPin(page, options.pin->owner, options.pin->deadline);
+    result.pinned_pages = hit;
   }
   return result;
 }

@@ -66,6 +66,7 @@
 #include "absl/types/span.h"
 #include "core/eviction_policy.h"
 #include "core/index_events.h"
+#include "core/namespace_spec.h"
 #include "core/page_key.h"
 #include "core/slot_ref.h"
 
@@ -84,9 +85,24 @@ inline ShardMask AllShards(int shards_per_page) {
   return shards_per_page >= 64 ? ~ShardMask{0} : (ShardMask{1} << shards_per_page) - 1;
 }
 
+// KV groups of a hybrid model (docs/keys.md "Groups"). A page is the KV of P tokens of every
+// group at once: one node, whose objects are group-major, `shards_per_page / groups` objects
+// (the TP shards) per group: object (g, r) is shard g * (shards_per_page / groups) + r. What a
+// hit at a token boundary needs of each group depends on its kind (GroupKind).
+struct GroupRule {
+  GroupKind kind = GroupKind::kFull;
+  // kWindow: pages a hit needs before its boundary, ceil((W - 1) / P) for a window of W tokens
+  // and pages of P tokens (a hit at a shorter boundary needs every page before it).
+  uint32_t window_pages = 0;
+};
+
 struct RadixIndexOptions {
-  // 1 for MLA; the TP size for MHA/GQA. At most kMaxShardsPerPage.
+  // 1 for MLA; the TP size for MHA/GQA; times the number of groups for a hybrid model. At most
+  // kMaxShardsPerPage.
   int shards_per_page = 1;
+  // Empty: one full-attention group (every namespace of a model that is not hybrid). Otherwise
+  // one rule per group, and shards_per_page a multiple of their number.
+  std::vector<GroupRule> groups;
   // Number of L3 tiers the storage layer has, in its order of preference. At most kMaxL3Tiers.
   int l3_tiers = 0;
   // Bytes of one (page, shard) object, for byte accounting (watermarks, EvictBytes). Pass the
@@ -144,7 +160,9 @@ struct MatchOptions {
 };
 
 struct MatchResult {
-  // Leading pages with every needed shard committed in L2.
+  // Leading pages with every needed shard committed in L2. With groups: the longest boundary at
+  // which every group has what a hit needs (see GroupKind) committed in L2, every page before it
+  // holding committed L2 data; only those objects are what a Load may copy (NeededObjects).
   uint32_t l2_pages = 0;
   // Per tier: pages after the L2 hit with every needed shard in that tier.
   std::array<uint32_t, kMaxL3Tiers> l3_pages{};
@@ -262,6 +280,10 @@ class RadixIndex {
   // as an access for the eviction policy and is pinned under options.pin when given, under the
   // same lock, so no eviction can take it between match and load. InvalidArgument for an empty
   // shard set or a shard beyond shards_per_page.
+  //
+  // With groups, options.shards names the needed objects of every group (the same ranks in each)
+  // and the L2 hit is the longest boundary every group serves (GroupKind). L3 runs are not
+  // counted for such an index yet (zero): a hybrid hit is served from L2 only.
   absl::StatusOr<MatchResult> Match(absl::Span<const PageKey> keys, const MatchOptions& options)
       ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -389,6 +411,12 @@ class RadixIndex {
   absl::Status CheckInvariants() const ABSL_LOCKS_EXCLUDED(mu_);
 
   int shards_per_page() const { return shards_per_page_; }
+  // The index's groups (one kFull group when created without any).
+  absl::Span<const GroupRule> groups() const { return groups_; }
+  // Which of `shards` a Load of a hit of `hit_pages` pages copies for its page `page`: the full
+  // groups' objects on every page, a window group's on the last window_pages, a state group's on
+  // the last page only. All of `shards` without groups.
+  ShardMask NeededObjects(ShardMask shards, uint32_t hit_pages, uint32_t page) const;
   int l3_tiers() const { return l3_tiers_; }
   uint64_t object_bytes() const { return object_bytes_.load(std::memory_order_acquire); }
 
@@ -494,10 +522,18 @@ class RadixIndex {
   uint8_t PageTiers(const Node* n) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   uint64_t MemoryBytesLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status CheckShardSet(ShardMask shards) const;
+  // Match for an index with groups: the walk, the boundary rule, the access and the pin.
+  MatchResult MatchGroupsLocked(absl::Span<const PageKey> keys, const MatchOptions& options)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The objects of group g.
+  ShardMask GroupMask(size_t g) const;
 
   // Immutable after construction, but object_bytes_, which changes only while the index is
   // empty (ResetObjectBytes, under mu_).
   const int shards_per_page_;
+  const std::vector<GroupRule> groups_;
+  // True when groups_ is more than the one full-attention group: Match takes MatchGroupsLocked.
+  const bool hybrid_;
   const int l3_tiers_;
   std::atomic<uint64_t> object_bytes_;
   const double high_watermark_;

@@ -23,7 +23,8 @@ NamespaceSpec Good() {
                        .page_size = 16,
                        .layout = LayoutKind::kMha,
                        .tp_size = 2,
-                       .opaque_keys = false};
+                       .opaque_keys = false,
+                       .groups = {}};
 }
 
 void ExpectInvalid(const NamespaceSpec& ns, absl::string_view field, absl::string_view detail) {
@@ -155,7 +156,8 @@ TEST(NamespaceSpecTest, EncodingLayout) {
                          .page_size = 0x01020304,
                          .layout = LayoutKind::kMla,
                          .tp_size = 8,
-                         .opaque_keys = true};
+                         .opaque_keys = true,
+                         .groups = {}};
   const std::string enc = ns.CanonicalEncoding();
   const std::string want = std::string("\x0e\0\0\0kvcellar-ns-v2", 18) +  //
                            std::string("\x01\0\0\0t", 5) +                // tenant

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
 #include <string>
@@ -244,7 +245,8 @@ const PageKey& TestRoot() {
                      .page_size = 16,
                      .layout = LayoutKind::kMha,
                      .tp_size = 1,
-                     .opaque_keys = false};
+                     .opaque_keys = false,
+                     .groups = {}};
     return ns.Digest();
   }();
   return root;
@@ -481,6 +483,18 @@ class GoldenTest : public ::testing::Test {
     ns.layout = layout.value_or(LayoutKind::kMha);
     ns.tp_size = static_cast<uint32_t>(Field(j, "tp_size").number);
     ns.opaque_keys = Field(j, "opaque_keys").boolean;
+    if (const Json* groups = j.Find("groups"); groups != nullptr) {
+      for (const Json& g : groups->array) {
+        const std::string kind = Field(g, "kind").str;
+        KvGroup group;
+        group.kind = kind == "window"  ? GroupKind::kWindow
+                     : kind == "state" ? GroupKind::kState
+                                       : GroupKind::kFull;
+        EXPECT_EQ(GroupKindName(group.kind), kind);
+        group.window_tokens = static_cast<uint32_t>(Field(g, "window_tokens").number);
+        ns.groups.push_back(group);
+      }
+    }
     return ns;
   }
 
@@ -499,6 +513,7 @@ class GoldenTest : public ::testing::Test {
 
 TEST_F(GoldenTest, FileHasTheExpectedCases) {
   EXPECT_EQ(Field(doc_, "encoding_tag").str, "kvcellar-ns-v2");
+  EXPECT_EQ(Field(doc_, "hybrid_encoding_tag").str, "kvcellar-ns-v3");
   // Guards against an emptied or truncated file passing vacuously.
   EXPECT_GE(Field(doc_, "cases").array.size(), 8u);
   EXPECT_GE(Field(doc_, "opaque_cases").array.size(), 2u);
@@ -531,6 +546,52 @@ TEST_F(GoldenTest, NamespaceEncodingDigestAndPageKeysMatchByteForByte) {
     ASSERT_EQ(v.size(), want.size());
     for (size_t i = 0; i < v.size(); ++i) EXPECT_EQ(v[i], KeyOf(want[i].str)) << "page " << i;
   }
+}
+
+TEST_F(GoldenTest, HybridNamespacesTakeTheV3EncodingAndOneFullGroupDoesNot) {
+  std::map<std::string, std::string> digests;
+  size_t hybrids = 0;
+  for (const Json& c : Field(doc_, "cases").array) {
+    digests[Field(c, "name").str] = Field(c, "ns_digest").str;
+    const NamespaceSpec ns = SpecOf(Field(c, "namespace"));
+    if (!ns.Hybrid()) continue;
+    ++hybrids;
+    // "kvcellar-ns-v3", length-prefixed, then the groups at the end.
+    EXPECT_EQ(Field(c, "encoding_hex").str.substr(0, 36),
+              absl::BytesToHexString(std::string("\x0e\0\0\0kvcellar-ns-v3", 18)));
+    EXPECT_EQ(ns.ObjectsPerPage(), ns.NumGroups() * ns.ShardsPerPage());
+  }
+  EXPECT_GE(hybrids, 2u);
+  EXPECT_EQ(digests["one_full_group_is_v2"], digests["docs_example"]);
+}
+
+TEST(NamespaceGroupsTest, BadGroupsAreRefusedNamingTheField) {
+  NamespaceSpec ns;
+  ns.model_id = "m";
+  ns.model_revision = "r";
+  ns.kv_dtype = "bf16";
+  ns.page_size = 16;
+  ns.groups = {KvGroup{GroupKind::kFull, 0}, KvGroup{GroupKind::kWindow, 0}};
+  EXPECT_THAT(ns.Validate().message(),
+              ::testing::HasSubstr("groups[1].window_tokens 0 is out of range"));
+  ns.groups[1] = KvGroup{GroupKind::kState, 64};
+  EXPECT_THAT(ns.Validate().message(),
+              ::testing::HasSubstr("groups[1].window_tokens is 64 for a state group"));
+  ns.groups[1] = KvGroup{static_cast<GroupKind>(9), 0};
+  EXPECT_THAT(ns.Validate().message(), ::testing::HasSubstr("groups[1].kind 9 is not a known"));
+  ns.groups = std::vector<KvGroup>(17, KvGroup{});
+  EXPECT_THAT(ns.Validate().message(), ::testing::HasSubstr("17 groups, more than the limit"));
+  ns.groups = {KvGroup{}, KvGroup{GroupKind::kState, 0}};
+  ns.tp_size = 32;
+  EXPECT_TRUE(ns.Validate().ok()) << ns.Validate();
+  ns.tp_size = 33;
+  EXPECT_THAT(ns.Validate().message(), ::testing::HasSubstr("66 objects per page"));
+  // A window of W tokens needs the pages holding its last W - 1 tokens before a boundary.
+  EXPECT_EQ((KvGroup{GroupKind::kWindow, 1}.WindowPages(16)), 0u);
+  EXPECT_EQ((KvGroup{GroupKind::kWindow, 2}.WindowPages(16)), 1u);
+  EXPECT_EQ((KvGroup{GroupKind::kWindow, 17}.WindowPages(16)), 1u);
+  EXPECT_EQ((KvGroup{GroupKind::kWindow, 18}.WindowPages(16)), 2u);
+  EXPECT_EQ((KvGroup{GroupKind::kWindow, 4096}.WindowPages(16)), 256u);
 }
 
 TEST_F(GoldenTest, OpaqueNamespacesAndScopedKeysMatch) {

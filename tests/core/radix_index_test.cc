@@ -4,6 +4,7 @@
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -299,6 +300,139 @@ TEST_P(RadixIndexTest, GroupMatchNeedsEveryShard) {
   ASSERT_TRUE(index->Commit({keys[2], 3}).ok());
   EXPECT_EQ(MatchOk(*index, keys, all).l2_pages, 4u);
   EXPECT_EQ(index->Stats().l2_objects, 16u);
+}
+
+// --- Groups (hybrid models) --------------------------------------------------------------------
+
+std::unique_ptr<RadixIndex> MakeHybrid(std::vector<GroupRule> groups, int tp,
+                                       EvictionPolicyKind policy) {
+  RadixIndexOptions o;
+  o.shards_per_page = static_cast<int>(groups.size()) * tp;
+  o.l3_tiers = 1;
+  o.groups = std::move(groups);
+  o.object_bytes = 1000;
+  o.policy = policy;
+  auto index = RadixIndex::Create(o);
+  EXPECT_TRUE(index.ok()) << index.status();
+  return index.ok() ? std::move(*index) : nullptr;
+}
+
+TEST_P(RadixIndexTest, GroupsAreCheckedAtCreate) {
+  RadixIndexOptions o;
+  o.object_bytes = 1;
+  o.shards_per_page = 3;
+  o.groups = {GroupRule{}, GroupRule{GroupKind::kWindow, 2}};
+  auto bad = RadixIndex::Create(o);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(),
+              ::testing::HasSubstr("not a multiple of the number of groups"));
+  o.shards_per_page = 4;
+  o.groups = {GroupRule{GroupKind::kState, 3}, GroupRule{}};
+  bad = RadixIndex::Create(o);
+  EXPECT_THAT(bad.status().message(), ::testing::HasSubstr("groups[0].window_pages is 3"));
+  o.groups = {GroupRule{}, GroupRule{static_cast<GroupKind>(7)}};
+  EXPECT_THAT(RadixIndex::Create(o).status().message(), ::testing::HasSubstr("groups[1].kind 7"));
+  o.groups = {GroupRule{}, GroupRule{GroupKind::kWindow, 2}};
+  auto ok = RadixIndex::Create(o);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ((*ok)->groups().size(), 2u);
+  // Every group's objects must be asked for: a Match naming only the full group's is refused.
+  auto r = (*ok)->Match(Chain(1, 2), MatchOptions{0b0011, std::nullopt});
+  EXPECT_THAT(r.status().message(), ::testing::HasSubstr("no object of group 1"));
+}
+
+TEST_P(RadixIndexTest, HybridHitIsTheLongestBoundaryEveryGroupServes) {
+  // Full attention (objects 0, 1 at TP 2), a window of 2 pages (2, 3), a recurrent state (4, 5).
+  auto index = MakeHybrid(
+      {GroupRule{}, GroupRule{GroupKind::kWindow, 2}, GroupRule{GroupKind::kState}}, 2, GetParam());
+  const auto keys = Chain(100, 6);
+  const ShardMask full = 0b000011, window = 0b001100, state = 0b110000;
+  const ShardMask all = full | window | state;
+  // Full KV on every page; the window's pages from page 2 on (0 and 1 were dropped); states
+  // saved at boundaries 3 and 5 (pages 2 and 4), the one at 5 by rank 0 only so far.
+  Put(*index, {keys[0], keys[1]}, std::nullopt, full);
+  Put(*index, {keys[2]}, keys[1], full | window | state);
+  Put(*index, {keys[3]}, keys[2], full | window);
+  Put(*index, {keys[4]}, keys[3], full | window | 0b010000);
+  Put(*index, {keys[5]}, keys[4], full | window);
+  // Boundary 3 lacks the window's page 1, 5 rank 1's state, 6 any state: no hit at all.
+  EXPECT_EQ(MatchOk(*index, keys, all).l2_pages, 0u);
+  // Rank 0 alone (a group of its objects) hits at 5: window pages 3 and 4, the state at page 4.
+  EXPECT_EQ(MatchOk(*index, keys, 0b010101).l2_pages, 5u);
+  Put(*index, {keys[4]}, keys[3], 0b100000);
+  const MatchResult hit = MatchOk(*index, keys, all, PinLease{7, kT0 + absl::Seconds(10)});
+  EXPECT_EQ(hit.l2_pages, 5u);
+  EXPECT_EQ(hit.pinned_pages, 5u);
+  EXPECT_EQ(index->Inspect(keys[0])->pins, 1u);
+  EXPECT_EQ(index->Inspect(keys[5])->pins, 0u);
+  // A Load copies the full group everywhere, the window on pages 3 and 4, the state on page 4.
+  EXPECT_EQ(index->NeededObjects(all, 5, 0), full);
+  EXPECT_EQ(index->NeededObjects(all, 5, 2), full);
+  EXPECT_EQ(index->NeededObjects(all, 5, 3), full | window);
+  EXPECT_EQ(index->NeededObjects(all, 5, 4), all);
+  EXPECT_EQ(index->NeededObjects(all, 5, 5), 0u);
+  // A boundary shorter than the window needs every page before it: 1 is no hit (no state there).
+  EXPECT_EQ(MatchOk(*index, {keys[0]}, all).l2_pages, 0u);
+  EXPECT_EQ(index->ReleaseOwner(7), 5u);
+  // Without a full group (a model whose every layer is windowed) only the window counts.
+  auto swa = MakeHybrid({GroupRule{GroupKind::kWindow, 2}}, 1, GetParam());
+  Put(*swa, keys, std::nullopt, 1);
+  EXPECT_EQ(MatchOk(*swa, keys, 1).l2_pages, 6u);
+  EXPECT_EQ(swa->NeededObjects(1, 6, 3), 0u);
+  EXPECT_EQ(swa->NeededObjects(1, 6, 4), 1u);
+}
+
+TEST_P(RadixIndexTest, HybridMatchAgreesWithTheRuleOnRandomPages) {
+  // Against the definition, on random object sets: boundary b is a hit when pages [0, b) are
+  // indexed and hold L2 data, every full group holds [0, b), every window group its last
+  // min(b, W) pages, every state group page b - 1.
+  std::mt19937 rng(7);
+  const std::vector<GroupRule> rules = {GroupRule{}, GroupRule{GroupKind::kWindow, 3},
+                                        GroupRule{GroupKind::kState},
+                                        GroupRule{GroupKind::kWindow, 1}};
+  const int tp = 2;
+  int hits = 0;
+  for (int round = 0; round < 300; ++round) {
+    auto index = MakeHybrid(rules, tp, GetParam());
+    const int n = static_cast<int>(rng() % 10);
+    const auto keys = Chain(1000 * round, n);
+    std::vector<ShardMask> have(n);
+    std::optional<PageKey> parent;
+    for (int i = 0; i < n; ++i) {
+      // Each object present 7 times in 8; one page in 10 with none in L2.
+      have[i] = 0;
+      for (int b = 0; b < 8; ++b) have[i] |= rng() % 8 != 0 ? ShardMask{1} << b : 0;
+      if (rng() % 10 == 0) have[i] = 0;
+      if (have[i] == 0) {
+        // Indexed without L2 (a copy in L3 only): such a page ends every hit.
+        L3Update u{keys[i], parent, 0, 0, true};
+        absl::Status st;
+        ASSERT_EQ(index->UpdateL3({&u, 1}, {&st, 1}), 1u) << st;
+      } else {
+        Put(*index, {keys[i]}, parent, have[i]);
+      }
+      parent = keys[i];
+    }
+    for (const ShardMask ask : {AllShards(8), ShardMask{0b01010101}}) {
+      uint32_t want = 0;
+      for (int b = n; b >= 1 && want == 0; --b) {
+        bool ok = true;
+        for (int i = 0; i < b; ++i) ok = ok && have[i] != 0;
+        for (size_t g = 0; g < rules.size(); ++g) {
+          const ShardMask need = ask & (AllShards(tp) << (g * tp));
+          int from = 0, to = b;  // Pages [from, to) need the group's objects.
+          if (rules[g].kind == GroupKind::kWindow)
+            from = std::max(0, b - int(rules[g].window_pages));
+          if (rules[g].kind == GroupKind::kState) from = b - 1;
+          for (int i = from; i < to; ++i) ok = ok && (have[i] & need) == need;
+        }
+        if (ok) want = static_cast<uint32_t>(b);
+      }
+      EXPECT_EQ(MatchOk(*index, keys, ask).l2_pages, want) << "round " << round;
+      hits += want > 0;
+    }
+  }
+  EXPECT_GE(hits, 150);  // The rule is exercised, not only its misses.
 }
 
 TEST_P(RadixIndexTest, MlaSingleShard) {

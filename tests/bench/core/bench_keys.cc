@@ -50,7 +50,8 @@ PageKey Root() {
                    .page_size = 16,
                    .layout = LayoutKind::kMha,
                    .tp_size = 1,
-                   .opaque_keys = false};
+                   .opaque_keys = false,
+                   .groups = {}};
   return ns.Digest();
 }
 
@@ -210,7 +211,8 @@ void BM_NamespaceDigest(benchmark::State& state) {
                    .page_size = 16,
                    .layout = LayoutKind::kMha,
                    .tp_size = 1,
-                   .opaque_keys = false};
+                   .opaque_keys = false,
+                   .groups = {}};
   for (auto _ : state) benchmark::DoNotOptimize(ns.Digest());
 }
 BENCHMARK(BM_NamespaceDigest);
