@@ -15,7 +15,7 @@ yet; the group's pins and ops follow docs/api.md: the dead rank's holds drop wit
 Every process that was not killed must exit OK with every loaded byte verified.
 
 The daemon's RSS, open fds and threads are sampled every few seconds; after a warm-up they must
-stay flat (bounds below). Duration: KVCELLAR_SOAK_SECONDS (default 180, the CI run); the README
+stay flat (bounds below). Duration: KVCELLAR_SOAK_SECONDS (default 150, the CI run); the README
 gives the 10-minute command. Runs under Debian's /usr/bin/python3.
 """
 import collections
@@ -34,7 +34,7 @@ from engine_sim import (DAEMON_ARGS, EXIT_OK, EngineProcess, metric, metrics,
                         remove_engine_shm, require_cache_service)
 from redis_util import RedisServer
 
-SOAK_SECONDS = float(os.environ.get("KVCELLAR_SOAK_SECONDS", "180"))
+SOAK_SECONDS = float(os.environ.get("KVCELLAR_SOAK_SECONDS", "150"))
 # The first 30% of the run: sessions, pool regions, size classes, Redis connections, metric
 # series and gRPC's threads all reach their working level here; later growth is a leak.
 WARMUP_FRACTION = 0.3
