@@ -456,13 +456,17 @@ absl::StatusOr<MatchResult> RadixIndex::Match(absl::Span<const PageKey> keys,
     }
   }
 
+  TouchAndPinHitLocked(options, &result);
+  return result;
+}
+
+void RadixIndex::TouchAndPinHitLocked(const MatchOptions& options, MatchResult* result) {
   // Deepest page first, so that under LRU a parent ends up more recent than its children.
   for (size_t j = scratch_.size(); j-- > 0;) policy_->OnAccess(&scratch_[j]->hook);
   if (options.pin.has_value()) {
     for (Node* hit : scratch_) AddPin(hit, options.pin->owner, options.pin->deadline);
-    result.pinned_pages = result.l2_pages;
+    result->pinned_pages = result->l2_pages;
   }
-  return result;
 }
 
 ShardMask RadixIndex::GroupMask(size_t g) const {
@@ -536,11 +540,7 @@ MatchResult RadixIndex::MatchGroupsLocked(absl::Span<const PageKey> keys,
   }
   scratch_.resize(hit);
   result.l2_pages = hit;
-  for (size_t j = scratch_.size(); j-- > 0;) policy_->OnAccess(&scratch_[j]->hook);
-  if (options.pin.has_value()) {
-    for (Node* page : scratch_) AddPin(page, options.pin->owner, options.pin->deadline);
-    result.pinned_pages = hit;
-  }
+  TouchAndPinHitLocked(options, &result);
   return result;
 }
 

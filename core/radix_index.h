@@ -527,6 +527,10 @@ class RadixIndex {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The objects of group g.
   ShardMask GroupMask(size_t g) const;
+  // The end of every Match: scratch_ holds the L2 hit's pages (result->l2_pages of them); counts
+  // them as an access for the policy and pins them under options.pin when given.
+  void TouchAndPinHitLocked(const MatchOptions& options, MatchResult* result)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Immutable after construction, but object_bytes_, which changes only while the index is
   // empty (ResetObjectBytes, under mu_).
