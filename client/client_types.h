@@ -254,9 +254,14 @@ struct MatchReply {
 
 // ---- Load / Backup ----------------------------------------------------------------------------
 
+// In a hybrid namespace's blocks: this group's object of this page is not moved.
+inline constexpr uint32_t kNoBlock = 0xFFFFFFFF;
+
 struct LoadSequence {
   absl::Span<const core::PageKey> keys;
-  absl::Span<const uint32_t> blocks;  // blocks[i] receives keys[i].
+  // blocks[i] receives keys[i]. In a hybrid namespace (NamespaceSpec::groups): N x G blocks,
+  // page-major, kNoBlock where group g of page i is not loaded.
+  absl::Span<const uint32_t> blocks;
   uint64_t pin_id = 0;
   bool release_pin = false;
   std::string request_id;
@@ -272,7 +277,7 @@ struct BackupSequence {
   core::PageKey parent;
   bool has_parent = false;
   absl::Span<const core::PageKey> keys;
-  absl::Span<const uint32_t> blocks;
+  absl::Span<const uint32_t> blocks;  // As LoadSequence::blocks.
   std::string request_id;
 };
 

@@ -24,6 +24,7 @@ struct kvc_client {
 
 struct kvc_session {
   std::unique_ptr<Session> session;
+  size_t blocks_per_page = 1;  // The namespace's KV groups, or 1.
 };
 
 struct kvc_sim_memory {
@@ -129,6 +130,11 @@ core::NamespaceSpec Namespace(const kvc_namespace& n) {
   ns.layout = n.layout == KVC_LAYOUT_MLA ? core::LayoutKind::kMla : core::LayoutKind::kMha;
   ns.tp_size = n.tp_size;
   ns.opaque_keys = n.opaque_keys != 0;
+  for (size_t g = 0; n.groups != nullptr && g < n.num_groups; ++g) {
+    // Kinds past the enum stay out of range for Validate to name.
+    ns.groups.push_back({static_cast<core::GroupKind>(std::min<uint32_t>(n.groups[g].kind, 255)),
+                         n.groups[g].window_tokens});
+  }
   return ns;
 }
 
@@ -265,6 +271,7 @@ int kvc_register(kvc_client* client, const kvc_registration* r, kvc_session** ou
     kvcellar::core::LayerLayout l;
     l.k = buffer(r->layers[i].k);
     if (r->layers[i].has_v) l.v = buffer(r->layers[i].v);
+    l.group = r->layers[i].group;
     reg.layout.layers.push_back(l);
   }
   reg.layout.num_blocks = r->num_blocks;
@@ -284,9 +291,10 @@ int kvc_register(kvc_client* client, const kvc_registration* r, kvc_session** ou
   }
   reg.replace_existing = r->replace_existing != 0;
   reg.engine_name = Str(r->engine_name);
+  const size_t blocks_per_page = reg.ns.NumGroups();
   absl::StatusOr<std::unique_ptr<Session>> s = client->client->Register(std::move(reg));
   if (!s.ok()) return Code(s.status());
-  *out = new kvc_session{*std::move(s)};
+  *out = new kvc_session{*std::move(s), blocks_per_page};
   return KVC_OK;
 }
 
@@ -381,7 +389,8 @@ int kvc_load(kvc_session* session, kvc_load_seq* seqs, size_t num_seqs, int sign
   std::vector<kc::LoadSequence> in(num_seqs);
   for (size_t i = 0; i < num_seqs; ++i) {
     in[i].keys = Keys(seqs[i].keys, seqs[i].num_pages);
-    in[i].blocks = absl::MakeConstSpan(seqs[i].blocks, seqs[i].num_pages);
+    in[i].blocks =
+        absl::MakeConstSpan(seqs[i].blocks, seqs[i].num_pages * session->blocks_per_page);
     in[i].pin_id = seqs[i].pin_id;
     in[i].release_pin = seqs[i].release_pin != 0;
   }
@@ -398,7 +407,8 @@ int kvc_backup(kvc_session* session, kvc_backup_seq* seqs, size_t num_seqs,
   std::vector<kc::BackupSequence> in(num_seqs);
   for (size_t i = 0; i < num_seqs; ++i) {
     in[i].keys = Keys(seqs[i].keys, seqs[i].num_pages);
-    in[i].blocks = absl::MakeConstSpan(seqs[i].blocks, seqs[i].num_pages);
+    in[i].blocks =
+        absl::MakeConstSpan(seqs[i].blocks, seqs[i].num_pages * session->blocks_per_page);
     if (seqs[i].parent_key != nullptr) {
       in[i].has_parent = true;
       std::memcpy(in[i].parent.bytes.data(), seqs[i].parent_key, KVC_KEY_BYTES);

@@ -103,6 +103,17 @@ typedef struct {
   uint64_t uncertain_submissions;
 } kvc_client_stats;
 
+/* KV group kinds of a hybrid model (the canonical encoding's numbers, docs/keys.md "Groups"). */
+enum { KVC_GROUP_FULL = 0, KVC_GROUP_WINDOW = 1, KVC_GROUP_STATE = 2 };
+
+/* In a hybrid namespace's blocks: this group's object of this page is not moved. */
+#define KVC_NO_BLOCK 0xFFFFFFFFu
+
+typedef struct {
+  uint32_t kind;          /* KVC_GROUP_* */
+  uint32_t window_tokens; /* KVC_GROUP_WINDOW: the window W in tokens; 0 otherwise */
+} kvc_kv_group;
+
 typedef struct {
   const char* tenant; /* NULL: "" */
   const char* model_id;
@@ -112,6 +123,11 @@ typedef struct {
   uint32_t layout; /* KVC_LAYOUT_* */
   uint32_t tp_size;
   int opaque_keys;
+  /* The KV groups of a hybrid model, or NULL / 0: a model of one group. A layer names its group
+   * in kvc_layer.group; Load and Backup blocks are then num_pages x num_groups, page-major, with
+   * KVC_NO_BLOCK for an object not moved. */
+  const kvc_kv_group* groups;
+  size_t num_groups;
 } kvc_namespace;
 
 typedef struct {
@@ -131,7 +147,8 @@ typedef struct {
 typedef struct {
   kvc_buffer k; /* MLA: the latent */
   kvc_buffer v;
-  int has_v; /* 0 for MLA */
+  int has_v;      /* 0 for MLA */
+  uint32_t group; /* index into kvc_namespace.groups; 0 without groups */
 } kvc_layer;
 
 typedef struct {
@@ -206,7 +223,7 @@ typedef struct {
 
 typedef struct {
   const uint8_t* keys;    /* num_pages * 32 bytes */
-  const uint32_t* blocks; /* num_pages */
+  const uint32_t* blocks; /* num_pages (x num_groups in a hybrid namespace, page-major) */
   size_t num_pages;
   uint64_t pin_id;
   int release_pin;
@@ -218,7 +235,7 @@ typedef struct {
 typedef struct {
   const uint8_t* parent_key; /* 32 bytes, or NULL for page 0 */
   const uint8_t* keys;
-  const uint32_t* blocks;
+  const uint32_t* blocks; /* as kvc_load_seq.blocks */
   size_t num_pages;
   /* Out: at submission. */
   uint32_t leading_ok_pages;

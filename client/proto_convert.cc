@@ -30,6 +30,22 @@ void ToProto(const core::NamespaceSpec& ns, v1::NamespaceSpec* out) {
                                                            : v1::LAYOUT_KIND_MHA_GQA);
   out->set_tp_size(ns.tp_size);
   out->set_opaque_keys(ns.opaque_keys);
+  if (!ns.Hybrid()) return;  // One full-attention group: no groups on the wire (API revision 3).
+  for (const core::KvGroup& g : ns.groups) {
+    v1::KvGroup* pg = out->add_groups();
+    switch (g.kind) {
+      case core::GroupKind::kFull:
+        pg->set_kind(v1::KV_GROUP_KIND_FULL_ATTENTION);
+        break;
+      case core::GroupKind::kWindow:
+        pg->set_kind(v1::KV_GROUP_KIND_SLIDING_WINDOW);
+        break;
+      case core::GroupKind::kState:
+        pg->set_kind(v1::KV_GROUP_KIND_RECURRENT_STATE);
+        break;
+    }
+    pg->set_sliding_window_tokens(g.window_tokens);
+  }
 }
 
 v1::RegisterEngineRequest ToRegisterRequest(const EngineRegistration& reg) {
@@ -68,6 +84,7 @@ v1::RegisterEngineRequest ToRegisterRequest(const EngineRegistration& reg) {
     v1::LayerLayout* pl = layout->add_layers();
     ToProto(l.k, pl->mutable_k());
     if (l.v.has_value()) ToProto(*l.v, pl->mutable_v());
+    pl->set_group(l.group);
   }
   layout->set_num_blocks(reg.layout.num_blocks);
   layout->set_tokens_per_block(reg.ns.page_size);

@@ -654,15 +654,16 @@ OpResult SessionImpl::Load(absl::Span<const LoadSequence> sequences, const LoadO
   for (size_t i = 0; i < sequences.size(); ++i) {
     const LoadSequence& seq = sequences[i];
     pages[i] = seq.keys.size();
-    if (seq.keys.size() != seq.blocks.size()) {
-      return FailedOp(
-          OpKind::kLoad, 0, sequences.size(), pages,
-          absl::InvalidArgumentError(absl::StrCat("sequences[", i, "]: ", seq.keys.size(),
-                                                  " keys but ", seq.blocks.size(), " blocks")));
+    if (seq.keys.size() * BlocksPerPage() != seq.blocks.size()) {
+      return FailedOp(OpKind::kLoad, 0, sequences.size(), pages,
+                      absl::InvalidArgumentError(absl::StrCat(
+                          "sequences[", i, "]: ", seq.keys.size(), " keys but ", seq.blocks.size(),
+                          " blocks (", BlocksPerPage(), " per page)")));
     }
     v1::LoadSequence* ps = req.add_sequences();
     AppendKeys(seq.keys, ps->mutable_page_keys());
-    ps->mutable_device_blocks()->Add(seq.blocks.begin(), seq.blocks.end());
+    (reg_.ns.Hybrid() ? ps->mutable_group_blocks() : ps->mutable_device_blocks())
+        ->Add(seq.blocks.begin(), seq.blocks.end());
     ps->set_pin_id(seq.pin_id);
     ps->set_release_pin(seq.release_pin);
     ps->set_request_id(seq.request_id);
@@ -704,16 +705,17 @@ OpResult SessionImpl::Backup(absl::Span<const BackupSequence> sequences,
   for (size_t i = 0; i < sequences.size(); ++i) {
     const BackupSequence& seq = sequences[i];
     pages[i] = seq.keys.size();
-    if (seq.keys.size() != seq.blocks.size()) {
-      return FailedOp(
-          OpKind::kBackup, 0, sequences.size(), pages,
-          absl::InvalidArgumentError(absl::StrCat("sequences[", i, "]: ", seq.keys.size(),
-                                                  " keys but ", seq.blocks.size(), " blocks")));
+    if (seq.keys.size() * BlocksPerPage() != seq.blocks.size()) {
+      return FailedOp(OpKind::kBackup, 0, sequences.size(), pages,
+                      absl::InvalidArgumentError(absl::StrCat(
+                          "sequences[", i, "]: ", seq.keys.size(), " keys but ", seq.blocks.size(),
+                          " blocks (", BlocksPerPage(), " per page)")));
     }
     v1::BackupSequence* ps = req.add_sequences();
     if (seq.has_parent) ps->set_parent_key(std::string(seq.parent.AsBytes()));
     AppendKeys(seq.keys, ps->mutable_page_keys());
-    ps->mutable_device_blocks()->Add(seq.blocks.begin(), seq.blocks.end());
+    (reg_.ns.Hybrid() ? ps->mutable_group_blocks() : ps->mutable_device_blocks())
+        ->Add(seq.blocks.begin(), seq.blocks.end());
     ps->set_request_id(seq.request_id);
   }
   std::optional<Call> call = BeginCall();

@@ -101,6 +101,9 @@ class SessionImpl {
   absl::Duration LeaseGraceLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::shared_ptr<ClientCore> core_;
+  // Blocks a Load or Backup names per page: one, or one per KV group of a hybrid namespace.
+  size_t BlocksPerPage() const { return reg_.ns.Hybrid() ? reg_.ns.NumGroups() : 1; }
+
   const EngineRegistration reg_;
   const core::PageKey ns_digest_;
   // Keys of recent token sequences (the engine's conversations); thread-safe on its own.

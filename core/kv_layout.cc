@@ -1,6 +1,7 @@
 #include "core/kv_layout.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -11,6 +12,7 @@ using int128 = __int128;
 
 struct BufferRef {
   uint32_t layer;
+  uint32_t group;
   const char* which;  // "k" or "v"
   const BufferLayout* buf;
   const std::string* handle;  // The allocation: regions sharing a handle share bytes.
@@ -93,6 +95,23 @@ absl::Status KvLayout::Validate() const {
     }
   }
   const bool mla = !layers.front().v.has_value();
+  // Groups are numbered 0..G-1, each with at least one layer.
+  for (uint32_t i = 0; i < layers.size(); ++i) {
+    if (layers[i].group >= kMaxLayers) {
+      return absl::InvalidArgumentError(absl::StrCat("layers[", i, "].group (", layers[i].group,
+                                                     ") out of range [0, ", kMaxLayers, ")"));
+    }
+  }
+  const uint32_t groups = NumGroups();
+  std::vector<bool> seen(groups, false);
+  for (const LayerLayout& layer : layers) seen[layer.group] = true;
+  for (uint32_t g = 0; g < groups; ++g) {
+    if (!seen[g]) {
+      return absl::InvalidArgumentError(absl::StrCat("layers: no layer is in group ", g,
+                                                     " (groups are numbered 0..", groups - 1,
+                                                     " and each has a layer)"));
+    }
+  }
   std::vector<BufferRef> refs;
   refs.reserve(layers.size() * 2);
   for (uint32_t i = 0; i < layers.size(); ++i) {
@@ -109,7 +128,7 @@ absl::Status KvLayout::Validate() const {
     auto add = [&](const char* which, const BufferLayout& b) {
       const MemoryRegion& r = regions[b.region];
       const uint64_t begin = r.offset + b.offset;  // Fits: both are inside offset + size.
-      refs.push_back({i, which, &b, &r.handle, begin,
+      refs.push_back({i, layer.group, which, &b, &r.handle, begin,
                       begin + uint64_t(num_blocks - 1) * b.block_stride + b.bytes_per_block});
     };
     add("k", layer.k);
@@ -130,6 +149,8 @@ absl::Status KvLayout::Validate() const {
       const BufferRef& a = refs[i];
       const BufferRef& b = refs[j];
       if (*b.handle != *a.handle || b.begin >= a.end) break;
+      // Groups share the engine's block pool: a block is one group's at a time.
+      if (a.group != b.group) continue;
       bool collide;
       const char* why = "";
       if (num_blocks == 1) {
@@ -152,24 +173,38 @@ absl::Status KvLayout::Validate() const {
   return absl::OkStatus();
 }
 
-uint64_t KvLayout::PageObjectBytes() const {
+uint32_t KvLayout::NumGroups() const {
+  uint32_t groups = 0;
+  for (const LayerLayout& l : layers) groups = std::max(groups, l.group + 1);
+  return groups;
+}
+
+uint64_t KvLayout::GroupObjectBytes(uint32_t group) const {
   uint64_t total = 0;
   for (const LayerLayout& l : layers) {
+    if (l.group != group) continue;
     total += l.k.bytes_per_block;
     if (l.v) total += l.v->bytes_per_block;
   }
   return total;
 }
 
+uint64_t KvLayout::PageObjectBytes() const {
+  uint64_t largest = 0;
+  for (uint32_t g = 0; g < NumGroups(); ++g) largest = std::max(largest, GroupObjectBytes(g));
+  return largest;
+}
+
 std::vector<PageSegment> PageSegments(const KvLayout& layout) {
   std::vector<PageSegment> segs;
   segs.reserve(layout.layers.size() * 2);
-  uint64_t at = 0;
+  std::vector<uint64_t> at(layout.NumGroups(), 0);  // The next offset in each group's object.
   for (uint32_t i = 0; i < layout.layers.size(); ++i) {
     const LayerLayout& l = layout.layers[i];
     auto add = [&](uint32_t buffer, const BufferLayout& b) {
-      segs.push_back({i, buffer, b.region, b.offset, b.block_stride, b.bytes_per_block, at});
-      at += b.bytes_per_block;
+      segs.push_back(
+          {i, buffer, b.region, b.offset, b.block_stride, b.bytes_per_block, at[l.group], l.group});
+      at[l.group] += b.bytes_per_block;
     };
     add(0, l.k);
     if (l.v) add(1, *l.v);
@@ -180,8 +215,9 @@ std::vector<PageSegment> PageSegments(const KvLayout& layout) {
 std::vector<LayerObjectOffsets> PageObjectOffsets(const KvLayout& layout) {
   std::vector<LayerObjectOffsets> out;
   out.reserve(layout.layers.size());
-  uint64_t at = 0;
+  std::vector<uint64_t> group_at(layout.NumGroups(), 0);
   for (const LayerLayout& l : layout.layers) {
+    uint64_t& at = group_at[l.group];
     LayerObjectOffsets o;
     o.k_offset = at;
     o.k_bytes = l.k.bytes_per_block;

@@ -10,6 +10,12 @@
 // bytes, packed with no padding. PageSegments() lists those pieces in object order; every copy in
 // the gpu/ backends is driven by that list, so device and host formats cannot drift apart.
 //
+// Hybrid models (docs/keys.md "Groups"): each layer belongs to one KV group (full attention,
+// sliding window, recurrent state), and a page has one object per group, holding that group's
+// layers in layer order. A block index names a block of one group's layers; the engine's block
+// pool is shared by all groups (vLLM's hybrid allocator gives a block to one group at a time), so
+// buffers of different groups may lie over the same bytes.
+//
 // In core (pure arithmetic on the description) because both sides use it: the engine's client
 // library describes its cache with it, and the daemon's gpu/ backends and server/ validate and
 // copy by it.
@@ -57,6 +63,7 @@ struct BufferLayout {
 struct LayerLayout {
   BufferLayout k;                 // MLA: the latent buffer.
   std::optional<BufferLayout> v;  // Absent for MLA.
+  uint32_t group = 0;             // The KV group (NamespaceSpec::groups) the layer belongs to.
 };
 
 struct KvLayout {
@@ -66,14 +73,22 @@ struct KvLayout {
 
   // INVALID_ARGUMENT naming the offending field ("layers[3].v.block_stride ...") when: a count is
   // out of range; a buffer names a missing region, has zero size, overlaps its own next block, or
-  // runs past its region; layers mix MHA and MLA; or two buffers share a byte. A layout that
+  // runs past its region; layers mix MHA and MLA; groups are not numbered 0..G-1 without gaps;
+  // or two buffers of one group share a byte. A layout that
   // passes can be copied to and from without any further bounds checks except block indices.
   absl::Status Validate() const;
 
   // True when every layer has a single (latent) buffer. Meaningful after Validate().
   bool is_mla() const { return !layers.empty() && !layers.front().v.has_value(); }
 
-  // Bytes of one page object: the sum of every buffer's bytes_per_block.
+  // Number of KV groups: the largest layer group + 1 (1 for a model of one group).
+  uint32_t NumGroups() const;
+
+  // Bytes of group `group`'s page object: the sum of its buffers' bytes_per_block.
+  uint64_t GroupObjectBytes(uint32_t group) const;
+
+  // Bytes of the largest page object (of a single-group model: its one object). Every object of
+  // a namespace takes an L2 slot of this size.
   uint64_t PageObjectBytes() const;
 };
 
@@ -85,14 +100,16 @@ struct PageSegment {
   uint64_t device_offset = 0;  // Of block 0, from the region start.
   uint64_t block_stride = 0;
   uint64_t bytes = 0;          // bytes_per_block.
-  uint64_t object_offset = 0;  // Where this piece starts inside the page object.
+  uint64_t object_offset = 0;  // Where this piece starts inside its group's page object.
+  uint32_t group = 0;          // The layer's group: the object this piece belongs to.
 };
 
-// The page object format: segments in object order (layer 0 K, layer 0 V, layer 1 K, ...), each
-// starting where the previous ended. The layout must be valid.
+// The page object format: segments in layer order (layer 0 K, layer 0 V, layer 1 K, ...); within
+// each group's object, each starts where the group's previous one ended. The layout must be valid.
 std::vector<PageSegment> PageSegments(const KvLayout& layout);
 
-// Per-layer view of the same format, for readers of page objects (L3 tools, engines).
+// Per-layer view of the same format, for readers of page objects (L3 tools, engines): offsets
+// inside the layer's group's object.
 struct LayerObjectOffsets {
   uint64_t k_offset = 0;
   uint64_t k_bytes = 0;

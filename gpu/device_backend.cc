@@ -52,7 +52,7 @@ bool DeviceOp::Finish(absl::Status status) {
 }
 
 absl::Status ValidateCopyItems(absl::Span<const CopyItem> items, uint32_t num_blocks,
-                               bool distinct_blocks) {
+                               uint32_t num_groups, bool distinct_blocks) {
   if (items.size() > kMaxCopyItems) {
     return absl::InvalidArgumentError(
         absl::StrCat("items: ", items.size(), " in one batch, more than ", kMaxCopyItems));
@@ -65,6 +65,10 @@ absl::Status ValidateCopyItems(absl::Span<const CopyItem> items, uint32_t num_bl
     }
     if (items[i].host_page == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("items[", i, "].host_page is null"));
+    }
+    if (items[i].group >= num_groups) {
+      return absl::InvalidArgumentError(absl::StrCat("items[", i, "].group (", items[i].group,
+                                                     ") out of range [0, ", num_groups, ")"));
     }
   }
   if (distinct_blocks && items.size() > 1) {

@@ -56,11 +56,12 @@ inline constexpr size_t kMaxCopyItems = 65536;
 // sizeof(cudaIpcEventHandle_t) and sizeof(cudaIpcMemHandle_t).
 inline constexpr size_t kCudaIpcHandleBytes = 64;
 
-// One page: a device block and the host page object (KvLayout::PageObjectBytes() bytes) that
-// mirrors it.
+// One page object: a device block of one KV group's layers and the host page object (that
+// group's KvLayout::GroupObjectBytes(); a slot of PageObjectBytes()) that mirrors it.
 struct CopyItem {
   uint32_t device_block = 0;
   uint8_t* host_page = nullptr;
+  uint32_t group = 0;  // Always 0 for a model of one group.
 };
 
 // What a Gather waits for before it reads engine memory: the engine's signal that the forward
@@ -214,10 +215,10 @@ class DeviceBackend {
 };
 
 // Checks a batch against a mapping: INVALID_ARGUMENT naming the item ("items[3].device_block
-// (9000) out of range [0, 4096)"), a null host page, an oversized batch, or (when
-// `distinct_blocks`) a device block named twice. Shared by the backends.
+// (9000) out of range [0, 4096)"), a null host page, a group past `num_groups`, an oversized
+// batch, or (when `distinct_blocks`) a device block named twice. Shared by the backends.
 absl::Status ValidateCopyItems(absl::Span<const CopyItem> items, uint32_t num_blocks,
-                               bool distinct_blocks);
+                               uint32_t num_groups, bool distinct_blocks);
 
 // Maps the engine's signal region (EngineSpec::completion_region) and checks it against the
 // layout's layer count. Errors start with "completion_region: " (the server names the

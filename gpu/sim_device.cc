@@ -28,7 +28,8 @@ class SimDevice::Engine {
   // Per segment: the address of block 0 (region base + device_offset). For an engine registered
   // by its process memory, the address in the engine's address space, never dereferenced here.
   std::vector<uint8_t*> seg_base;
-  uint64_t object_bytes = 0;
+  uint64_t object_bytes = 0;  // The largest group's object.
+  uint32_t groups = 1;        // KV groups of the layout.
   std::vector<platform::ShmMapping> shms;
   // Set for an engine registered by its own process memory ("/proc/<pid>/mem"): copies go
   // through process_vm_readv / process_vm_writev instead of memcpy.
@@ -246,12 +247,17 @@ inline bool ForEachRun(const SimDevice::Engine& e, const SimDevice::Op& op, cons
   const core::PageSegment* segs = e.segs.data();
   for (uint32_t i = t.item_begin; i < t.item_end; ++i) {
     const uint64_t block = op.items[i].device_block;
+    const uint32_t group = op.items[i].group;
     for (uint32_t s = t.seg_begin; s < t.seg_end;) {
+      if (segs[s].group != group) {  // Another group's layer: not in this item's object.
+        ++s;
+        continue;
+      }
       const uintptr_t dev =
           reinterpret_cast<uintptr_t>(e.seg_base[s]) + block * segs[s].block_stride;
       uint64_t len = segs[s].bytes;
       uint32_t next = s + 1;
-      while (next < t.seg_end &&
+      while (next < t.seg_end && segs[next].group == group &&
              reinterpret_cast<uintptr_t>(e.seg_base[next]) + block * segs[next].block_stride ==
                  dev + len) {
         len += segs[next++].bytes;
@@ -409,6 +415,7 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> SimDevice::OpenEngine(const Engin
   engine->layout = layout;
   engine->segs = core::PageSegments(layout);
   engine->object_bytes = layout.PageObjectBytes();
+  engine->groups = layout.NumGroups();
   absl::flat_hash_map<std::string, uint8_t*> base;
   if (!process_ranges.empty()) {
     // Errors about the process as a whole are regions[0]'s, whose handle names it.
@@ -468,7 +475,8 @@ absl::StatusOr<OpHandle> SimDevice::Submit(EngineMapping& mapping, absl::Span<co
     return absl::InvalidArgumentError("engine: not a mapping of the sim device");
   }
   const std::shared_ptr<Engine>& engine = sim->engine();
-  if (absl::Status s = ValidateCopyItems(items, engine->layout.num_blocks, scatter); !s.ok()) {
+  if (absl::Status s = ValidateCopyItems(items, engine->layout.num_blocks, engine->groups, scatter);
+      !s.ok()) {
     return s;
   }
   const bool has_region = engine->completion.valid();

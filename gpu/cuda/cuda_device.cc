@@ -567,6 +567,12 @@ absl::StatusOr<std::unique_ptr<EngineMapping>> CudaDevice::OpenEngine(const Engi
   const core::KvLayout& layout = spec.layout;
   if (absl::Status s = layout.Validate(); !s.ok()) return s;
   if (absl::Status s = CheckRegionHandles(layout); !s.ok()) return s;
+  if (layout.NumGroups() > 1) {
+    // The copy kernels pack one object per block over every layer; per-group objects are served
+    // for host-memory engines (docs/api.md "Groups").
+    return absl::FailedPreconditionError(
+        "layers: KV groups (a hybrid model) are not served for CUDA engines in this revision");
+  }
   ScopedDevice sd(dev->index);
   if (!sd.status().ok()) return sd.status();
   if (absl::Status s = CudaStatus(cuda::LoadKernels(), "loading the copy kernels"); !s.ok()) {
@@ -689,7 +695,9 @@ absl::Status CudaDevice::IssueRuns(CudaEngine& e, cudaStream_t stream, bool kern
 absl::Status CheckSubmit(const CudaEngine& e, absl::Span<const CopyItem> items,
                          const ReadyFence& fence, OpSignal signal, bool scatter,
                          bool layer_events) {
-  if (absl::Status s = ValidateCopyItems(items, e.layout_.num_blocks, scatter); !s.ok()) return s;
+  if (absl::Status s = ValidateCopyItems(items, e.layout_.num_blocks, /*num_groups=*/1, scatter);
+      !s.ok())
+    return s;
   switch (fence.kind) {
     case ReadyFence::Kind::kReady:
       break;

@@ -175,7 +175,7 @@ absl::Status CacheAdmin::ListNamespaces(const v1::ListNamespacesRequest& request
     v1::NamespaceInfo* out = response->add_namespaces();
     out->set_ns_digest(DigestBytes(*ns));
     *out->mutable_spec() = ToProto(ns->spec());
-    out->set_num_shards(static_cast<uint32_t>(ns->shards()));
+    out->set_num_shards(ns->spec().ShardsPerPage());
     out->set_page_object_bytes(ns->object_bytes());
     if (auto it = sessions.find(ns.get()); it != sessions.end()) out->set_sessions(it->second);
     v1::TierUsage* l2 = AddUsage(out->mutable_tiers(), v1::TIER_L2);

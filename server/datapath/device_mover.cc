@@ -11,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "platform/log.h"
 #include "server/errors/cache_error.h"
+#include "server/rpc/request_validation.h"
 
 namespace kvcellar::server {
 namespace {
@@ -35,20 +36,61 @@ std::vector<uint32_t> SequenceStarts(const Sequences& sequences) {
   uint32_t n = 0;
   for (const auto& seq : sequences) {
     begin.push_back(n);
-    n += static_cast<uint32_t>(seq.device_blocks_size());
+    n += static_cast<uint32_t>(seq.page_keys().size() / core::kPageKeyBytes);
   }
   begin.push_back(n);
   return begin;
 }
 
-template <typename Sequences>
-std::vector<uint32_t> FlatBlocks(const Sequences& sequences, size_t n) {
-  std::vector<uint32_t> blocks;
-  blocks.reserve(n);
-  for (const auto& seq : sequences) {
-    blocks.insert(blocks.end(), seq.device_blocks().begin(), seq.device_blocks().end());
+// The page objects a Load or Backup moves, in request order: one per page (device_blocks) or, in
+// a hybrid namespace, one per (page, group) that names a block (group_blocks, page-major).
+struct ObjectPlan {
+  std::vector<uint32_t> page;        // Flat page index of each object.
+  std::vector<uint32_t> group;       // Its KV group.
+  std::vector<uint32_t> block;       // Its device block.
+  std::vector<uint32_t> field;       // Its index in the sequence's device_blocks / group_blocks.
+  std::vector<uint32_t> page_begin;  // Objects of page p: [page_begin[p], page_begin[p + 1]).
+  bool hybrid = false;
+
+  size_t size() const { return page.size(); }
+  // "sequences[2].group_blocks[7]": the request field of object k.
+  std::string Field(const std::vector<uint32_t>& seq_begin, size_t k) const {
+    auto it = std::upper_bound(seq_begin.begin(), seq_begin.end(), page[k]);
+    const size_t s = static_cast<size_t>(it - seq_begin.begin()) - 1;
+    return absl::StrCat("sequences[", s, "].", hybrid ? "group_blocks" : "device_blocks", "[",
+                        field[k], "]");
   }
-  return blocks;
+};
+
+template <typename Sequences>
+ObjectPlan PlanObjects(const Sequences& sequences, uint32_t pages, size_t groups) {
+  ObjectPlan plan;
+  plan.hybrid = groups > 0;
+  plan.page.reserve(pages);
+  plan.page_begin.reserve(pages + 1);
+  auto add = [&plan](uint32_t page, uint32_t group, uint32_t block, uint32_t field) {
+    plan.page.push_back(page);
+    plan.group.push_back(group);
+    plan.block.push_back(block);
+    plan.field.push_back(field);
+  };
+  uint32_t p = 0;
+  for (const auto& seq : sequences) {
+    const uint32_t len = static_cast<uint32_t>(seq.page_keys().size() / core::kPageKeyBytes);
+    for (uint32_t i = 0; i < len; ++i, ++p) {
+      plan.page_begin.push_back(static_cast<uint32_t>(plan.size()));
+      if (!plan.hybrid) {
+        add(p, 0, seq.device_blocks(i), i);
+        continue;
+      }
+      for (uint32_t g = 0; g < groups; ++g) {
+        const uint32_t j = static_cast<uint32_t>(i * groups + g);
+        if (seq.group_blocks(j) != kNoBlock) add(p, g, seq.group_blocks(j), j);
+      }
+    }
+  }
+  plan.page_begin.push_back(static_cast<uint32_t>(plan.size()));
+  return plan;
 }
 
 // Why a page that is not committed for the whole group cannot be loaded: a write of one of its
@@ -178,7 +220,9 @@ class BackupCompletion final : public OpCompletion {
       stored.reserve(objects.size());
       for (size_t k = 0; k < objects.size(); ++k) {
         if (committed[k].ok()) {
-          statuses[object_page[k]] = v1::PAGE_STATUS_OK;
+          // A page of several objects (a hybrid's groups) is OK once all of them are.
+          uint8_t& status = statuses[object_page[k]];
+          if (status == v1::PAGE_STATUS_PENDING) status = v1::PAGE_STATUS_OK;
           stored.push_back(objects[k]);
         } else {
           statuses[object_page[k]] = v1::PAGE_STATUS_INTERNAL_ERROR;
@@ -209,10 +253,10 @@ class BackupCompletion final : public OpCompletion {
   }
 };
 
-// An op whose device blocks are reserved: its record and the request's blocks in request order.
+// An op whose device blocks are reserved: its record and the request's objects in request order.
 struct StartedOp {
   std::unique_ptr<OpRecord> record;
-  std::vector<uint32_t> blocks;
+  ObjectPlan plan;
 };
 
 // Starts an op of `kind` over `sequences`: reserves the session's device blocks (and `slot`, if
@@ -224,24 +268,24 @@ absl::StatusOr<StartedOp> StartOp(Session& session, const Sequences& sequences,
                                                   v1::OpKind kind, std::optional<uint32_t> slot,
                                                   absl::string_view slot_field, OpTable& ops,
                                                   uint32_t max_inflight) {
+  const SessionInfo& info = session.info();
   auto record = std::make_unique<OpRecord>();
   record->seq_begin = SequenceStarts(sequences);
   const uint32_t n = record->seq_begin.back();
-  std::vector<uint32_t> blocks = FlatBlocks(sequences, n);
+  ObjectPlan plan = PlanObjects(sequences, n, info.group_kinds.size());
   if (absl::Status s = session.Reserve(
-          blocks, [&](size_t i) { return BlockField(record->seq_begin, i); }, slot, slot_field,
+          plan.block, [&](size_t i) { return plan.Field(record->seq_begin, i); }, slot, slot_field,
           max_inflight);
       !s.ok()) {
     return s;
   }
-  const SessionInfo& info = session.info();
   record->id = ops.NextId();
   record->kind = kind;
   record->instance_id = info.instance_id;
   record->session_id = info.id;
   record->submitted = absl::Now();
   record->statuses.assign(n, v1::PAGE_STATUS_SKIPPED);
-  return StartedOp{std::move(record), std::move(blocks)};
+  return StartedOp{std::move(record), std::move(plan)};
 }
 
 }  // namespace
@@ -271,7 +315,7 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Load(const std::shared_pt
               limits_->max_inflight_ops);
   if (!started.ok()) return started.status();
   std::unique_ptr<OpRecord> record = std::move(started->record);
-  const std::vector<uint32_t> blocks = std::move(started->blocks);
+  const ObjectPlan plan = std::move(started->plan);
   const uint32_t n = record->seq_begin.back();
   const absl::Time now = record->submitted;
 
@@ -280,12 +324,12 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Load(const std::shared_pt
   for (const v1::LoadSequence& seq : request.sequences()) {
     ns.AppendIndexKeys(seq.page_keys(), &keys);
   }
-  std::vector<core::SlotRef> slots(n);
+  std::vector<core::SlotRef> slots(plan.size());  // Each object's committed slot.
   std::vector<gpu::CopyItem> items;
-  items.reserve(n);
+  items.reserve(plan.size());
   std::vector<uint32_t> used_blocks;
   std::vector<uint32_t> unused_blocks;
-  used_blocks.reserve(n);
+  used_blocks.reserve(plan.size());
   core::MatchOptions match;
   match.shards = ns.group_shards();
   match.pin = core::PinLease{record->id, now + kOwnPinLease};
@@ -297,29 +341,60 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Load(const std::shared_pt
     const uint32_t len = record->seq_begin[s + 1] - begin;
     if (len == 0) continue;
     absl::Span<const core::PageKey> seq_keys(keys.data() + begin, len);
-    // The group-consistent L2 prefix, pinned under the op's own owner in the same lock: from here
-    // until the op is finalized no eviction can take these slots.
+    // Pages [0, hit) of the sequence are copied; page `missing` (when < len) is why no more are.
     uint32_t hit = 0;
-    absl::StatusOr<core::MatchResult> m = index->Match(seq_keys, match);
-    if (m.ok()) {
-      hit = m->l2_pages;
-      pinned = pinned || m->pinned_pages > 0;
-    }
-    if (hit > 0) {
-      index->GetL2Slots(seq_keys.first(hit), info.shard, absl::MakeSpan(slots).subspan(begin, hit));
-      for (uint32_t i = 0; i < hit; ++i) {
-        if (!slots[begin + i].valid()) hit = i;  // Unreachable: the group includes this shard.
+    uint32_t missing = len;
+    core::ShardMask missing_shards = match.shards;
+    if (!plan.hybrid) {
+      // The group-consistent L2 prefix, pinned under the op's own owner in the same lock: from
+      // here until the op is finalized no eviction can take these slots.
+      absl::StatusOr<core::MatchResult> m = index->Match(seq_keys, match);
+      if (m.ok()) {
+        hit = m->l2_pages;
+        pinned = pinned || m->pinned_pages > 0;
       }
+      if (hit > 0) {
+        index->GetL2Slots(seq_keys.first(hit), info.shard,
+                          absl::MakeSpan(slots).subspan(begin, hit));
+        for (uint32_t i = 0; i < hit; ++i) {
+          if (!slots[begin + i].valid()) hit = i;  // Unreachable: the group includes this shard.
+        }
+      }
+      missing = hit;
+    } else {
+      // Every object the engine names, or nothing: a hybrid's blocks are allocated for one
+      // boundary, and a part of them is no state the engine can resume from. Pinned first, so
+      // that nothing found below can be evicted before the copy.
+      pinned = index->Pin(record->id, seq_keys, now + kOwnPinLease) > 0 || pinned;
+      std::vector<core::SlotRef> group_slots(len);
+      for (uint32_t g = 0; g < info.group_kinds.size(); ++g) {
+        index->GetL2Slots(seq_keys, ns.GroupShard(g, info.shard), absl::MakeSpan(group_slots));
+        for (uint32_t k = plan.page_begin[begin]; k < plan.page_begin[begin + len]; ++k) {
+          if (plan.group[k] != g) continue;
+          slots[k] = group_slots[plan.page[k] - begin];
+          const uint32_t i = plan.page[k] - begin;
+          if (!slots[k].valid() && i < missing) {
+            missing = i;
+            missing_shards = core::ShardMask{1} << ns.GroupShard(g, info.shard);
+          }
+        }
+      }
+      hit = missing == len ? len : 0;
     }
     for (uint32_t i = 0; i < len; ++i) {
       const uint32_t p = begin + i;
+      for (uint32_t k = plan.page_begin[p]; k < plan.page_begin[p + 1]; ++k) {
+        if (i < hit) {
+          items.push_back({plan.block[k], pool->Address(slots[k]), plan.group[k]});
+          used_blocks.push_back(plan.block[k]);
+        } else {
+          unused_blocks.push_back(plan.block[k]);
+        }
+      }
       if (i < hit) {
         record->statuses[p] = v1::PAGE_STATUS_PENDING;
-        items.push_back({blocks[p], pool->Address(slots[p])});
-        used_blocks.push_back(blocks[p]);
-      } else {
-        if (i == hit) record->statuses[p] = NotLoadable(*index, keys[p], match.shards);
-        unused_blocks.push_back(blocks[p]);
+      } else if (i == missing) {
+        record->statuses[p] = NotLoadable(*index, keys[p], missing_shards);
       }
     }
   }
@@ -376,32 +451,40 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Load(const std::shared_pt
 }
 
 // A Backup's pages from planning to submission: the keys and parents of the request, the slots
-// allocated for the pages to store, and what is copied.
+// allocated for the objects to store, and what is copied.
 struct DeviceMover::BackupBatch {
-  BackupBatch(const std::shared_ptr<Session>& s, std::unique_ptr<OpRecord> r,
-              std::vector<uint32_t> b)
-      : session(s), info(s->info()), ns(*info.ns), index(ns.index()), record(std::move(r)),
-        blocks(std::move(b)), n(record->seq_begin.back()), now(record->submitted) {}
+  BackupBatch(const std::shared_ptr<Session>& s, std::unique_ptr<OpRecord> r, ObjectPlan p)
+      : session(s),
+        info(s->info()),
+        ns(*info.ns),
+        index(ns.index()),
+        record(std::move(r)),
+        plan(std::move(p)),
+        n(record->seq_begin.back()),
+        now(record->submitted) {}
+
+  // The index shard of object k: its group's object of this rank.
+  uint16_t Shard(size_t k) const { return ns.GroupShard(plan.group[k], info.shard); }
 
   const std::shared_ptr<Session>& session;
   const SessionInfo& info;
   Namespace& ns;
   core::RadixIndex* const index;
   std::unique_ptr<OpRecord> record;
-  const std::vector<uint32_t> blocks;  // Device block of each page, flat over the sequences.
-  const uint32_t n;                    // Pages in the request.
+  const ObjectPlan plan;  // The objects named, in request order.
+  const uint32_t n;       // Pages in the request.
   const absl::Time now;
 
   std::vector<core::PageKey> keys;                       // Index key of each page.
   std::vector<std::optional<core::PageKey>> parents;     // Each sequence's parent.
-  std::vector<core::SlotRef> present;                    // Committed slot, when already stored.
-  std::vector<core::WriteRequest> requests;              // One per page that gets a slot.
-  std::vector<int32_t> page_request;                     // Page -> index in requests, or -1.
+  std::vector<core::SlotRef> present;                    // Committed slot of each object, if any.
+  std::vector<core::WriteRequest> requests;              // One per object that gets a slot.
+  std::vector<int32_t> object_request;                   // Object -> index in requests, or -1.
   bool protected_pages = false;  // Whether eviction protection is pinned under the op id.
 
   std::vector<core::ObjectId> objects;  // Being copied, in flight in the index.
-  std::vector<core::SlotRef> object_slots;  // The slot of each object.
-  std::vector<uint32_t> object_page;    // The page of each object.
+  std::vector<core::SlotRef> object_slots;  // The slot of each.
+  std::vector<uint32_t> object_page;        // The page of each.
   std::vector<gpu::CopyItem> items;     // The copies: device block -> L2 slot.
   std::vector<uint32_t> used_blocks;
   std::vector<uint32_t> unused_blocks;
@@ -415,7 +498,7 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Backup(
       StartOp(*session, request.sequences(), v1::OP_KIND_BACKUP, std::nullopt, "", *ops_,
               limits_->max_inflight_ops);
   if (!started.ok()) return started.status();
-  BackupBatch batch(session, std::move(started->record), std::move(started->blocks));
+  BackupBatch batch(session, std::move(started->record), std::move(started->plan));
   BackupKeys(batch, request);
   FindPresent(batch);
   AllocateSlots(batch);
@@ -438,7 +521,8 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Backup(
   completion->blocks = std::move(batch.used_blocks);
   completion->ready_timeout_ms = batch.ready_timeout_ms;
   completion->l2 = l2_;
-  completion->writer = writer_;
+  // L3 keeps no hybrid pages yet: nothing would read them back (docs/api.md "Groups").
+  completion->writer = batch.plan.hybrid ? nullptr : writer_;
   completion->write_policy = request.write_policy();
   completion->metrics = metrics_;
   completion->bytes = completion->object_page.size() * batch.ns.object_bytes();
@@ -462,70 +546,84 @@ void DeviceMover::BackupKeys(BackupBatch& batch, const v1::BackupRequest& reques
 }
 
 void DeviceMover::FindPresent(BackupBatch& batch) {
-  // Dedup: shards already committed are not copied again.
-  batch.present.resize(batch.n);
+  // Dedup: objects already committed are not copied again.
+  const ObjectPlan& plan = batch.plan;
+  batch.present.resize(plan.size());
   const std::vector<uint32_t>& seq_begin = batch.record->seq_begin;
+  const uint32_t groups = std::max<uint32_t>(1, batch.info.group_kinds.size());
+  std::vector<core::SlotRef> slots;
   for (size_t s = 0; s + 1 < seq_begin.size(); ++s) {
     const uint32_t begin = seq_begin[s];
     const uint32_t len = seq_begin[s + 1] - begin;
-    if (len > 0) {
+    if (len == 0) continue;
+    slots.assign(len, core::SlotRef());
+    for (uint32_t g = 0; g < groups; ++g) {
       batch.index->GetL2Slots(absl::MakeConstSpan(batch.keys).subspan(begin, len),
-                              batch.info.shard, absl::MakeSpan(batch.present).subspan(begin, len));
+                              batch.ns.GroupShard(g, batch.info.shard), absl::MakeSpan(slots));
+      for (uint32_t k = plan.page_begin[begin]; k < plan.page_begin[begin + len]; ++k) {
+        if (plan.group[k] == g) batch.present[k] = slots[plan.page[k] - begin];
+      }
     }
   }
 }
 
 void DeviceMover::AllocateSlots(BackupBatch& batch) {
-  // Slots, page by page in sequence order; a sequence stops at its first page without one.
-  const SessionInfo& info = batch.info;
+  // Slots, object by object in sequence order; a sequence stops at its first object without one.
   Namespace& ns = batch.ns;
+  const ObjectPlan& plan = batch.plan;
   const std::vector<core::PageKey>& keys = batch.keys;
   const std::vector<uint32_t>& seq_begin = batch.record->seq_begin;
   uint64_t wanted = 0;
   for (const core::SlotRef& p : batch.present) wanted += p.valid() ? 0 : 1;
   batch.requests.reserve(wanted);
-  batch.page_request.assign(batch.n, -1);
+  batch.object_request.assign(plan.size(), -1);
   for (size_t s = 0; s + 1 < seq_begin.size(); ++s) {
     const uint32_t begin = seq_begin[s];
     const uint32_t end = seq_begin[s + 1];
-    for (uint32_t p = begin; p < end; ++p) {
-      if (batch.present[p].valid()) {
-        batch.record->statuses[p] = v1::PAGE_STATUS_ALREADY_PRESENT;
-        continue;
-      }
-      absl::StatusOr<core::SlotRef> slot = l2_->TryAllocate(ns, keys[p], info.shard);
-      if (!slot.ok() && slot.status().code() == absl::StatusCode::kResourceExhausted) {
-        if (!batch.protected_pages) {
-          // Eviction must not take what this batch builds on: the pages found present and the
-          // parents. Pinned under the op id until the submission ends.
-          batch.protected_pages = true;
-          std::vector<core::PageKey> keep(keys);
-          for (const auto& parent : batch.parents) {
-            if (parent.has_value()) keep.push_back(*parent);
+    bool failed = false;
+    for (uint32_t p = begin; p < end && !failed; ++p) {
+      bool all_present = true;
+      for (uint32_t k = plan.page_begin[p]; k < plan.page_begin[p + 1]; ++k) {
+        if (batch.present[k].valid()) continue;
+        all_present = false;
+        const uint16_t shard = batch.Shard(k);
+        absl::StatusOr<core::SlotRef> slot = l2_->TryAllocate(ns, keys[p], shard);
+        if (!slot.ok() && slot.status().code() == absl::StatusCode::kResourceExhausted) {
+          if (!batch.protected_pages) {
+            // Eviction must not take what this batch builds on: the pages found present and the
+            // parents. Pinned under the op id until the submission ends.
+            batch.protected_pages = true;
+            std::vector<core::PageKey> keep(keys);
+            for (const auto& parent : batch.parents) {
+              if (parent.has_value()) keep.push_back(*parent);
+            }
+            batch.index->Pin(batch.record->id, keep, batch.now + kOwnPinLease);
           }
-          batch.index->Pin(batch.record->id, keep, batch.now + kOwnPinLease);
+          slot = l2_->Allocate(ns, keys[p], shard, wanted * ns.slot_bytes());
         }
-        slot = l2_->Allocate(ns, keys[p], info.shard, wanted * ns.slot_bytes());
+        if (!slot.ok()) {
+          // SettlePages gives back what the page's other objects took.
+          batch.record->statuses[p] = v1::PAGE_STATUS_NO_SPACE;
+          failed = true;
+          break;
+        }
+        wanted = wanted > 0 ? wanted - 1 : 0;
+        batch.object_request[k] = static_cast<int32_t>(batch.requests.size());
+        core::WriteRequest w;
+        w.key = keys[p];
+        w.parent = p == begin ? batch.parents[s] : std::optional<core::PageKey>(keys[p - 1]);
+        w.shard = shard;
+        w.slot = *slot;
+        w.kind = core::WriteKind::kBackup;
+        batch.requests.push_back(w);
       }
-      if (!slot.ok()) {
-        batch.record->statuses[p] = v1::PAGE_STATUS_NO_SPACE;
-        break;
-      }
-      wanted = wanted > 0 ? wanted - 1 : 0;
-      batch.page_request[p] = static_cast<int32_t>(batch.requests.size());
-      core::WriteRequest w;
-      w.key = keys[p];
-      w.parent = p == begin ? batch.parents[s] : std::optional<core::PageKey>(keys[p - 1]);
-      w.shard = info.shard;
-      w.slot = *slot;
-      w.kind = core::WriteKind::kBackup;
-      batch.requests.push_back(w);
+      if (all_present) batch.record->statuses[p] = v1::PAGE_STATUS_ALREADY_PRESENT;
     }
   }
 }
 
 void DeviceMover::SettlePages(BackupBatch& batch, absl::Span<const absl::Status> begun) {
-  const SessionInfo& info = batch.info;
+  const ObjectPlan& plan = batch.plan;
   const std::vector<core::PageKey>& keys = batch.keys;
   const std::vector<uint32_t>& seq_begin = batch.record->seq_begin;
   core::HostPool* pool = l2_->pool();
@@ -535,42 +633,69 @@ void DeviceMover::SettlePages(BackupBatch& batch, absl::Span<const absl::Status>
   batch.object_page.reserve(batch.requests.size());
   batch.items.reserve(batch.requests.size());
   batch.used_blocks.reserve(batch.requests.size());
+  // Gives back what object k holds: its write (begun) or its slot (not begun), and its block.
+  auto undo = [&](uint32_t k) {
+    const int32_t r = batch.object_request[k];
+    if (r >= 0) {
+      if (begun[r].ok()) {
+        to_abort.push_back({keys[plan.page[k]], batch.Shard(k)});
+      } else {
+        l2_->Free(batch.requests[r].slot);
+      }
+    }
+    batch.unused_blocks.push_back(plan.block[k]);
+  };
   for (size_t s = 0; s + 1 < seq_begin.size(); ++s) {
     bool failed = false;
     for (uint32_t p = seq_begin[s]; p < seq_begin[s + 1]; ++p) {
-      const int32_t r = batch.page_request[p];
       uint8_t& status = batch.record->statuses[p];
+      const uint32_t first = plan.page_begin[p];
+      const uint32_t last = plan.page_begin[p + 1];
       if (failed) {
         // After a page that could not be stored: nothing may be, or the chain would have a hole.
-        if (r >= 0) {
-          if (begun[r].ok()) {
-            to_abort.push_back({keys[p], info.shard});
-          } else {
-            l2_->Free(batch.requests[r].slot);
-          }
-        }
+        for (uint32_t k = first; k < last; ++k) undo(k);
         status = v1::PAGE_STATUS_SKIPPED;
-        batch.unused_blocks.push_back(batch.blocks[p]);
         continue;
       }
-      if (r < 0) {
-        if (status != v1::PAGE_STATUS_ALREADY_PRESENT) failed = true;  // NO_SPACE.
-        batch.unused_blocks.push_back(batch.blocks[p]);
+      // The page's outcome over its objects: the first failure fails all of it.
+      uint8_t failure = status == v1::PAGE_STATUS_NO_SPACE ? status : 0;
+      bool pending = false;
+      bool in_flight = false;
+      for (uint32_t k = first; k < last && failure == 0; ++k) {
+        const int32_t r = batch.object_request[k];
+        if (r < 0) continue;
+        if (begun[r].ok()) {
+          pending = true;
+          continue;
+        }
+        bool refused = false;
+        const uint8_t why = RefusedWriteStatus(batch, k, begun[r], &refused);
+        if (refused) failure = why;
+        in_flight = in_flight || why == v1::PAGE_STATUS_IN_FLIGHT;
+      }
+      if (failure != 0) {
+        for (uint32_t k = first; k < last; ++k) undo(k);
+        status = failure;
+        failed = true;
         continue;
       }
-      if (begun[r].ok()) {
-        status = v1::PAGE_STATUS_PENDING;
-        batch.objects.push_back({keys[p], info.shard});
-        batch.object_slots.push_back(batch.requests[r].slot);
-        batch.object_page.push_back(p);
-        l2_->JournalWriting(batch.ns, batch.requests[r]);
-        batch.items.push_back({batch.blocks[p], pool->Address(batch.requests[r].slot)});
-        batch.used_blocks.push_back(batch.blocks[p]);
-        continue;
+      for (uint32_t k = first; k < last; ++k) {
+        const int32_t r = batch.object_request[k];
+        if (r >= 0 && begun[r].ok()) {
+          batch.objects.push_back({keys[p], batch.Shard(k)});
+          batch.object_slots.push_back(batch.requests[r].slot);
+          batch.object_page.push_back(p);
+          l2_->JournalWriting(batch.ns, batch.requests[r]);
+          batch.items.push_back(
+              {plan.block[k], pool->Address(batch.requests[r].slot), plan.group[k]});
+          batch.used_blocks.push_back(plan.block[k]);
+        } else {
+          undo(k);  // Present already, or written by another op: not copied.
+        }
       }
-      l2_->Free(batch.requests[r].slot);
-      batch.unused_blocks.push_back(batch.blocks[p]);
-      status = RefusedWriteStatus(batch, p, begun[r], &failed);
+      status = pending     ? v1::PAGE_STATUS_PENDING
+               : in_flight ? v1::PAGE_STATUS_IN_FLIGHT
+                           : v1::PAGE_STATUS_ALREADY_PRESENT;
     }
   }
   if (!to_abort.empty()) {
@@ -582,15 +707,15 @@ void DeviceMover::SettlePages(BackupBatch& batch, absl::Span<const absl::Status>
   batch.session->ReleaseBlocks(batch.unused_blocks);
 }
 
-uint8_t DeviceMover::RefusedWriteStatus(BackupBatch& batch, uint32_t p, const absl::Status& begun,
+uint8_t DeviceMover::RefusedWriteStatus(BackupBatch& batch, uint32_t k, const absl::Status& begun,
                                         bool* failed) {
   switch (begun.code()) {
     case absl::StatusCode::kAlreadyExists: {
       // Committed since the dedup check, or being written by another op (or by this one, for
       // a page two sequences of the batch share).
       core::SlotRef committed;
-      batch.index->GetL2Slots(absl::MakeConstSpan(&batch.keys[p], 1), batch.info.shard,
-                              absl::MakeSpan(&committed, 1));
+      batch.index->GetL2Slots(absl::MakeConstSpan(&batch.keys[batch.plan.page[k]], 1),
+                              batch.Shard(k), absl::MakeSpan(&committed, 1));
       return committed.valid() ? v1::PAGE_STATUS_ALREADY_PRESENT : v1::PAGE_STATUS_IN_FLIGHT;
     }
     case absl::StatusCode::kFailedPrecondition:

@@ -9,6 +9,9 @@
 // plus the op word once the op is terminal. When it ends: copy pins dropped, blocks and slot
 // returned to the session, this rank's hold on the Match pin dropped when release_pin says so.
 //
+// Hybrid namespaces (docs/api.md "Groups") move one object per (page, group) the request names:
+// a Load copies all of a sequence's or none of it, a Backup stores or fails each page whole.
+//
 // Backup (device -> L2), per sequence, in order: a page whose shard is committed is
 // ALREADY_PRESENT and one being written by another op IN_FLIGHT (dedup: not copied); otherwise a
 // slot of the namespace's object size is allocated (on a full pool, unpinned leaf pages are
@@ -68,16 +71,18 @@ class DeviceMover {
   // The phases of Backup, in order.
   // The index keys of the request's pages and each sequence's parent.
   void BackupKeys(BackupBatch& batch, const v1::BackupRequest& request);
-  // The pages whose shard is committed already: not copied again.
+  // The objects committed already: not copied again.
   void FindPresent(BackupBatch& batch);
-  // An L2 slot for each page to store, evicting if need be; a sequence stops at its first page
-  // without one.
+  // An L2 slot for each object to store, evicting if need be; a sequence stops at its first
+  // object without one.
   void AllocateSlots(BackupBatch& batch);
   // After BeginWrite: each page's status, the copies to make, and what to give back (slots of
-  // refused writes, pages after a hole, unused device blocks).
+  // refused writes, pages after a hole, unused device blocks). A page of several objects (a
+  // hybrid's groups) fails whole when one of them does.
   void SettlePages(BackupBatch& batch, absl::Span<const absl::Status> begun);
-  // The status of a page whose write the index refused; sets `failed` when its sequence stops.
-  uint8_t RefusedWriteStatus(BackupBatch& batch, uint32_t p, const absl::Status& begun,
+  // The status of object k's page when the index refused its write; sets `failed` when its
+  // sequence stops.
+  uint8_t RefusedWriteStatus(BackupBatch& batch, uint32_t k, const absl::Status& begun,
                              bool* failed);
   // The copies submitted to the device (gated on the engine's ready word or event when asked);
   // on a refusal everything of the batch is undone and the error returned.

@@ -185,7 +185,7 @@ absl::Status CacheServiceImpl::DoRegister(grpc::CallbackServerContext* context,
   limits_.ToProto(response->mutable_limits());
   response->set_ns_digest(std::string(ns->digest().AsBytes()));
   response->set_shard_index(s.shard);
-  response->set_num_shards(static_cast<uint32_t>(ns->shards()));
+  response->set_num_shards(ns->spec().ShardsPerPage());
   response->set_is_shard_writer(s.shard_writer);
   response->set_page_object_bytes(s.is_worker() ? ns->object_bytes() : 0);
   response->set_daemon_epoch(daemon_epoch_);

@@ -76,11 +76,15 @@ absl::Status CheckPageCount(uint64_t pages, const CacheLimits& limits) {
 }
 
 // Keys, blocks and request ids of a Load or Backup: counts match, blocks in range and distinct
-// across the whole request, total within the limits.
+// across the whole request, total within the limits. A hybrid namespace's sequences name their
+// blocks per (page, group) in group_blocks, where kNoBlock skips an object; a Backup must name a
+// block for every full-attention group of every page.
 template <typename Sequences>
 absl::Status CheckKeysAndBlocks(const Sequences& sequences, const SessionInfo& session,
-                                const CacheLimits& limits) {
+                                const CacheLimits& limits, bool backup) {
   if (absl::Status s = CheckSequenceCount(sequences.size(), limits); !s.ok()) return s;
+  const size_t groups = session.group_kinds.size();  // 0: not hybrid.
+  const char* const blocks_name = groups > 0 ? "group_blocks" : "device_blocks";
   uint64_t pages = 0;
   for (int i = 0; i < sequences.size(); ++i) {
     const auto& seq = sequences[i];
@@ -90,12 +94,25 @@ absl::Status CheckKeysAndBlocks(const Sequences& sequences, const SessionInfo& s
       return s;
     }
     const size_t keys = seq.page_keys().size() / kKeyBytes;
-    if (static_cast<size_t>(seq.device_blocks_size()) != keys) {
-      std::string field = absl::StrCat(prefix, ".device_blocks");
+    const char* const unused_name = groups > 0 ? "device_blocks" : "group_blocks";
+    const int unused = groups > 0 ? seq.device_blocks_size() : seq.group_blocks_size();
+    if (unused > 0) {
+      std::string field = absl::StrCat(prefix, ".", unused_name);
       return InvalidField(field,
-                          absl::StrCat(field, ": ", seq.device_blocks_size(), " blocks for ", keys,
-                                       " page keys (one block "
-                                       "per page)"));
+                          absl::StrCat(field, " must be empty: this namespace ",
+                                       groups > 0 ? "has KV groups (send group_blocks)"
+                                                  : "has no KV groups (send device_blocks)"));
+    }
+    const size_t named = groups > 0 ? seq.group_blocks_size() : seq.device_blocks_size();
+    const size_t per_page = std::max<size_t>(groups, 1);
+    if (named != keys * per_page) {
+      std::string field = absl::StrCat(prefix, ".", blocks_name);
+      return InvalidField(
+          field, groups > 0
+                     ? absl::StrCat(field, ": ", named, " blocks for ", keys, " page keys and ",
+                                    groups, " groups (one per page and group, page-major)")
+                     : absl::StrCat(field, ": ", named, " blocks for ", keys,
+                                    " page keys (one block per page)"));
     }
     if (absl::Status s =
             CheckLength(absl::StrCat(prefix, ".request_id"), seq.request_id(), kMaxIdBytes);
@@ -110,10 +127,21 @@ absl::Status CheckKeysAndBlocks(const Sequences& sequences, const SessionInfo& s
   std::vector<std::tuple<uint32_t, uint32_t, uint32_t>> blocks;
   blocks.reserve(pages);
   for (int i = 0; i < sequences.size(); ++i) {
-    const auto& b = sequences[i].device_blocks();
+    const auto& b = groups > 0 ? sequences[i].group_blocks() : sequences[i].device_blocks();
     for (int j = 0; j < b.size(); ++j) {
+      std::string field;
+      if (groups > 0 && b[j] == kNoBlock) {
+        const size_t g = static_cast<size_t>(j) % groups;
+        if (backup && session.group_kinds[g] == core::GroupKind::kFull) {
+          field = absl::StrCat("sequences[", i, "].group_blocks[", j, "]");
+          return InvalidField(
+              field, absl::StrCat(field, ": page ", j / groups, " names no block for group ", g,
+                                  ", a full-attention group (it is stored on every page)"));
+        }
+        continue;
+      }
       if (b[j] >= session.num_blocks) {
-        std::string field = absl::StrCat("sequences[", i, "].device_blocks[", j, "]");
+        field = absl::StrCat("sequences[", i, "].", blocks_name, "[", j, "]");
         return BlockOutOfRange(
             field, absl::StrCat(field, " (", b[j], ") out of range [0, ", session.num_blocks, ")"));
       }
@@ -123,11 +151,11 @@ absl::Status CheckKeysAndBlocks(const Sequences& sequences, const SessionInfo& s
   std::sort(blocks.begin(), blocks.end());
   for (size_t k = 1; k < blocks.size(); ++k) {
     if (std::get<0>(blocks[k]) == std::get<0>(blocks[k - 1])) {
-      std::string field = absl::StrCat("sequences[", std::get<1>(blocks[k]), "].device_blocks[",
+      std::string field = absl::StrCat("sequences[", std::get<1>(blocks[k]), "].", blocks_name, "[",
                                        std::get<2>(blocks[k]), "]");
       return BlockOutOfRange(field, absl::StrCat(field, " (", std::get<0>(blocks[k]),
                                                  ") repeats sequences[", std::get<1>(blocks[k - 1]),
-                                                 "].device_blocks[", std::get<2>(blocks[k - 1]),
+                                                 "].", blocks_name, "[", std::get<2>(blocks[k - 1]),
                                                  "]: a block may appear once per request"));
     }
   }
@@ -239,7 +267,19 @@ absl::StatusOr<core::KvLayout> ParseLayout(const v1::KvLayout& in, const core::N
     core::LayerLayout layer;
     layer.k = buffer(l.k());
     if (l.has_v()) layer.v = buffer(l.v());
+    if (l.group() >= spec.NumGroups()) {
+      std::string field = absl::StrCat(prefix, ".group");
+      return InvalidField(
+          field, absl::StrCat(field, " (", l.group(), ") out of range [0, ", spec.NumGroups(),
+                              "): namespace_spec.groups has ", spec.groups.size()));
+    }
+    layer.group = l.group();
     out.layers.push_back(layer);
+  }
+  if (out.NumGroups() != spec.NumGroups()) {
+    return InvalidField("layout.layers",
+                        absl::StrCat("layout.layers: no layer is in group ", out.NumGroups(),
+                                     " of namespace_spec.groups (every group needs a layer)"));
   }
   if (absl::Status s = out.Validate(); !s.ok()) {
     std::string field = LayoutField(s.message());
@@ -326,6 +366,9 @@ void FillSessionGeometry(const v1::RegisterEngineRequest& request, const Registr
   info->shard = static_cast<uint16_t>(reg.worker && !mla ? request.rank() : 0);
   info->shard_writer = reg.worker && (!mla || request.rank() == 0);
   info->tp_size = reg.spec.tp_size;
+  if (reg.spec.Hybrid()) {
+    for (const core::KvGroup& g : reg.spec.groups) info->group_kinds.push_back(g.kind);
+  }
   info->device_kind = reg.device_kind;
   info->num_blocks = reg.engine.layout.num_blocks;
   info->num_layers = static_cast<uint32_t>(reg.engine.layout.layers.size());
@@ -343,6 +386,29 @@ absl::StatusOr<core::NamespaceSpec> ParseNamespaceSpec(const v1::NamespaceSpec& 
   spec.page_size = in.page_size_tokens();
   spec.tp_size = in.tp_size();
   spec.opaque_keys = in.opaque_keys();
+  for (int g = 0; g < in.groups_size(); ++g) {
+    const v1::KvGroup& group = in.groups(g);
+    core::KvGroup out;
+    switch (group.kind()) {
+      case v1::KV_GROUP_KIND_FULL_ATTENTION:
+        out.kind = core::GroupKind::kFull;
+        break;
+      case v1::KV_GROUP_KIND_SLIDING_WINDOW:
+        out.kind = core::GroupKind::kWindow;
+        break;
+      case v1::KV_GROUP_KIND_RECURRENT_STATE:
+        out.kind = core::GroupKind::kState;
+        break;
+      default: {
+        std::string field = absl::StrCat("namespace_spec.groups[", g, "].kind");
+        return InvalidField(field, absl::StrCat(field, " (", group.kind(),
+                                                ") must be FULL_ATTENTION, SLIDING_WINDOW or "
+                                                "RECURRENT_STATE"));
+      }
+    }
+    out.window_tokens = group.sliding_window_tokens();
+    spec.groups.push_back(out);
+  }
   switch (in.layout_kind()) {
     case v1::LAYOUT_KIND_MHA_GQA:
       spec.layout = core::LayoutKind::kMha;
@@ -366,8 +432,19 @@ absl::StatusOr<core::NamespaceSpec> ParseNamespaceSpec(const v1::NamespaceSpec& 
     std::string field(rest.substr(0, rest.find(' ')));
     if (field == "page_size") field = "page_size_tokens";
     if (field == "layout") field = "layout_kind";
+    if (absl::EndsWith(field, ".window_tokens")) {
+      field = absl::StrCat(field.substr(0, field.size() - 14), ".sliding_window_tokens");
+    }
     return InvalidField(absl::StrCat("namespace_spec.", field),
                         absl::StrCat("namespace_spec.", field, ": ", msg));
+  }
+  if (spec.Hybrid() &&
+      std::none_of(spec.groups.begin(), spec.groups.end(),
+                   [](const core::KvGroup& g) { return g.kind == core::GroupKind::kFull; })) {
+    // A full-attention group stores every page of a prefix, which keeps the index prefix-closed.
+    return InvalidField("namespace_spec.groups",
+                        "namespace_spec.groups: a hybrid namespace needs a FULL_ATTENTION group "
+                        "in this revision");
   }
   // core allows tp_size up to kMaxTpSize; an MHA/GQA page has one shard per rank, and the index
   // tracks a page's shards in a mask of kMaxShardsPerPage bits. Checked here, for every role, so
@@ -507,7 +584,7 @@ absl::Status ValidateLoad(const v1::LoadRequest& request, const SessionInfo& ses
                                        ") out of range [0, ", session.num_load_slots, ")"));
     }
   }
-  return CheckKeysAndBlocks(request.sequences(), session, limits);
+  return CheckKeysAndBlocks(request.sequences(), session, limits, /*backup=*/false);
 }
 
 absl::Status ValidateBackup(const v1::BackupRequest& request, const SessionInfo& session,
@@ -539,7 +616,7 @@ absl::Status ValidateBackup(const v1::BackupRequest& request, const SessionInfo&
                                               " bytes; 32 required, or empty for page 0"));
     }
   }
-  return CheckKeysAndBlocks(request.sequences(), session, limits);
+  return CheckKeysAndBlocks(request.sequences(), session, limits, /*backup=*/true);
 }
 
 absl::Status ValidatePrefetch(const v1::PrefetchRequest& request, const CacheLimits& limits) {

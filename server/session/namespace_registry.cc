@@ -1,5 +1,6 @@
 #include "server/session/namespace_registry.h"
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -24,7 +25,7 @@ Namespace::Namespace(core::NamespaceSpec spec, core::HostPool* pool,
                      TenantAccount* tenant)
     : spec_(std::move(spec)),
       digest_(spec_.Digest()),
-      shards_(static_cast<int>(spec_.ShardsPerPage())),
+      shards_(static_cast<int>(spec_.ObjectsPerPage())),
       pool_(pool),
       policy_(policy),
       l3_tiers_(l3_tiers),
@@ -75,6 +76,12 @@ absl::Status Namespace::CheckGeometry(const core::KvLayout& layout) const {
       return GroupMismatch(
           field, absl::StrCat(field, " (", vb, ") differs from this namespace's ", v, kHeldBy));
     }
+    if (l.group != geometry_.layer_group[i]) {
+      std::string field = absl::StrCat("layout.layers[", i, "].group");
+      return GroupMismatch(field,
+                           absl::StrCat(field, " (", l.group, ") differs from this namespace's ",
+                                        geometry_.layer_group[i], kHeldBy));
+    }
   }
   return absl::OkStatus();
 }
@@ -95,6 +102,7 @@ absl::Status Namespace::AdoptLayout(const core::KvLayout& layout) {
   g.layers = static_cast<uint32_t>(layout.layers.size());
   for (const core::LayerLayout& l : layout.layers) {
     g.buffer_bytes.emplace_back(l.k.bytes_per_block, l.v.has_value() ? l.v->bytes_per_block : 0);
+    g.layer_group.push_back(l.group);
   }
   if (absl::Status s = FixGeometryLocked(std::move(g)); !s.ok()) {
     // An index that gained a page since Empty() (e.g. an L3 prefetch of a scheduler's Match)
@@ -103,7 +111,7 @@ absl::Status Namespace::AdoptLayout(const core::KvLayout& layout) {
   }
   ++holders_;
   if (journal_ != nullptr) {
-    if (absl::Status s = journal_->AppendGeometry(id_, geometry_epoch(), geometry_.buffer_bytes);
+    if (absl::Status s = journal_->AppendGeometry(id_, geometry_epoch(), JournalBuffers(geometry_));
         !s.ok()) {
       KVLOG(Warn, "namespace geometry not journaled", {{"error", s.ToString()}});
     }
@@ -115,18 +123,46 @@ absl::Status Namespace::RestoreGeometry(
     const std::vector<std::pair<uint64_t, uint64_t>>& buffer_bytes, uint16_t geometry_epoch) {
   absl::MutexLock lock(&mu_);
   if (has_geometry_) return absl::FailedPreconditionError("namespace geometry already fixed");
-  Geometry g;
-  g.layers = static_cast<uint32_t>(buffer_bytes.size());
-  g.buffer_bytes = buffer_bytes;
-  absl::Status s = FixGeometryLocked(std::move(g));
+  absl::Status s = FixGeometryLocked(FromJournal(buffer_bytes));
   if (s.ok()) geometry_epoch_.store(geometry_epoch, std::memory_order_release);
   return s;
 }
 
+constexpr int kJournalGroupShift = 48;
+
+std::vector<std::pair<uint64_t, uint64_t>> Namespace::JournalBuffers(const Geometry& g) {
+  std::vector<std::pair<uint64_t, uint64_t>> out = g.buffer_bytes;
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i].second |= uint64_t{g.layer_group[i]} << kJournalGroupShift;
+  }
+  return out;
+}
+
+Namespace::Geometry Namespace::FromJournal(
+    const std::vector<std::pair<uint64_t, uint64_t>>& buffer_bytes) {
+  Geometry g;
+  g.layers = static_cast<uint32_t>(buffer_bytes.size());
+  for (const auto& [k, v] : buffer_bytes) {
+    g.buffer_bytes.emplace_back(k, v & ((uint64_t{1} << kJournalGroupShift) - 1));
+    g.layer_group.push_back(static_cast<uint32_t>(v >> kJournalGroupShift));
+  }
+  return g;
+}
+
 absl::Status Namespace::FixGeometryLocked(Geometry g) {
   core::RadixIndex* const index = index_.load(std::memory_order_acquire);
-  uint64_t object_bytes = 0;
-  for (const auto& [k, v] : g.buffer_bytes) object_bytes += k + v;
+  // The largest group's object: every object of the namespace takes a slot of its size.
+  const uint32_t groups = spec_.NumGroups();
+  std::vector<uint64_t> group_bytes(groups, 0);
+  for (size_t i = 0; i < g.buffer_bytes.size(); ++i) {
+    if (g.layer_group[i] >= groups) {
+      // Only from a damaged or foreign journal: a registration's groups were checked.
+      return InvalidField("layout", absl::StrCat("layout: layer ", i, " is in group ",
+                                                 g.layer_group[i], " of a namespace of ", groups));
+    }
+    group_bytes[g.layer_group[i]] += g.buffer_bytes[i].first + g.buffer_bytes[i].second;
+  }
+  const uint64_t object_bytes = *std::max_element(group_bytes.begin(), group_bytes.end());
   absl::StatusOr<uint16_t> size_class = pool_->ClassFor(object_bytes);
   if (!size_class.ok()) {
     return InvalidField(
@@ -143,6 +179,11 @@ absl::Status Namespace::FixGeometryLocked(Geometry g) {
   } else {
     core::RadixIndexOptions options;
     options.shards_per_page = shards_;
+    if (spec_.Hybrid()) {
+      for (const core::KvGroup& group : spec_.groups) {
+        options.groups.push_back({group.kind, group.WindowPages(spec_.page_size)});
+      }
+    }
     options.l3_tiers = l3_tiers_;
     // Accounting in slot bytes: what the pool actually spends per object.
     options.object_bytes = slot_bytes;
@@ -218,7 +259,8 @@ std::shared_ptr<Namespace> NamespaceRegistry::Create(const core::NamespaceSpec& 
            {"tenant", spec.tenant},
            {"model_id", spec.model_id},
            {"layout", core::LayoutKindName(spec.layout)},
-           {"shards", spec.ShardsPerPage()}});
+           {"shards", spec.ShardsPerPage()},
+           {"groups", spec.NumGroups()}});
   }
   return it->second;
 }

@@ -68,8 +68,13 @@ class Namespace {
   // Small number, unique in the registry, from 1: what host pool owner records name
   // (core::SlotOwner::ns). 0 for a namespace made outside a registry.
   uint32_t id() const { return id_; }
-  // Objects per page: tp_size for MHA/GQA, 1 for MLA.
+  // Objects per page: tp_size for MHA/GQA, 1 for MLA; times the number of KV groups of a hybrid
+  // model (object (g, r) is index shard g * ShardsPerPage() + r: core/radix_index.h).
   int shards() const { return shards_; }
+  // The index shard of a rank's object of KV group `group`.
+  uint16_t GroupShard(uint32_t group, uint16_t shard) const {
+    return static_cast<uint16_t>(group * spec_.ShardsPerPage() + shard);
+  }
   // Every shard bit a group-consistent hit needs.
   core::ShardMask group_shards() const { return core::AllShards(shards_); }
 
@@ -82,7 +87,8 @@ class Namespace {
   // nullptr until the first WORKER fixed the geometry; never changes after (a new geometry
   // reconfigures the same, empty, index).
   core::RadixIndex* index() const { return index_.load(std::memory_order_acquire); }
-  // Bytes of one (page, shard) object, and of the pool slot that holds it; 0 before the geometry.
+  // Bytes of one (page, shard) object (of a hybrid model: its largest group's), and of the pool
+  // slot that holds it; 0 before the geometry.
   uint64_t object_bytes() const { return object_bytes_.load(std::memory_order_acquire); }
   uint64_t slot_bytes() const { return slot_bytes_.load(std::memory_order_acquire); }
 
@@ -95,8 +101,8 @@ class Namespace {
   // A session that adopted the layout ended (or its registration failed after adopting).
   void ReleaseLayout();
   // Warm restart (server/l2/l2_recovery.h): fixes the geometry a previous daemon logged, per
-  // layer (K or latent bytes per block, V bytes), with no session holding it; the recovered
-  // pages then hold it as pages do. FailedPrecondition when a geometry is fixed already;
+  // layer (K or latent bytes per block, V bytes: JournalBuffers), with no session holding it; the
+  // recovered pages then hold it as pages do. FailedPrecondition when a geometry is fixed already;
   // INVALID_ARGUMENT when the object no longer fits a slot.
   absl::Status RestoreGeometry(const std::vector<std::pair<uint64_t, uint64_t>>& buffer_bytes,
                                uint16_t geometry_epoch);
@@ -115,7 +121,14 @@ class Namespace {
     uint32_t layers = 0;
     // Per layer: K (or MLA latent) bytes per block, then V bytes (0 for MLA).
     std::vector<std::pair<uint64_t, uint64_t>> buffer_bytes;
+    // Per layer: its KV group (all 0 for a model of one group).
+    std::vector<uint32_t> layer_group;
   };
+  // The journal's per-layer pairs (core/slot_journal.h) for `g`, and back: a layer's group rides
+  // in the top 16 bits of its V size (bytes per block are far below 2^48), so a journal written
+  // before groups existed reads as group 0 everywhere.
+  static std::vector<std::pair<uint64_t, uint64_t>> JournalBuffers(const Geometry& g);
+  static Geometry FromJournal(const std::vector<std::pair<uint64_t, uint64_t>>& buffer_bytes);
   // OK when `layout` has the current geometry; else GROUP_MISMATCH naming the field.
   absl::Status CheckGeometry(const core::KvLayout& layout) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Makes `g` the geometry: creates the index, or resets an empty one's object size (Aborted

@@ -55,6 +55,9 @@ struct SessionInfo {
   uint16_t shard = 0;         // The shard this rank reads and writes.
   bool shard_writer = false;  // MHA: every worker; MLA: rank 0.
   uint32_t tp_size = 1;
+  // The kind of each KV group of a hybrid namespace, whose Loads and Backups name group_blocks;
+  // empty otherwise (device_blocks).
+  std::vector<core::GroupKind> group_kinds;
   v1::DeviceKind device_kind = v1::DEVICE_KIND_UNSPECIFIED;
   uint32_t num_blocks = 0;
   uint32_t num_layers = 0;

@@ -43,16 +43,21 @@ TEST(DeviceOpTest, CancelIsAFlag) {
 TEST(ValidateCopyItemsTest, NamesTheItem) {
   uint8_t page[8];
   std::vector<CopyItem> items = {{0, page}, {3, page}, {4, page}};
-  absl::Status s = ValidateCopyItems(items, 4, false);
+  absl::Status s = ValidateCopyItems(items, 4, 1, false);
   EXPECT_THAT(std::string(s.message()), HasSubstr("items[2].device_block (4) out of range [0, 4)"));
   items[2] = {1, nullptr};
-  s = ValidateCopyItems(items, 4, false);
+  s = ValidateCopyItems(items, 4, 1, false);
   EXPECT_THAT(std::string(s.message()), HasSubstr("items[2].host_page is null"));
   items[2] = {0, page};
-  EXPECT_TRUE(ValidateCopyItems(items, 4, false).ok());
-  s = ValidateCopyItems(items, 4, true);
+  EXPECT_TRUE(ValidateCopyItems(items, 4, 1, false).ok());
+  s = ValidateCopyItems(items, 4, 1, true);
   EXPECT_THAT(std::string(s.message()), HasSubstr("items[2].device_block (0) duplicates items[0]"));
-  EXPECT_TRUE(ValidateCopyItems({}, 4, true).ok());
+  EXPECT_TRUE(ValidateCopyItems({}, 4, 1, true).ok());
+  items[1] = {1, page, 2};
+  s = ValidateCopyItems(items, 4, 2, false);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("items[1].group (2) out of range [0, 2)"));
+  items[1].group = 1;
+  EXPECT_TRUE(ValidateCopyItems(items, 4, 2, false).ok());
 }
 
 TEST(OpenCompletionRegionTest, ChecksTheLayoutAndNamesTheField) {

@@ -393,8 +393,12 @@ inline SessionInfo WorkerInfo(std::shared_ptr<Namespace> ns, const std::string& 
   info.rank = rank;
   info.role = v1::SESSION_ROLE_WORKER;
   info.tp_size = ns->spec().tp_size;
-  info.shard = ns->shards() > 1 ? static_cast<uint16_t>(rank) : 0;
-  info.shard_writer = ns->shards() > 1 || rank == 0;
+  const bool sharded = ns->spec().ShardsPerPage() > 1;
+  info.shard = sharded ? static_cast<uint16_t>(rank) : 0;
+  info.shard_writer = sharded || rank == 0;
+  if (ns->spec().Hybrid()) {
+    for (const core::KvGroup& g : ns->spec().groups) info.group_kinds.push_back(g.kind);
+  }
   info.ns = std::move(ns);
   info.device_kind = v1::DEVICE_KIND_SIM;
   info.num_layers = kLayers;

@@ -8,14 +8,14 @@ is a miss with a reason, never an exception in the engine's step.
 from ._native import LIBRARY_PATH, lib as _lib
 from .client import (BackupSeq, Client, LoadSeq, MatchReply, MatchResult, Op, OpStatus, Session,
                      SessionInfo)
-from .keys import Namespace, page_keys
+from .keys import KvGroup, Namespace, page_keys
 from .layout import KvLayout
 from .sim import SimDevice, SimMemory, SimSignals
 
 __version__ = _lib.kvc_version().decode().split()[-1]
 
 __all__ = [
-    "BackupSeq", "Client", "KvLayout", "LIBRARY_PATH", "LoadSeq", "MatchReply", "MatchResult",
+    "BackupSeq", "Client", "KvGroup", "KvLayout", "LIBRARY_PATH", "LoadSeq", "MatchReply", "MatchResult",
     "Namespace", "Op", "OpStatus", "Session", "SessionInfo", "SimDevice", "SimMemory",
     "SimSignals", "page_keys",
 ]

@@ -47,6 +47,8 @@ STATUS_NAMES = {
 
 LAYOUT_MHA = 0
 LAYOUT_MLA = 1
+GROUP_FULL, GROUP_WINDOW, GROUP_STATE = 0, 1, 2
+NO_BLOCK = 0xFFFFFFFF  # a hybrid's blocks: this group's object of this page is not moved
 DEVICE_CUDA = 1
 DEVICE_SIM = 2
 
@@ -76,6 +78,10 @@ class ClientStats(Structure):
         "ops_failed_session_lost", "uncertain_submissions")]
 
 
+class KvGroup(Structure):
+    _fields_ = [("kind", c_uint32), ("window_tokens", c_uint32)]
+
+
 class Namespace(Structure):
     _fields_ = [
         ("tenant", c_char_p),
@@ -86,6 +92,8 @@ class Namespace(Structure):
         ("layout", c_uint32),
         ("tp_size", c_uint32),
         ("opaque_keys", c_int),
+        ("groups", POINTER(KvGroup)),
+        ("num_groups", c_size_t),
     ]
 
 
@@ -108,7 +116,7 @@ class Buffer(Structure):
 
 
 class Layer(Structure):
-    _fields_ = [("k", Buffer), ("v", Buffer), ("has_v", c_int)]
+    _fields_ = [("k", Buffer), ("v", Buffer), ("has_v", c_int), ("group", c_uint32)]
 
 
 class Registration(Structure):

@@ -63,12 +63,14 @@ def _blocks(blocks: BlocksLike) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.uint32)
 
 
-def _fill_pages(c: Any, i: int, s: Any, page_status: bool) -> tuple:
+def _fill_pages(c: Any, i: int, s: Any, page_status: bool, per_page: int) -> tuple:
     """Points C sequence `c` (kvc_load_seq or kvc_backup_seq) at sequence i's keys and blocks
-    (and a page-status array when asked); returns the arrays, which must outlive the call."""
+    (and a page-status array when asked); returns the arrays, which must outlive the call.
+    ``per_page``: blocks per page, the number of KV groups of a hybrid namespace (blocks are then
+    page-major, ``N.NO_BLOCK`` where a group's object is not moved), else 1."""
     k, b = as_keys(s.keys), _blocks(s.blocks)
-    if len(k) != len(b):
-        raise ValueError(f"sequence {i}: {len(k)} keys but {len(b)} blocks")
+    if len(k) * per_page != len(b):
+        raise ValueError(f"sequence {i}: {len(k)} keys but {len(b)} blocks ({per_page} per page)")
     st = np.zeros(len(k), np.uint8) if page_status else None
     c.keys = N.address(k)
     c.blocks = N.address(b)
@@ -471,7 +473,7 @@ class Session:
             seqs = (N.LoadSeq * max(n, 1))()
             arrays = []  # keeps every array the C structures point into alive over the call
             for i, s in enumerate(seqs_in):
-                arrays.append(_fill_pages(seqs[i], i, s, page_status))
+                arrays.append(_fill_pages(seqs[i], i, s, page_status, self.ns.blocks_per_page))
                 seqs[i].pin_id = s.pin_id
                 seqs[i].release_pin = 1 if s.release_pin else 0
             if layerwise:
@@ -510,7 +512,7 @@ class Session:
             seqs = (N.BackupSeq * max(n, 1))()
             arrays = []  # keeps every array the C structures point into alive over the call
             for i, s in enumerate(seqs_in):
-                arrays.append(_fill_pages(seqs[i], i, s, page_status))
+                arrays.append(_fill_pages(seqs[i], i, s, page_status, self.ns.blocks_per_page))
                 if s.parent is not None:
                     if len(s.parent) != N.KEY_BYTES:
                         raise ValueError(f"sequence {i}: parent of {len(s.parent)} bytes")

@@ -24,6 +24,23 @@ LAYOUTS = {"mha": N.LAYOUT_MHA, "gqa": N.LAYOUT_MHA, "mla": N.LAYOUT_MLA}
 KV_DTYPES = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "nvfp4", "mxfp4")
 
 
+GROUP_KINDS = {"full": N.GROUP_FULL, "window": N.GROUP_WINDOW, "state": N.GROUP_STATE}
+
+
+@dataclass(frozen=True)
+class KvGroup:
+    """One KV group of a hybrid model (docs/keys.md "Groups"): ``"full"`` attention (a hit needs
+    every page before its boundary), a sliding ``"window"`` of ``window_tokens`` tokens (the pages
+    of the last W - 1 tokens), or a recurrent ``"state"`` (the state saved at the boundary)."""
+
+    kind: str
+    window_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in GROUP_KINDS:
+            raise ValueError(f"KvGroup.kind: {self.kind!r} is not one of full, window, state")
+
+
 @dataclass(frozen=True)
 class Namespace:
     """Everything besides the tokens that decides a page's KV bytes (docs/keys.md).
@@ -41,8 +58,14 @@ class Namespace:
     tp_size: int = 1
     tenant: str = ""
     opaque_keys: bool = False
+    # The KV groups of a hybrid model; () or one "full" group: a model of one group.
+    groups: tuple[KvGroup, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "groups", tuple(self.groups))
+        for i, g in enumerate(self.groups):
+            if not isinstance(g, KvGroup):
+                raise ValueError(f"Namespace.groups[{i}]: expected a KvGroup, got {g!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"Namespace.layout: {self.layout!r} is not one of mha, gqa, mla")
         for name in ("model_id", "model_revision", "kv_dtype", "tenant"):
@@ -68,16 +91,30 @@ class Namespace:
     def shards_per_page(self) -> int:
         return 1 if self.layout == "mla" else self.tp_size
 
+    @property
+    def hybrid(self) -> bool:
+        """More than one full-attention group: Load and Backup name a block per (page, group)."""
+        return len(self.groups) > 1 or (len(self.groups) == 1 and self.groups[0].kind != "full")
+
+    @property
+    def blocks_per_page(self) -> int:
+        return len(self.groups) if self.hybrid else 1
+
     def digest(self) -> bytes:
-        """ns_digest: SHA-256 of the canonical "kvcellar-ns-v2" encoding."""
+        """ns_digest: SHA-256 of the canonical "kvcellar-ns-v2" encoding ("kvcellar-ns-v3" for a
+        hybrid model)."""
         return self._digest  # type: ignore[attr-defined]
 
     def to_c(self) -> N.Namespace:
         # The encoded strings live as long as the structure (ctypes keeps c_char_p sources).
+        groups = (N.KvGroup * len(self.groups))(
+            *[N.KvGroup(GROUP_KINDS[g.kind], int(g.window_tokens)) for g in self.groups])
         return N.Namespace(self.tenant.encode(), self.model_id.encode(),
                            self.model_revision.encode(), self.kv_dtype.encode(),
                            int(self.page_size), self.layout_code, int(self.tp_size),
-                           1 if self.opaque_keys else 0)
+                           1 if self.opaque_keys else 0,
+                           ctypes.cast(groups, ctypes.POINTER(N.KvGroup)) if self.groups else None,
+                           len(self.groups))
 
 
 def as_tokens(tokens: TokensLike) -> np.ndarray:

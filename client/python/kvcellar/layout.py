@@ -77,6 +77,8 @@ class KvLayout:
     dtype: str = ""  # torch dtype name, e.g. "bfloat16"
     tokens_per_block: int = 0  # 0: unknown
     cuda_device: Optional[int] = None
+    # Per layer, its KV group (Namespace.groups index) for a hybrid model; empty: all group 0.
+    groups: list[int] = field(default_factory=list)
     _keep: list = field(default_factory=list, repr=False)  # tensors kept alive
 
     @property
@@ -89,7 +91,12 @@ class KvLayout:
 
     @property
     def page_object_bytes(self) -> int:
-        return sum(k.bytes_per_block + (v.bytes_per_block if v else 0) for k, v in self.layers)
+        """Bytes of the largest group's page object (of a model of one group: its object)."""
+        per_group: dict[int, int] = {}
+        for i, (k, v) in enumerate(self.layers):
+            g = self.groups[i] if self.groups else 0
+            per_group[g] = per_group.get(g, 0) + k.bytes_per_block + (v.bytes_per_block if v else 0)
+        return max(per_group.values(), default=0)
 
     def kv_dtypes(self) -> tuple[str, ...]:
         return _DTYPE_KV.get(self.dtype, ())
@@ -231,6 +238,7 @@ class KvLayout:
             if v is not None:
                 layers[i].v = N.Buffer(v.region, v.offset, v.block_stride, v.bytes_per_block)
                 layers[i].has_v = 1
+            layers[i].group = self.groups[i] if self.groups else 0
         keep.extend([regions, layers])
         reg.regions = regions
         reg.num_regions = len(self.regions)

@@ -7,26 +7,19 @@ import numpy as np
 import pytest
 from conftest import GOLDEN_KEYS
 
-from kvcellar import Namespace, page_keys
+from kvcellar import KvGroup, Namespace, page_keys
 
 GOLDEN = json.loads(GOLDEN_KEYS.read_text())
 
 
 def ns_of(spec):
+    groups = tuple(KvGroup(g["kind"], g["window_tokens"]) for g in spec.get("groups", []))
     return Namespace(spec["model_id"], spec["model_revision"], spec["kv_dtype"],
                      spec["page_size"], layout=spec["layout"], tp_size=spec["tp_size"],
-                     tenant=spec["tenant"], opaque_keys=spec["opaque_keys"])
+                     tenant=spec["tenant"], opaque_keys=spec["opaque_keys"], groups=groups)
 
 
-def hybrid(spec):
-    groups = spec.get("groups", [])
-    return len(groups) > 1 or (len(groups) == 1 and groups[0]["kind"] != "full")
-
-
-# The package's Namespace has no KV groups yet (the API revision that carries them is next,
-# docs/keys.md "Groups"): the hybrid cases are checked by the C++ tests only until then.
-@pytest.mark.parametrize("case", [c for c in GOLDEN["cases"] if not hybrid(c["namespace"])],
-                         ids=lambda c: c["name"])
+@pytest.mark.parametrize("case", GOLDEN["cases"], ids=lambda c: c["name"])
 def test_golden_chain(case):
     ns = ns_of(case["namespace"])
     assert ns.digest().hex() == case["ns_digest"]
@@ -38,6 +31,24 @@ def test_golden_chain(case):
 @pytest.mark.parametrize("case", GOLDEN["opaque_cases"], ids=lambda c: c["name"])
 def test_golden_opaque_digest(case):
     assert ns_of(case["namespace"]).digest().hex() == case["ns_digest"]
+
+
+def test_group_kind_is_checked():
+    with pytest.raises(ValueError, match="KvGroup.kind"):
+        KvGroup("linear")
+
+
+def test_one_full_group_is_the_namespace_without_groups():
+    plain = Namespace("m", "r", "bf16", 16)
+    assert Namespace("m", "r", "bf16", 16, groups=(KvGroup("full"),)).digest() == plain.digest()
+    hybrid = Namespace("m", "r", "bf16", 16, groups=(KvGroup("full"), KvGroup("window", 64)))
+    assert hybrid.hybrid and hybrid.blocks_per_page == 2
+    assert hybrid.digest() != plain.digest()
+    # Other windows, group orders or kinds are other namespaces.
+    assert Namespace("m", "r", "bf16", 16,
+                     groups=(KvGroup("window", 64), KvGroup("full"))).digest() != hybrid.digest()
+    assert Namespace("m", "r", "bf16", 16,
+                     groups=(KvGroup("full"), KvGroup("window", 65))).digest() != hybrid.digest()
 
 
 def test_chain_extension_and_partial_pages():
@@ -60,6 +71,10 @@ def test_chain_extension_and_partial_pages():
     (dict(model_id=""), "model_id"),
     (dict(layout="mqa"), "layout"),
     (dict(tenant="a\nb"), "tenant"),
+    (dict(groups=(KvGroup("full"), KvGroup("window"))), r"groups\[1\].window_tokens"),
+    (dict(groups=(KvGroup("full"), KvGroup("state", 7))), r"groups\[1\].window_tokens"),
+    (dict(groups=(KvGroup("full"),) * 17), "groups"),
+    (dict(groups=("full",)), r"groups\[0\]"),
 ])
 def test_bad_namespace_names_the_field(kwargs, field):
     args = dict(model_id="m", model_revision="r", kv_dtype="bf16", page_size=16)

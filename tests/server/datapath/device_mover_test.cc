@@ -11,8 +11,9 @@
 
 #include "gmock/gmock.h"
 #include "gpu/sim_device.h"
-#include "platform/sim_engine_memory.h"
 #include "gtest/gtest.h"
+#include "platform/sim_engine_memory.h"
+#include "server/rpc/request_validation.h"
 #include "tests/gpu/sim_test_util.h"
 #include "tests/server/component_fixtures.h"
 
@@ -24,6 +25,14 @@ using ::testing::ElementsAre;
 
 constexpr uint32_t kBlocks = 16;
 constexpr uint32_t kSeed = 5;
+
+std::unique_ptr<gpu::SimDevice> MakeSim() {
+  gpu::SimDevice::Options o;
+  o.copy_threads = 1;
+  absl::StatusOr<std::unique_ptr<gpu::SimDevice>> d = gpu::SimDevice::Create(o);
+  EXPECT_TRUE(d.ok()) << d.status();
+  return *std::move(d);
+}
 
 class DeviceMoverTest : public ::testing::Test {
  protected:
@@ -48,13 +57,6 @@ class DeviceMoverTest : public ::testing::Test {
   }
   ~DeviceMoverTest() override { session_->Close(); }
 
-  static std::unique_ptr<gpu::SimDevice> MakeSim() {
-    gpu::SimDevice::Options o;
-    o.copy_threads = 1;
-    absl::StatusOr<std::unique_ptr<gpu::SimDevice>> d = gpu::SimDevice::Create(o);
-    EXPECT_TRUE(d.ok()) << d.status();
-    return *std::move(d);
-  }
   static std::unique_ptr<platform::SimEngineKvCache> MakeEngine() {
     platform::SimKvShape shape;
     shape.num_layers = kLayers;
@@ -226,6 +228,226 @@ TEST_F(FullPoolDeviceMoverTest, BackupWithoutAnySlotIsNoSpace) {
   EXPECT_EQ(SlotsUsed(world_.pool()), 64u);
   EXPECT_EQ(ns_->index()->Stats().l2_inflight_objects, 0u);
   EXPECT_EQ(session_->busy_blocks(), 0u);
+}
+
+// A hybrid model (docs/api.md "Groups"): three layers in three KV groups (full attention, a
+// sliding window of two pages, a recurrent state), each page one object per group. Backup stores
+// the objects the engine names, Match finds the longest boundary every group serves, and Load
+// copies each group's object into that group's layers of the block named for it, and only there.
+constexpr uint32_t kHybridBlocks = 32;
+constexpr uint32_t kHybridSeed = 9;
+
+core::NamespaceSpec HybridSpec() {
+  core::NamespaceSpec spec = NsSpec(1, false, "hybrid-model");
+  spec.groups = {{core::GroupKind::kFull, 0},
+                 {core::GroupKind::kWindow, 2 * kPageSize + 1},  // The last 2 pages.
+                 {core::GroupKind::kState, 0}};
+  return spec;
+}
+
+class HybridDeviceMoverTest : public ::testing::Test {
+ protected:
+  HybridDeviceMoverTest()
+      : ops_(&world_.metrics(), absl::Seconds(60)),
+        limits_(CacheLimits::FromConfig(DefaultConfig())),
+        sim_(MakeSim()),
+        devices_(sim_.get()),
+        mover_(&devices_, &world_.l2(), &pins_, &ops_, &pump_, &world_.metrics(), &limits_) {
+    platform::SimKvShape shape;
+    shape.num_layers = 3;
+    shape.num_blocks = kHybridBlocks;
+    shape.bytes_per_block = kBytesPerBlock;
+    absl::StatusOr<platform::SimEngineKvCache> kv =
+        platform::SimEngineKvCache::Create(platform::UniqueShmName("hybrid"), shape, 0);
+    EXPECT_TRUE(kv.ok()) << kv.status();
+    kv_ = std::make_unique<platform::SimEngineKvCache>(*std::move(kv));
+    gpu::testing::FillEngine(*kv_, kHybridSeed);
+    layout_ = kv_->layout();
+    for (uint32_t l = 0; l < 3; ++l) layout_.layers[l].group = l;  // Layer l is group l.
+    ns_ = world_.Adopted(HybridSpec(), layout_);
+    keys_ = PromptKeys(HybridSpec(), 1, 6);
+    gpu::EngineSpec spec = gpu::testing::SpecOf(*kv_);
+    spec.layout = layout_;
+    absl::StatusOr<std::unique_ptr<gpu::EngineMapping>> mapping = sim_->OpenEngine(spec);
+    EXPECT_TRUE(mapping.ok()) << mapping.status();
+    SessionInfo info = WorkerInfo(ns_, "inst", 0, 31);
+    info.num_blocks = kHybridBlocks;
+    info.num_layers = 3;
+    session_ = std::make_shared<Session>(std::move(info), *std::move(mapping),
+                                         absl::Now() + absl::Seconds(60));
+  }
+  ~HybridDeviceMoverTest() override { session_->Close(); }
+
+  // Page i's blocks for the three groups (kNoBlock: not named), page-major.
+  struct PageBlocks {
+    uint32_t full = kNoBlock;
+    uint32_t window = kNoBlock;
+    uint32_t state = kNoBlock;
+  };
+  template <typename Seq>
+  static void SetBlocks(Seq* seq, const std::vector<PageBlocks>& pages) {
+    for (const PageBlocks& p : pages) {
+      seq->add_group_blocks(p.full);
+      seq->add_group_blocks(p.window);
+      seq->add_group_blocks(p.state);
+    }
+  }
+  v1::BackupRequest BackupOf(const std::vector<PageBlocks>& pages) {
+    v1::BackupRequest r;
+    v1::BackupSequence* seq = r.add_sequences();
+    seq->set_page_keys(KeyBlob(keys_, 0, pages.size()));
+    SetBlocks(seq, pages);
+    return r;
+  }
+  v1::LoadRequest LoadOf(const std::vector<PageBlocks>& pages) {
+    v1::LoadRequest r;
+    v1::LoadSequence* seq = r.add_sequences();
+    seq->set_page_keys(KeyBlob(keys_, 0, pages.size()));
+    SetBlocks(seq, pages);
+    return r;
+  }
+  std::vector<int> Run(absl::StatusOr<std::shared_ptr<OpRecord>> op) {
+    EXPECT_TRUE(op.ok()) << op.status();
+    if (!op.ok()) return {};
+    const v1::OpResult r = AwaitOp(ops_, **op);
+    EXPECT_EQ(r.state(), v1::OP_STATE_DONE);
+    return r.sequences_size() == 1 ? Statuses(r.sequences(0)) : std::vector<int>{};
+  }
+  // "" when group `group`'s L2 object of page `page` holds device block `block`'s bytes of that
+  // group's layer.
+  std::string CheckL2(uint32_t page, uint32_t group, uint32_t block) {
+    core::SlotRef slot;
+    ns_->index()->GetL2Slots(absl::MakeConstSpan(&keys_[page], 1), ns_->GroupShard(group, 0),
+                             absl::MakeSpan(&slot, 1));
+    if (!slot.valid()) return "not in L2";
+    const uint8_t* object = world_.pool().Address(slot);
+    for (const core::PageSegment& s : core::PageSegments(layout_)) {
+      if (s.group != group) continue;
+      if (s.object_offset + s.bytes > kBytesPerBlock * 2) return "object larger than one layer";
+      if (!gpu::testing::HoldsPattern(object + s.object_offset, s.bytes, kHybridSeed, s.layer,
+                                      s.buffer, block)) {
+        return "differs from block " + std::to_string(block);
+      }
+    }
+    return "";
+  }
+  // Whether layer `layer` of device block `block` holds block `source`'s pattern (K and V).
+  bool BlockHolds(uint32_t layer, uint32_t block, uint32_t source) {
+    for (uint32_t buf = 0; buf < 2; ++buf) {
+      if (!gpu::testing::HoldsPattern(kv_->Block(layer, buf, block), kBytesPerBlock, kHybridSeed,
+                                      layer, buf, source)) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  L2World world_;
+  OpTable ops_;
+  PinTable pins_;
+  SimSignalPump pump_;
+  const CacheLimits limits_;
+  std::unique_ptr<gpu::SimDevice> sim_;
+  DeviceSet devices_;
+  DeviceMover mover_;
+  std::unique_ptr<platform::SimEngineKvCache> kv_;
+  core::KvLayout layout_;
+  std::shared_ptr<Namespace> ns_;
+  std::vector<core::PageKey> keys_;
+  std::shared_ptr<Session> session_;
+};
+
+TEST_F(HybridDeviceMoverTest, StoresEachGroupsObjectsAndLoadsThemIntoThatGroupsLayers) {
+  // As an engine after a 6-page prompt: every full-attention page, the window's last two pages,
+  // and the states at the ends of pages 2 and 5.
+  ASSERT_THAT(Run(mover_.Backup(session_, BackupOf({{0, kNoBlock, kNoBlock},
+                                                    {1, kNoBlock, kNoBlock},
+                                                    {2, kNoBlock, 8},
+                                                    {3, kNoBlock, kNoBlock},
+                                                    {4, 6, kNoBlock},
+                                                    {5, 7, 9}}))),
+              Each(v1::PAGE_STATUS_OK));
+  for (uint32_t p = 0; p < 6; ++p) EXPECT_EQ(CheckL2(p, 0, p), "") << "page " << p;
+  EXPECT_EQ(CheckL2(4, 1, 6), "");
+  EXPECT_EQ(CheckL2(5, 1, 7), "");
+  EXPECT_EQ(CheckL2(2, 2, 8), "");
+  EXPECT_EQ(CheckL2(5, 2, 9), "");
+  EXPECT_EQ(CheckL2(3, 1, 0), "not in L2") << "only the objects named are stored";
+  EXPECT_EQ(world_.metrics().Snapshot().d2h_bytes, 10 * ns_->object_bytes());
+
+  // Boundary 6 is served by every group; boundary 3 has its state but not its window's pages.
+  EXPECT_EQ(L2World::L2Hits(*ns_, keys_), 6u);
+  EXPECT_EQ(L2World::L2Hits(*ns_, absl::MakeConstSpan(keys_).first(3)), 0u);
+
+  // Loaded into other blocks: each group's layer of its block gets the stored bytes, and the
+  // other groups' layers of that block are untouched.
+  EXPECT_THAT(Run(mover_.Load(session_, LoadOf({{16, kNoBlock, kNoBlock},
+                                                {17, kNoBlock, kNoBlock},
+                                                {18, kNoBlock, kNoBlock},
+                                                {19, kNoBlock, kNoBlock},
+                                                {20, 22, kNoBlock},
+                                                {21, 23, 24}}))),
+              Each(v1::PAGE_STATUS_OK));
+  for (uint32_t p = 0; p < 6; ++p) {
+    EXPECT_TRUE(BlockHolds(0, 16 + p, p)) << "full page " << p;
+    EXPECT_TRUE(BlockHolds(1, 16 + p, 16 + p)) << "window layer of block " << 16 + p;
+    EXPECT_TRUE(BlockHolds(2, 16 + p, 16 + p)) << "state layer of block " << 16 + p;
+  }
+  EXPECT_TRUE(BlockHolds(1, 22, 6));
+  EXPECT_TRUE(BlockHolds(1, 23, 7));
+  EXPECT_TRUE(BlockHolds(2, 24, 9));
+  EXPECT_TRUE(BlockHolds(0, 24, 24)) << "the state's block keeps its other layers";
+  EXPECT_EQ(session_->busy_blocks(), 0u);
+  EXPECT_EQ(ns_->index()->Stats().pins, 0u) << "no copy pin left";
+}
+
+TEST_F(HybridDeviceMoverTest, ALoadMissingOneObjectCopiesNothing) {
+  ASSERT_THAT(Run(mover_.Backup(session_, BackupOf({{0, kNoBlock, kNoBlock},
+                                                    {1, kNoBlock, kNoBlock},
+                                                    {2, 6, kNoBlock},
+                                                    {3, 7, 8}}))),
+              Each(v1::PAGE_STATUS_OK));
+  // The engine asks for the window on page 1 as well, which was never stored: the blocks it
+  // allocated are for a boundary the cache cannot serve, so no page is copied.
+  EXPECT_THAT(Run(mover_.Load(session_, LoadOf({{16, kNoBlock, kNoBlock},
+                                                {17, 20, kNoBlock},
+                                                {18, 21, kNoBlock},
+                                                {19, 22, 23}}))),
+              ElementsAre(v1::PAGE_STATUS_SKIPPED, v1::PAGE_STATUS_MISS, v1::PAGE_STATUS_SKIPPED,
+                          v1::PAGE_STATUS_SKIPPED));
+  for (uint32_t b = 16; b < 24; ++b) {
+    for (uint32_t l = 0; l < 3; ++l) EXPECT_TRUE(BlockHolds(l, b, b)) << "block " << b;
+  }
+  EXPECT_EQ(session_->busy_blocks(), 0u);
+  EXPECT_EQ(ns_->index()->Stats().pins, 0u);
+  // The same boundary with the blocks the stored objects serve loads whole.
+  EXPECT_THAT(Run(mover_.Load(session_, LoadOf({{16, kNoBlock, kNoBlock},
+                                                {17, kNoBlock, kNoBlock},
+                                                {18, 21, kNoBlock},
+                                                {19, 22, 23}}))),
+              Each(v1::PAGE_STATUS_OK));
+  EXPECT_TRUE(BlockHolds(2, 23, 8));
+}
+
+TEST_F(HybridDeviceMoverTest, ABackupPageFailsWholeAndNothingAfterItIsStored) {
+  // Page 0 stored; page 2's parent (page 1) is not: its objects all fail, nothing is left behind.
+  ASSERT_THAT(Run(mover_.Backup(session_, BackupOf({{0, 3, kNoBlock}}))), Each(v1::PAGE_STATUS_OK));
+  v1::BackupRequest orphan;
+  v1::BackupSequence* seq = orphan.add_sequences();
+  seq->set_parent_key(std::string(keys_[1].AsBytes()));
+  seq->set_page_keys(KeyBlob(keys_, 2, 4));
+  SetBlocks(seq, {{4, 5, 6}, {7, 8, 9}});
+  EXPECT_THAT(Run(mover_.Backup(session_, orphan)),
+              ElementsAre(v1::PAGE_STATUS_PARENT_MISSING, v1::PAGE_STATUS_SKIPPED));
+  EXPECT_EQ(ns_->index()->Stats().l2_objects, 2u) << "page 0's two objects only";
+  EXPECT_EQ(session_->busy_blocks(), 0u);
+  // Stored again with one more group: only the new object is copied.
+  EXPECT_THAT(Run(mover_.Backup(session_, BackupOf({{10, 3, 11}}))),
+              ElementsAre(v1::PAGE_STATUS_OK));
+  EXPECT_EQ(CheckL2(0, 0, 0), "") << "the full object was present: not copied again";
+  EXPECT_EQ(CheckL2(0, 2, 11), "");
+  EXPECT_THAT(Run(mover_.Backup(session_, BackupOf({{10, 3, 11}}))),
+              ElementsAre(v1::PAGE_STATUS_ALREADY_PRESENT));
 }
 
 }  // namespace
