@@ -122,8 +122,20 @@ bool DecodeSpec(const uint8_t* p, size_t n, NamespaceSpec* spec) {
   uint32_t page_size, layout, tp_size, opaque;
   if (!r.String(&spec->tenant) || !r.String(&spec->model_id) || !r.String(&spec->model_revision) ||
       !r.String(&spec->kv_dtype) || !r.U32(&page_size) || !r.U32(&layout) || !r.U32(&tp_size) ||
-      !r.U32(&opaque) || !r.done() || layout > static_cast<uint32_t>(LayoutKind::kMla)) {
+      !r.U32(&opaque) || layout > static_cast<uint32_t>(LayoutKind::kMla)) {
     return false;
+  }
+  if (!r.done()) {
+    uint32_t groups;
+    if (!r.U32(&groups) || groups > kMaxKvGroups) return false;
+    for (uint32_t g = 0; g < groups; ++g) {
+      uint32_t kind, window;
+      if (!r.U32(&kind) || !r.U32(&window) || kind > static_cast<uint32_t>(GroupKind::kState)) {
+        return false;
+      }
+      spec->groups.push_back({static_cast<GroupKind>(kind), window});
+    }
+    if (!r.done()) return false;
   }
   spec->page_size = page_size;
   spec->layout = static_cast<LayoutKind>(layout);
@@ -272,6 +284,14 @@ absl::Status SlotJournal::AppendNamespace(uint32_t id, const NamespaceSpec& spec
   PutU32(p, static_cast<uint32_t>(spec.layout));
   PutU32(p, spec.tp_size);
   PutU32(p, spec.opaque_keys ? 1 : 0);
+  // A hybrid's KV groups follow (a journal written before groups ends here: no groups).
+  if (spec.Hybrid()) {
+    PutU32(p, static_cast<uint32_t>(spec.groups.size()));
+    for (const KvGroup& g : spec.groups) {
+      PutU32(p, static_cast<uint32_t>(g.kind));
+      PutU32(p, g.window_tokens);
+    }
+  }
   return Append(id, kEntrySpec, p);
 }
 

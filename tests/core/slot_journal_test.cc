@@ -157,6 +157,9 @@ TEST(SlotJournalTest, NamespaceLogKeepsSpecsAndTheLastGeometryById) {
     mla.opaque_keys = true;
     mla.tenant = "";
     ASSERT_TRUE((*j)->AppendNamespace(2, mla).ok());
+    NamespaceSpec hybrid = Spec("model-c");
+    hybrid.groups = {{GroupKind::kFull, 0}, {GroupKind::kWindow, 128}, {GroupKind::kState, 0}};
+    ASSERT_TRUE((*j)->AppendNamespace(3, hybrid).ok());
     std::vector<std::pair<uint64_t, uint64_t>> first(80, {32768, 32768});
     ASSERT_TRUE((*j)->AppendGeometry(1, 1, first).ok());
     std::vector<std::pair<uint64_t, uint64_t>> refixed = {{1, 2}, {1, 2}, {3, 0}, {1, 2}};
@@ -165,7 +168,7 @@ TEST(SlotJournalTest, NamespaceLogKeepsSpecsAndTheLastGeometryById) {
   auto j = SlotJournal::Attach(Geometry(), m.span());
   ASSERT_TRUE(j.ok());
   const std::vector<JournalNamespace> ns = (*j)->Namespaces();
-  ASSERT_EQ(ns.size(), 2u);
+  ASSERT_EQ(ns.size(), 3u);
   EXPECT_EQ(ns[0].id, 1u);
   EXPECT_EQ(ns[0].spec.model_id, "model-a");
   EXPECT_EQ(ns[0].spec.tp_size, 2u);
@@ -179,6 +182,13 @@ TEST(SlotJournalTest, NamespaceLogKeepsSpecsAndTheLastGeometryById) {
   EXPECT_TRUE(ns[1].spec.opaque_keys);
   EXPECT_EQ(ns[1].spec.tenant, "");
   EXPECT_FALSE(ns[1].buffers.has_value());
+  // A hybrid's groups come back, so the restarted daemon recreates the same namespace.
+  EXPECT_EQ(ns[2].spec.groups.size(), 3u);
+  EXPECT_EQ(ns[2].spec.groups[1].window_tokens, 128u);
+  EXPECT_TRUE(ns[2].spec.Hybrid());
+  NamespaceSpec hybrid = Spec("model-c");
+  hybrid.groups = {{GroupKind::kFull, 0}, {GroupKind::kWindow, 128}, {GroupKind::kState, 0}};
+  EXPECT_EQ(ns[2].spec.Digest(), hybrid.Digest());
 }
 
 TEST(SlotJournalTest, ADamagedEntryIsSkippedAndAFullLogRefusesAppends) {

@@ -105,26 +105,33 @@ class KvLayout:
 
     @classmethod
     def from_block_tensors(cls, k: Sequence[Any], v: Optional[Sequence[Any]] = None, *,
-                           device: Any = None, tokens_per_block: int = 0) -> "KvLayout":
+                           device: Any = None, tokens_per_block: int = 0,
+                           groups: Optional[Sequence[int]] = None) -> "KvLayout":
         """One tensor per layer for K (MLA: the latent) and, unless MLA, one for V; dimension 0
-        indexes blocks and the rest of a block must be one contiguous run of bytes."""
-        return _Builder(device).build(list(k), None if v is None else list(v), tokens_per_block)
+        indexes blocks and the rest of a block must be one contiguous run of bytes. ``groups``:
+        each layer's KV group of a hybrid model (Namespace.groups index); layers of different
+        groups may share bytes (a block is one group's at a time), layers of one group may not."""
+        return _Builder(device).build(list(k), None if v is None else list(v), tokens_per_block,
+                                      groups)
 
     @classmethod
     def from_vllm(cls, kv_caches: Union[dict, Sequence[Any]], *, mla: bool = False,
-                  kv_first: bool = True, device: Any = None) -> "KvLayout":
+                  kv_first: bool = True, device: Any = None,
+                  groups: Optional[Sequence[int]] = None) -> "KvLayout":
         """vLLM's per-layer KV caches (``register_kv_caches``' dict, in layer order, or a list).
 
         ``kv_first`` True: ``[2, num_blocks, block_size, ...]`` (FlashAttention and most
         backends); False: ``[num_blocks, 2, block_size, ...]`` (FlashInfer). ``mla``:
-        ``[num_blocks, block_size, latent]``.
+        ``[num_blocks, block_size, latent]``. ``groups``: as from_block_tensors (vLLM's hybrid
+        allocator gives each group's layers views of the same tensors).
         """
         tensors = list(kv_caches.values()) if isinstance(kv_caches, dict) else list(kv_caches)
         if not tensors:
             raise ValueError("kv_caches: empty")
         if mla:
             return cls.from_block_tensors(tensors, None, device=device,
-                                          tokens_per_block=_dim(tensors[0], 1, "kv_caches[0]"))
+                                          tokens_per_block=_dim(tensors[0], 1, "kv_caches[0]"),
+                                          groups=groups)
         ks, vs = [], []
         for i, t in enumerate(tensors):
             kv_dim = 0 if kv_first else 1
@@ -134,7 +141,8 @@ class KvLayout:
             ks.append(t.select(kv_dim, 0))
             vs.append(t.select(kv_dim, 1))
         return cls.from_block_tensors(ks, vs, device=device,
-                                      tokens_per_block=_dim(ks[0], 1, "kv_caches[0]"))
+                                      tokens_per_block=_dim(ks[0], 1, "kv_caches[0]"),
+                                      groups=groups)
 
     @classmethod
     def from_vllm_blocks(cls, kv_caches: Union[dict, Sequence[Any]], *, mla: bool = False,
@@ -286,11 +294,17 @@ class _Builder:
         self.cuda_device: Optional[int] = None
         self.dtype = None
 
-    def build(self, ks: list, vs: Optional[list], tokens_per_block: int) -> KvLayout:
+    def build(self, ks: list, vs: Optional[list], tokens_per_block: int,
+              groups: Optional[Sequence[int]] = None) -> KvLayout:
         if not ks:
             raise ValueError("k: no layers")
         if vs is not None and len(vs) != len(ks):
             raise ValueError(f"v: {len(vs)} layers, k has {len(ks)}")
+        groups = [int(g) for g in groups] if groups is not None else [0] * len(ks)
+        if len(groups) != len(ks):
+            raise ValueError(f"groups: {len(groups)} entries for {len(ks)} layers")
+        if sorted(set(groups)) != list(range(max(groups) + 1)):
+            raise ValueError(f"groups: {sorted(set(groups))} is not 0..G-1 (each group a layer)")
         num_blocks = int(ks[0].shape[0]) if ks[0].dim() else 0
         if num_blocks <= 0:
             raise ValueError(f"k[0]: shape {tuple(ks[0].shape)} has no blocks")
@@ -302,12 +316,14 @@ class _Builder:
             keep.append(kt)
             if vs is not None:
                 keep.append(vs[i])
-        self.check_overlaps(layers, num_blocks, vs is not None)
+        for g in set(groups):  # a block is one group's at a time: only a group's buffers must not meet
+            self.check_overlaps([lay for lay, lg in zip(layers, groups) if lg == g], num_blocks,
+                                vs is not None)
         layout = KvLayout(self.regions, layers, num_blocks,
                           N.DEVICE_CUDA if self.kind == "cuda" else N.DEVICE_SIM,
                           dtype=str(self.dtype).replace("torch.", ""),
                           tokens_per_block=tokens_per_block, cuda_device=self.cuda_device,
-                          _keep=keep)
+                          groups=groups if max(groups) > 0 else [], _keep=keep)
         if self.kind == "cuda":
             layout.device_uuid, layout.device_name = _cuda_identity(self.cuda_device)
         else:

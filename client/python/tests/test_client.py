@@ -1,15 +1,18 @@
 """The package's client against a real kvcellard on the sim device: registration from tensors,
 match, layer-by-layer load, backup with a ready signal, TP groups, and a daemon that is down,
 killed and restarted (every failure a miss with a reason, nothing raised)."""
+import os
 import signal
 import time
+import uuid
 
 import numpy as np
 import pytest
 import torch
 
 import kvcellar
-from kvcellar import BackupSeq, Client, KvLayout, LoadSeq, Namespace, SimDevice
+from kvcellar import BackupSeq, Client, KvGroup, KvLayout, LoadSeq, Namespace, SimDevice
+from kvcellar import _native as N
 
 P = 16
 LAYERS = 3
@@ -180,3 +183,78 @@ def test_bad_input_in_the_step_is_a_miss_not_an_exception(daemon):
         m = s.match([np.arange(P)], prefetch="sometimes")
         assert not m.ok and "prefetch" in m.reason
         assert s.match([np.arange(P)]).ok  # nothing changed
+
+
+def test_hybrid_groups_hit_at_a_boundary_every_group_serves_and_survive_a_kill(
+        tmp_path, daemon_factory):
+    """A hybrid model (full attention, a window of two pages, a recurrent state) as vLLM's hybrid
+    allocator lays it out: the groups' layers share one tensor and a block is one group's at a
+    time. Only the objects a hit can use are stored; Match finds the longest boundary every group
+    serves; Load fills each group's blocks; a SIGKILLed daemon's pool keeps the groups."""
+    shm = f"kvc-hyb-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    args = ("--set", f"pool.shm_name={shm}", "--set", "pool.capacity=64MiB")
+    d = daemon_factory(args=args, subdir="a")
+    dev = SimDevice()
+    raw = dev.empty((2, BLOCKS, P, HEADS, DIM), torch.float32)
+    caches = {f"model.layers.{i}.self_attn": raw for i in range(LAYERS)}
+    layout = KvLayout.from_vllm(caches, device=dev, groups=[0, 1, 2])
+    ns = make_ns(groups=(KvGroup("full"), KvGroup("window", 2 * P + 1), KvGroup("state")))
+    NO = N.NO_BLOCK
+    try:
+        client = Client(d.socket, rpc_timeout_ms=2000)
+        s = client.register("eng-hybrid", ns, layout=layout)
+        assert s.wait_active(5000)
+        assert s.info().page_object_bytes == 2 * P * HEADS * DIM * 4  # one layer per group
+        tokens = np.arange(6 * P, dtype=np.uint32)
+        keys = s.match([tokens]).results[0].keys
+        fill(caches, range(10), seed=3)
+        expect = raw.clone()
+        # Every full-attention page, the window's last two pages, the state at the end.
+        stored = np.array([[0, NO, NO], [1, NO, NO], [2, NO, NO], [3, NO, NO], [4, 6, NO],
+                           [5, 7, 8]], dtype=np.uint32)
+        op = s.backup(keys, stored.ravel(), ready=True)
+        assert op.ok, op.reason
+        st = op.wait()
+        assert st.done and st.leading_ok_pages == [6]
+
+        def check_load(session):
+            m = session.match([tokens], pin=True)
+            assert m.results[0].l2_hit_pages == 6
+            # Boundary 3 has no window pages stored: no group-consistent hit there.
+            assert session.match([tokens[:3 * P]]).results[0].l2_hit_pages == 0
+            raw[:, 10:20].fill_(-1.0)
+            target = np.array([[10, NO, NO], [11, NO, NO], [12, NO, NO], [13, NO, NO],
+                               [14, 16, NO], [15, 17, 18]], dtype=np.uint32)
+            op = session.load(keys, target.ravel(), pin_id=m.results[0].pin_id,
+                              release_pin=True)
+            assert op.ok, op.reason
+            assert op.wait().done
+            for src, dst in zip(stored.ravel(), target.ravel()):
+                if src != NO:
+                    assert torch.equal(raw[:, dst], expect[:, src]), (src, dst)
+            assert torch.equal(raw[:, 19], torch.full_like(raw[:, 19], -1.0))  # not named
+
+        check_load(s)
+        # Asking for a window page that was never stored loads nothing.
+        raw[:, 10:20].fill_(-1.0)
+        too_much = np.array([[10, NO, NO], [11, NO, NO], [12, NO, NO], [13, 19, NO],
+                             [14, 16, NO], [15, 17, 18]], dtype=np.uint32)
+        st = s.load(keys, too_much.ravel()).wait()
+        assert st.leading_ok_pages == [0]
+        assert torch.equal(raw[:, 10:20], torch.full_like(raw[:, 10:20], -1.0))
+
+        epoch = s.info().daemon_epoch
+        d.stop(signal.SIGKILL)
+        daemon_factory(args=args, subdir="a")  # the same socket
+        deadline = time.monotonic() + 10
+        while s.info().daemon_epoch == epoch and time.monotonic() < deadline:
+            s.match([tokens])  # a miss that notices the restart
+            time.sleep(0.05)
+        assert s.wait_active(10000) and s.info().daemon_epoch != epoch
+        check_load(s)  # the restarted daemon's pool kept every group's objects
+        client.close()
+    finally:
+        dev.close()
+        for path in (f"/dev/shm/{shm}", f"/dev/shm/{shm}.journal"):
+            if os.path.exists(path):
+                os.unlink(path)
