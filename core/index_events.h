@@ -30,6 +30,9 @@ struct IndexEvent {
   bool has_parent = false;
   PageKey key;
   PageKey parent;  // Meaningful when has_parent.
+  // The KV group whose objects of the page entered or left the medium, in a namespace of a
+  // hybrid model (one event per group); -1 otherwise (the page as a whole).
+  int16_t group = -1;
 };
 
 class IndexEventSink {

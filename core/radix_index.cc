@@ -597,16 +597,19 @@ absl::Status RadixIndex::CommitLocked(const ObjectId& object, Cursor& cursor) {
         "commit: page ", ShortKey(object.key), " shard ", object.shard, " is not in flight"));
   }
   n->writing &= ~bit;
-  const bool first = n->resident == 0;
+  const ShardMask before = n->resident;
+  const bool first = before == 0;
   n->resident |= bit;
   --counters_.l2_inflight_objects;
   ++counters_.l2_objects;
   if (first) {
     ++counters_.l2_pages;
     policy_->OnInsert(&n->hook, KeyFingerprint(n->key));
-    if (sink_ != nullptr) Emit(IndexEvent::Kind::kStored, kMediumL2, n);
   } else {
     NotifyIfEvictable(n);  // It may have been parked for this shard's write.
+  }
+  if (sink_ != nullptr && (first || hybrid_)) {
+    EmitL2(IndexEvent::Kind::kStored, n, before, n->resident);
   }
   return absl::OkStatus();
 }
@@ -823,11 +826,12 @@ size_t RadixIndex::EvictNode(Node* n, std::vector<ReleasedObject>* evicted) {
     shards[s].slot = SlotRef{};
     ++objects;
   }
+  const ShardMask before = n->resident;
   n->resident = 0;
   n->doomed = false;  // Its L2 copies are gone; a later write makes it visible again.
   counters_.l2_objects -= objects;
   --counters_.l2_pages;
-  if (sink_ != nullptr) Emit(IndexEvent::Kind::kRemoved, kMediumL2, n);
+  if (sink_ != nullptr) EmitL2(IndexEvent::Kind::kRemoved, n, before, 0);
   ++counters_.evicted_pages;
   counters_.evicted_objects += objects;
   AfterL2Change(n, /*held_l2_before=*/true);
@@ -922,10 +926,24 @@ void RadixIndex::SetEventSink(IndexEventSink* sink) {
   sink_ = sink;
 }
 
-void RadixIndex::Emit(IndexEvent::Kind kind, int8_t medium, const Node* n) {
+void RadixIndex::EmitL2(IndexEvent::Kind kind, const Node* n, ShardMask before, ShardMask after) {
+  if (!hybrid_) {
+    Emit(kind, kMediumL2, n);
+    return;
+  }
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const ShardMask mask = GroupMask(g);
+    if (((before & mask) != 0) != ((after & mask) != 0)) {
+      Emit(kind, kMediumL2, n, static_cast<int16_t>(g));
+    }
+  }
+}
+
+void RadixIndex::Emit(IndexEvent::Kind kind, int8_t medium, const Node* n, int16_t group) {
   IndexEvent event;
   event.kind = kind;
   event.medium = medium;
+  event.group = group;
   event.key = n->key;
   if (kind == IndexEvent::Kind::kStored && n->parent != nullptr) {
     event.has_parent = true;
@@ -981,10 +999,11 @@ void RadixIndex::DropCopies(Node* n, std::vector<ReleasedObject>* released) {
   n->l3_copies = 0;
   n->doomed = false;
   if (n->resident != 0) {
+    const ShardMask before = n->resident;
     n->resident = 0;
     --counters_.l2_pages;
     policy_->OnRemove(&n->hook);
-    if (sink_ != nullptr) Emit(IndexEvent::Kind::kRemoved, kMediumL2, n);
+    if (sink_ != nullptr) EmitL2(IndexEvent::Kind::kRemoved, n, before, 0);
   }
   for (uint32_t t = tiers; t != 0; t &= t - 1) {
     Emit(IndexEvent::Kind::kRemoved, static_cast<int8_t>(LowBit(t)), n);

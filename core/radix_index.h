@@ -517,7 +517,12 @@ class RadixIndex {
   void CollectUpwards(Node* n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t L2BytesLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The sink's events for n: stored (with n's parent) or removed, in `medium`.
-  void Emit(IndexEvent::Kind kind, int8_t medium, const Node* n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Emit(IndexEvent::Kind kind, int8_t medium, const Node* n, int16_t group = -1)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The L2 events of a change of n's committed objects from `before` to `after`: the page's,
+  // or with groups one per group whose objects went from none to some (or some to none).
+  void EmitL2(IndexEvent::Kind kind, const Node* n, ShardMask before, ShardMask after)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Bit t: some shard of n has a copy in L3 tier t.
   uint8_t PageTiers(const Node* n) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   uint64_t MemoryBytesLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);

@@ -75,7 +75,8 @@ class EventHub::NamespaceSink : public core::IndexEventSink {
         topic_(std::move(topic)),
         tenant_(spec.tenant),
         model_id_(spec.model_id),
-        block_size_(spec.page_size) {}
+        block_size_(spec.page_size),
+        groups_(spec.Hybrid() ? spec.groups : std::vector<core::KvGroup>{}) {}
 
   void OnIndexEvent(const core::IndexEvent& event) override {
     if (hub_->Active()) hub_->Push(this, event, /*cleared=*/false);
@@ -86,6 +87,8 @@ class EventHub::NamespaceSink : public core::IndexEventSink {
   const std::string& tenant() const { return tenant_; }
   const std::string& model_id() const { return model_id_; }
   uint32_t block_size() const { return block_size_; }
+  // A hybrid model's KV groups (empty otherwise): what an event of group g says about it.
+  const std::vector<core::KvGroup>& groups() const { return groups_; }
 
  private:
   EventHub* const hub_;
@@ -94,6 +97,7 @@ class EventHub::NamespaceSink : public core::IndexEventSink {
   const std::string tenant_;
   const std::string model_id_;
   const uint32_t block_size_;
+  const std::vector<core::KvGroup> groups_;
 };
 
 EventHub::EventHub(EventHubOptions options) : options_(std::move(options)) {
@@ -292,16 +296,21 @@ void EventHub::Flush() {
     const std::string& medium = media_[static_cast<size_t>(e.medium + 1)];
     KvEvent* last = events.empty() ? nullptr : &events.back();
     const bool extends =
-        last != nullptr && last->kind == kind && last->medium == medium &&
+        last != nullptr && last->kind == kind && last->medium == medium && last->group == e.group &&
         (kind == KvEvent::Kind::kBlockRemoved || (e.has_parent && last->keys.back() == e.parent));
     if (!extends) {
       KvEvent ev;
       ev.kind = kind;
       ev.medium = medium;
       ev.locality = locality_[static_cast<size_t>(e.medium + 1)];
+      ev.group = e.group;
       if (kind == KvEvent::Kind::kBlockStored) {
         if (e.has_parent) ev.parent = e.parent;
         ev.block_size = sink->block_size();
+        if (e.group >= 0 && static_cast<size_t>(e.group) < sink->groups().size()) {
+          ev.group_kind = sink->groups()[e.group].kind;
+          ev.sliding_window = sink->groups()[e.group].window_tokens;
+        }
       }
       events.push_back(std::move(ev));
       last = &events.back();

@@ -23,11 +23,29 @@ void PackKeys(Packer& p, const std::vector<core::PageKey>& keys) {
   for (const core::PageKey& k : keys) PackKey(p, k);
 }
 
+// vLLM 0.33's KVCacheSpecKind values (vllm/v1/kv_cache_interface.py) for our group kinds.
+std::string_view SpecKind(core::GroupKind kind) {
+  switch (kind) {
+    case core::GroupKind::kWindow:
+      return "sliding_window";
+    case core::GroupKind::kState:
+      return "mamba";
+    case core::GroupKind::kFull:
+      break;
+  }
+  return "full_attention";
+}
+
 void PackEvent(Packer& p, const KvEvent& e) {
   const bool locality = !e.locality.empty();
+  // A hybrid model's events name their group (vLLM 0.32/0.33 KVCacheEvent fields group_idx,
+  // kv_cache_spec_kind, kv_cache_spec_sliding_window; omitted when None, as msgspec does with
+  // omit_defaults).
+  const bool group = e.group >= 0;
+  const bool window = group && e.group_kind == core::GroupKind::kWindow;
   switch (e.kind) {
     case KvEvent::Kind::kBlockStored:
-      p.pack_map(8 + (locality ? 1 : 0));
+      p.pack_map(8 + (locality ? 1 : 0) + (group ? 2 : 0) + (window ? 1 : 0));
       PackStr(p, "type");
       PackStr(p, "BlockStored");
       PackStr(p, "block_hashes");
@@ -48,15 +66,29 @@ void PackEvent(Packer& p, const KvEvent& e) {
       PackStr(p, e.medium);
       PackStr(p, "lora_name");
       p.pack_nil();
+      if (group) {
+        PackStr(p, "group_idx");
+        p.pack_int32(e.group);
+        PackStr(p, "kv_cache_spec_kind");
+        PackStr(p, SpecKind(e.group_kind));
+      }
+      if (window) {
+        PackStr(p, "kv_cache_spec_sliding_window");
+        p.pack_uint32(e.sliding_window);
+      }
       break;
     case KvEvent::Kind::kBlockRemoved:
-      p.pack_map(3 + (locality ? 1 : 0));
+      p.pack_map(3 + (locality ? 1 : 0) + (group ? 1 : 0));
       PackStr(p, "type");
       PackStr(p, "BlockRemoved");
       PackStr(p, "block_hashes");
       PackKeys(p, e.keys);
       PackStr(p, "medium");
       PackStr(p, e.medium);
+      if (group) {
+        PackStr(p, "group_idx");
+        p.pack_int32(e.group);
+      }
       break;
     case KvEvent::Kind::kAllBlocksCleared:
       p.pack_map(1);

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "core/namespace_spec.h"
 #include "core/page_key.h"
 
 namespace kvcellar::server {
@@ -33,6 +34,11 @@ struct KvEvent {
   std::vector<core::PageKey> keys;      // A chain (stored) or any pages (removed), in order.
   std::optional<core::PageKey> parent;  // kBlockStored: the parent of keys[0].
   uint32_t block_size = 0;              // kBlockStored: tokens per page.
+  // A hybrid model's KV group the event is about (vLLM's group_idx), -1: none (omitted). Stored
+  // events also say the group's kind and window (kv_cache_spec_kind, _sliding_window).
+  int16_t group = -1;
+  core::GroupKind group_kind = core::GroupKind::kFull;
+  uint32_t sliding_window = 0;
 };
 
 // One published batch: its sequence number (per daemon, from 0, one per batch), the topic it was

@@ -3,8 +3,11 @@
 //   1: the first stable revision.
 //   2: AdminService.WatchEvents (KV events, docs/events.md).
 //   3: RegisterEngine maps only memory the registering engine owns; refusals are
-//      ERROR_REASON_MEMORY_NOT_OWNED (docs/security.md). GetStatusResponse.tenants (tenants.quotas).
-//      UnregisterEngine replies once the drain is over without holding a server thread.
+//      ERROR_REASON_MEMORY_NOT_OWNED (docs/security.md). GetStatusResponse.tenants
+//      (tenants.quotas). UnregisterEngine replies once the drain is over without holding a server
+//      thread.
+//   4: hybrid models: NamespaceSpec.groups, LayerLayout.group, Load/BackupSequence.group_blocks
+//      (docs/api.md "Groups").
 #ifndef KVCELLAR_SERVER_RPC_API_REVISION_H_
 #define KVCELLAR_SERVER_RPC_API_REVISION_H_
 
@@ -12,7 +15,7 @@
 
 namespace kvcellar::server {
 
-inline constexpr uint32_t kApiRevision = 3;
+inline constexpr uint32_t kApiRevision = 4;
 
 }  // namespace kvcellar::server
 

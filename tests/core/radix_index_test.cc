@@ -382,6 +382,38 @@ TEST_P(RadixIndexTest, HybridHitIsTheLongestBoundaryEveryGroupServes) {
   EXPECT_EQ(swa->NeededObjects(1, 6, 4), 1u);
 }
 
+// Events of a hybrid page are per group: stored when a group's first object arrives, removed for
+// every group the page held when it leaves (vLLM's events carry group_idx the same way).
+class RecordedEvents : public IndexEventSink {
+ public:
+  void OnIndexEvent(const IndexEvent& e) override {
+    seen.push_back({e.kind == IndexEvent::Kind::kStored ? 'S' : 'R', e.group});
+  }
+  std::vector<std::pair<char, int16_t>> seen;
+};
+
+TEST_P(RadixIndexTest, HybridEventsNameTheGroup) {
+  auto index = MakeHybrid({GroupRule{}, GroupRule{GroupKind::kWindow, 2}}, 2, GetParam());
+  RecordedEvents events;
+  index->SetEventSink(&events);
+  const auto keys = Chain(300, 1);
+  Put(*index, keys, std::nullopt, 0b0001);  // Rank 0's full-attention object: group 0 stored.
+  Put(*index, keys, std::nullopt, 0b0010);  // Rank 1's: group 0 already there.
+  Put(*index, keys, std::nullopt, 0b1100);  // The window's: group 1 stored once.
+  using E = std::pair<char, int16_t>;
+  EXPECT_THAT(events.seen, ::testing::ElementsAre(E{'S', 0}, E{'S', 1}));
+  std::vector<ReleasedObject> evicted;
+  ASSERT_EQ(index->EvictPages(1, &evicted), 1u);
+  EXPECT_EQ(evicted.size(), 4u);
+  EXPECT_THAT(events.seen, ::testing::ElementsAre(E{'S', 0}, E{'S', 1}, E{'R', 0}, E{'R', 1}));
+  // A namespace without groups: one event per page, no group.
+  auto plain = Make(2);
+  RecordedEvents plain_events;
+  plain->SetEventSink(&plain_events);
+  Put(*plain, keys, std::nullopt, 0b11);
+  EXPECT_THAT(plain_events.seen, ::testing::ElementsAre(E{'S', -1}));
+}
+
 TEST_P(RadixIndexTest, HybridMatchAgreesWithTheRuleOnRandomPages) {
   // Against the definition, on random object sets: boundary b is a hit when pages [0, b) are
   // indexed and hold L2 data, every full group holds [0, b), every window group its last

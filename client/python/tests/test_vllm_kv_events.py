@@ -48,7 +48,8 @@ from vllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved,  # noqa:
                                         BlockStored, KVEventBatch)
 
 from conftest import bin_path  # noqa: E402
-from kvcellar import Client, KvLayout, Namespace, SimDevice, page_keys  # noqa: E402
+from kvcellar import Client, KvGroup, KvLayout, Namespace, SimDevice, page_keys  # noqa: E402
+from kvcellar import _native as N  # noqa: E402
 
 P = 16  # tokens per page
 LAYERS = 2
@@ -518,3 +519,50 @@ def test_event_routing_beats_round_robin(daemon_factory):
     assert rr_hit <= rr_bound
     # The margin: routed is the best case (0.71 here), round-robin at most 0.28 before eviction.
     assert routed > 1.5 * rr, (routed, rr)
+
+
+def test_hybrid_events_name_the_group(daemon_factory):
+    """A hybrid model's pages are stored per KV group, and so are its events: vLLM's decoder reads
+    group_idx, kv_cache_spec_kind and kv_cache_spec_sliding_window, as vLLM's own hybrid block
+    pool publishes them."""
+    d = daemon_factory(args=event_args("node-h"), name="hyb")
+    pub, _ = endpoints(d)
+    ctx = zmq.Context()
+    sub = subscribe(ctx, pub)
+    dev = SimDevice()
+    raw = dev.empty((2, BLOCKS, BLOCK_BYTES), torch.uint8)  # two layers, one per group, aliased
+    layout = KvLayout.from_block_tensors([raw[0], raw[0]], [raw[1], raw[1]], device=dev,
+                                         tokens_per_block=P, groups=[0, 1])
+    ns = Namespace("test-org/hybrid-model", "r1", "int8", P,
+                   groups=(KvGroup("full"), KvGroup("window", 2 * P)))
+    client = Client(d.socket)
+    try:
+        s = client.register("hyb-engine", ns, layout=layout)
+        assert s.wait_active(10000)
+        keys = page_keys(ns, np.arange(4 * P, dtype=np.uint32))
+        no = N.NO_BLOCK
+        blocks = np.array([[0, no], [1, no], [2, 4], [3, 5]], dtype=np.uint32)
+        assert s.backup(keys, blocks.ravel(), ready=True).wait(10000).done
+        K = [bytes(k) for k in keys]
+        got = []
+        deadline = time.monotonic() + 5
+        while sum(len(e.block_hashes) for e in got if isinstance(e, BlockStored)) < 6:
+            assert sub.poll(max(1, int((deadline - time.monotonic()) * 1000))), got
+            got += DECODER.decode(sub.recv_multipart()[2]).events
+        stored = [e for e in got if isinstance(e, BlockStored)]
+        by_group = {}
+        for e in stored:
+            by_group.setdefault(e.group_idx, []).extend(e.block_hashes)
+        assert by_group == {0: K, 1: K[2:]}
+        for e in stored:
+            if e.group_idx == 0:
+                assert e.kv_cache_spec_kind == "full_attention"
+                assert e.kv_cache_spec_sliding_window is None
+            else:
+                assert e.kv_cache_spec_kind == "sliding_window"
+                assert e.kv_cache_spec_sliding_window == 2 * P
+    finally:
+        client.close()
+        dev.close()
+        sub.close(0)
+        ctx.term()
