@@ -33,17 +33,8 @@ void ToProto(const core::NamespaceSpec& ns, v1::NamespaceSpec* out) {
   if (!ns.Hybrid()) return;  // One full-attention group: no groups on the wire (API revision 3).
   for (const core::KvGroup& g : ns.groups) {
     v1::KvGroup* pg = out->add_groups();
-    switch (g.kind) {
-      case core::GroupKind::kFull:
-        pg->set_kind(v1::KV_GROUP_KIND_FULL_ATTENTION);
-        break;
-      case core::GroupKind::kWindow:
-        pg->set_kind(v1::KV_GROUP_KIND_SLIDING_WINDOW);
-        break;
-      case core::GroupKind::kState:
-        pg->set_kind(v1::KV_GROUP_KIND_RECURRENT_STATE);
-        break;
-    }
+    // KvGroupKind numbers are the canonical encoding's plus one (common.proto).
+    pg->set_kind(static_cast<v1::KvGroupKind>(static_cast<int>(g.kind) + 1));
     pg->set_sliding_window_tokens(g.window_tokens);
   }
 }

@@ -30,6 +30,14 @@ v1::NamespaceSpec ToProto(const core::NamespaceSpec& s) {
                                                          : v1::LAYOUT_KIND_MHA_GQA);
   out.set_tp_size(s.tp_size);
   out.set_opaque_keys(s.opaque_keys);
+  if (s.Hybrid()) {
+    for (const core::KvGroup& g : s.groups) {
+      v1::KvGroup* pg = out.add_groups();
+      // KvGroupKind numbers are the canonical encoding's plus one (common.proto).
+      pg->set_kind(static_cast<v1::KvGroupKind>(static_cast<int>(g.kind) + 1));
+      pg->set_sliding_window_tokens(g.window_tokens);
+    }
+  }
   return out;
 }
 

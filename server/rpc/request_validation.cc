@@ -430,6 +430,7 @@ absl::StatusOr<core::NamespaceSpec> ParseNamespaceSpec(const v1::NamespaceSpec& 
     absl::string_view rest = msg;
     absl::ConsumePrefix(&rest, "namespace ");
     std::string field(rest.substr(0, rest.find(' ')));
+    if (absl::EndsWith(field, ":")) field.pop_back();  // "namespace groups: 17 groups, ..."
     if (field == "page_size") field = "page_size_tokens";
     if (field == "layout") field = "layout_kind";
     if (absl::EndsWith(field, ".window_tokens")) {

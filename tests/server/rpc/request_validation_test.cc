@@ -323,6 +323,82 @@ TEST_F(DataOpValidationTest, BackupChecksParentsReadySignalAndPolicy) {
   EXPECT_TRUE(InvalidAt(ValidateBackup(policy, session_, Limits()), "write_policy"));
 }
 
+// A hybrid model's registration (API revision 4): groups in the namespace, a group per layer.
+TEST(RequestValidationTest, HybridGroupsAreParsedAndChecked) {
+  v1::RegisterEngineRequest r = SimWorker();
+  v1::NamespaceSpec* spec = r.mutable_namespace_spec();
+  spec->add_groups()->set_kind(v1::KV_GROUP_KIND_FULL_ATTENTION);
+  v1::KvGroup* window = spec->add_groups();
+  window->set_kind(v1::KV_GROUP_KIND_SLIDING_WINDOW);
+  window->set_sliding_window_tokens(64);
+  r.mutable_layout()->mutable_layers(1)->set_group(1);
+  absl::StatusOr<Registration> reg = ParseRegistration(r, Limits(), {v1::DEVICE_KIND_SIM});
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  ASSERT_TRUE(reg->spec.Hybrid());
+  EXPECT_EQ(reg->spec.groups[1].kind, core::GroupKind::kWindow);
+  EXPECT_EQ(reg->spec.groups[1].window_tokens, 64u);
+  EXPECT_EQ(reg->engine.layout.layers[1].group, 1u);
+  EXPECT_NE(reg->spec.Digest(), NsSpec(2).Digest()) << "groups are part of the namespace";
+  SessionInfo info;
+  FillSessionGeometry(r, *reg, &info);
+  EXPECT_EQ(info.group_kinds.size(), 2u);
+
+  v1::RegisterEngineRequest bad = r;
+  bad.mutable_namespace_spec()->mutable_groups(1)->set_sliding_window_tokens(0);
+  EXPECT_TRUE(InvalidAt(Register(bad), "namespace_spec.groups[1].sliding_window_tokens"));
+  bad = r;
+  bad.mutable_namespace_spec()->mutable_groups(0)->set_kind(v1::KV_GROUP_KIND_UNSPECIFIED);
+  EXPECT_TRUE(InvalidAt(Register(bad), "namespace_spec.groups[0].kind"));
+  bad = r;  // Windows only: nothing stores every page, so nothing keeps the index prefix-closed.
+  bad.mutable_namespace_spec()->mutable_groups(0)->set_kind(v1::KV_GROUP_KIND_SLIDING_WINDOW);
+  bad.mutable_namespace_spec()->mutable_groups(0)->set_sliding_window_tokens(64);
+  EXPECT_TRUE(InvalidAt(Register(bad), "namespace_spec.groups"));
+  bad = r;
+  bad.mutable_layout()->mutable_layers(0)->set_group(2);
+  EXPECT_TRUE(InvalidAt(Register(bad), "layout.layers[0].group"));
+  bad = r;
+  bad.mutable_layout()->mutable_layers(1)->set_group(0);
+  EXPECT_TRUE(InvalidAt(Register(bad), "layout.layers")) << "group 1 has no layer";
+  bad = SimWorker();
+  bad.mutable_layout()->mutable_layers(1)->set_group(1);
+  EXPECT_TRUE(InvalidAt(Register(bad), "layout.layers[1].group")) << "no groups declared";
+}
+
+TEST_F(DataOpValidationTest, HybridSequencesNameABlockPerPageAndGroup) {
+  SessionInfo hybrid = session_;
+  hybrid.group_kinds = {core::GroupKind::kFull, core::GroupKind::kState};
+  v1::BackupRequest backup;
+  auto* seq = backup.add_sequences();
+  seq->set_page_keys(KeyBlob(PromptKeys(NsSpec(), 1, 2)));
+  for (uint32_t b : {0u, kNoBlock, 1u, 2u}) seq->add_group_blocks(b);
+  EXPECT_TRUE(ValidateBackup(backup, hybrid, Limits()).ok());
+  v1::LoadRequest load;
+  auto* lseq = load.add_sequences();
+  lseq->set_page_keys(seq->page_keys());
+  for (uint32_t b : {kNoBlock, kNoBlock, 1u, 2u}) lseq->add_group_blocks(b);
+  EXPECT_TRUE(ValidateLoad(load, hybrid, Limits()).ok()) << "a Load may skip any object";
+
+  v1::BackupRequest no_full = backup;
+  no_full.mutable_sequences(0)->set_group_blocks(2, kNoBlock);
+  EXPECT_TRUE(InvalidAt(ValidateBackup(no_full, hybrid, Limits()), "sequences[0].group_blocks[2]"));
+  v1::BackupRequest short_ = backup;
+  short_.mutable_sequences(0)->mutable_group_blocks()->RemoveLast();
+  EXPECT_TRUE(InvalidAt(ValidateBackup(short_, hybrid, Limits()), "sequences[0].group_blocks"));
+  v1::BackupRequest repeated = backup;
+  repeated.mutable_sequences(0)->set_group_blocks(3, 0);
+  EXPECT_TRUE(IsCacheError(ValidateBackup(repeated, hybrid, Limits()), kInvalid,
+                           v1::ERROR_REASON_BLOCK_OUT_OF_RANGE, "sequences[0].group_blocks[3]"));
+  v1::BackupRequest out = backup;
+  out.mutable_sequences(0)->set_group_blocks(3, 16);
+  EXPECT_TRUE(IsCacheError(ValidateBackup(out, hybrid, Limits()), kInvalid,
+                           v1::ERROR_REASON_BLOCK_OUT_OF_RANGE, "sequences[0].group_blocks[3]"));
+  v1::BackupRequest both = backup;
+  both.mutable_sequences(0)->add_device_blocks(5);
+  EXPECT_TRUE(InvalidAt(ValidateBackup(both, hybrid, Limits()), "sequences[0].device_blocks"));
+  // A namespace without groups takes no group_blocks.
+  EXPECT_TRUE(InvalidAt(ValidateBackup(backup, session_, Limits()), "sequences[0].group_blocks"));
+}
+
 TEST(RequestValidationTest, PrefetchChecks) {
   v1::PrefetchRequest r;
   r.set_policy(v1::PREFETCH_POLICY_BEST_EFFORT);
