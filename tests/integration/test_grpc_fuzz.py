@@ -49,7 +49,7 @@ test_grpc_fuzz_every_rpc_under_asan is skipped unless KVCELLAR_ASAN_BIN_DIR name
 build's bin/ (deploy/dev.sh test sets it). test_foreign_sessions_and_memory runs only the
 foreign-id and foreign-memory checks, for KVCELLAR_GRPC_FUZZ_FOREIGN_SECONDS (default 15), on the
 ASan build when it is named, else on the regular one.
-KVCELLAR_GRPC_FUZZ_SECONDS sets the fuzzing time (default 120), KVCELLAR_GRPC_FUZZ_SEED the seed
+KVCELLAR_GRPC_FUZZ_SECONDS sets the fuzzing time (default 75, the CI run), KVCELLAR_GRPC_FUZZ_SEED the seed
 (default: random, printed). A longer run, e.g. 30 minutes:
   KVCELLAR_ASAN_BIN_DIR=build-fuzz/bin KVCELLAR_GRPC_FUZZ_SECONDS=1800 \
     ctest --test-dir build -R integration.test_grpc_fuzz --output-on-failure --timeout 2400
@@ -73,7 +73,7 @@ from engine_sim import DAEMON_ARGS, EXIT_OK, EngineProcess, require_cache_servic
 from kvcellar.v1 import admin_service_pb2, admin_service_pb2_grpc, cache_service_pb2, common_pb2
 
 FD = pb_descriptor.FieldDescriptor
-DURATION_S = float(os.environ.get("KVCELLAR_GRPC_FUZZ_SECONDS", "120"))
+DURATION_S = float(os.environ.get("KVCELLAR_GRPC_FUZZ_SECONDS", "75"))
 SEED = int(os.environ.get("KVCELLAR_GRPC_FUZZ_SEED", str(random.SystemRandom().randrange(2**32))))
 # Only the RPCs whose full method name matches (to narrow a finding down); default all.
 METHODS = re.compile(os.environ.get("KVCELLAR_GRPC_FUZZ_METHODS", ""))
