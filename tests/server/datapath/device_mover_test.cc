@@ -34,15 +34,41 @@ std::unique_ptr<gpu::SimDevice> MakeSim() {
   return *std::move(d);
 }
 
-class DeviceMoverTest : public ::testing::Test {
+// The daemon's side of the copies: an L2 pool, the op and pin tables, and a mover over the sim
+// device.
+class MoverFixture : public ::testing::Test {
  protected:
-  explicit DeviceMoverTest(L2World::Options l2 = L2World::Options())
+  explicit MoverFixture(L2World::Options l2 = L2World::Options())
       : world_(l2),
         ops_(&world_.metrics(), absl::Seconds(60)),
         limits_(CacheLimits::FromConfig(DefaultConfig())),
         sim_(MakeSim()),
         devices_(sim_.get()),
-        mover_(&devices_, &world_.l2(), &pins_, &ops_, &pump_, &world_.metrics(), &limits_),
+        mover_(&devices_, &world_.l2(), &pins_, &ops_, &pump_, &world_.metrics(), &limits_) {}
+
+  // Runs an op to its end; its page statuses (one sequence).
+  std::vector<int> Run(absl::StatusOr<std::shared_ptr<OpRecord>> op) {
+    EXPECT_TRUE(op.ok()) << op.status();
+    if (!op.ok()) return {};
+    const v1::OpResult r = AwaitOp(ops_, **op);
+    EXPECT_EQ(r.state(), v1::OP_STATE_DONE);
+    return r.sequences_size() == 1 ? Statuses(r.sequences(0)) : std::vector<int>{};
+  }
+
+  L2World world_;
+  OpTable ops_;
+  PinTable pins_;
+  SimSignalPump pump_;
+  const CacheLimits limits_;
+  std::unique_ptr<gpu::SimDevice> sim_;
+  DeviceSet devices_;
+  DeviceMover mover_;
+};
+
+class DeviceMoverTest : public MoverFixture {
+ protected:
+  explicit DeviceMoverTest(L2World::Options l2 = L2World::Options())
+      : MoverFixture(l2),
         kv_(MakeEngine()),
         ns_(world_.Adopted(NsSpec(), kv_->layout())),
         keys_(PromptKeys(NsSpec(), 1, 6)) {
@@ -89,13 +115,6 @@ class DeviceMoverTest : public ::testing::Test {
   }
 
   // Runs an op to its end; its page statuses (one sequence).
-  std::vector<int> Run(absl::StatusOr<std::shared_ptr<OpRecord>> op) {
-    EXPECT_TRUE(op.ok()) << op.status();
-    if (!op.ok()) return {};
-    const v1::OpResult r = AwaitOp(ops_, **op);
-    EXPECT_EQ(r.state(), v1::OP_STATE_DONE);
-    return r.sequences_size() == 1 ? Statuses(r.sequences(0)) : std::vector<int>{};
-  }
 
   // "" when the L2 object of `key` holds device block `block`'s bytes.
   std::string CheckL2(const core::PageKey& key, uint32_t block) {
@@ -105,14 +124,6 @@ class DeviceMoverTest : public ::testing::Test {
     return gpu::testing::CheckPage(kv_->layout(), world_.pool().Address(slot), kSeed, block);
   }
 
-  L2World world_;
-  OpTable ops_;
-  PinTable pins_;
-  SimSignalPump pump_;
-  const CacheLimits limits_;
-  std::unique_ptr<gpu::SimDevice> sim_;
-  DeviceSet devices_;
-  DeviceMover mover_;
   std::unique_ptr<platform::SimEngineKvCache> kv_;
   std::shared_ptr<Namespace> ns_;
   std::vector<core::PageKey> keys_;
@@ -245,14 +256,9 @@ core::NamespaceSpec HybridSpec() {
   return spec;
 }
 
-class HybridDeviceMoverTest : public ::testing::Test {
+class HybridDeviceMoverTest : public MoverFixture {
  protected:
-  HybridDeviceMoverTest()
-      : ops_(&world_.metrics(), absl::Seconds(60)),
-        limits_(CacheLimits::FromConfig(DefaultConfig())),
-        sim_(MakeSim()),
-        devices_(sim_.get()),
-        mover_(&devices_, &world_.l2(), &pins_, &ops_, &pump_, &world_.metrics(), &limits_) {
+  HybridDeviceMoverTest() {
     platform::SimKvShape shape;
     shape.num_layers = 3;
     shape.num_blocks = kHybridBlocks;
@@ -306,13 +312,6 @@ class HybridDeviceMoverTest : public ::testing::Test {
     SetBlocks(seq, pages);
     return r;
   }
-  std::vector<int> Run(absl::StatusOr<std::shared_ptr<OpRecord>> op) {
-    EXPECT_TRUE(op.ok()) << op.status();
-    if (!op.ok()) return {};
-    const v1::OpResult r = AwaitOp(ops_, **op);
-    EXPECT_EQ(r.state(), v1::OP_STATE_DONE);
-    return r.sequences_size() == 1 ? Statuses(r.sequences(0)) : std::vector<int>{};
-  }
   // "" when group `group`'s L2 object of page `page` holds device block `block`'s bytes of that
   // group's layer.
   std::string CheckL2(uint32_t page, uint32_t group, uint32_t block) {
@@ -342,14 +341,6 @@ class HybridDeviceMoverTest : public ::testing::Test {
     return true;
   }
 
-  L2World world_;
-  OpTable ops_;
-  PinTable pins_;
-  SimSignalPump pump_;
-  const CacheLimits limits_;
-  std::unique_ptr<gpu::SimDevice> sim_;
-  DeviceSet devices_;
-  DeviceMover mover_;
   std::unique_ptr<platform::SimEngineKvCache> kv_;
   core::KvLayout layout_;
   std::shared_ptr<Namespace> ns_;
