@@ -255,7 +255,7 @@ struct MatchReply {
 // ---- Load / Backup ----------------------------------------------------------------------------
 
 // In a hybrid namespace's blocks: this group's object of this page is not moved.
-inline constexpr uint32_t kNoBlock = 0xFFFFFFFF;
+using core::kNoBlock;
 
 struct LoadSequence {
   absl::Span<const core::PageKey> keys;

@@ -33,6 +33,8 @@ namespace kvcellar::core {
 
 // A model has at most a few hundred layers; 1024 bounds per-engine memory and validation time.
 inline constexpr uint32_t kMaxLayers = 1024;
+// In a hybrid model's per-(page, group) block lists: this group's object of the page is not moved.
+inline constexpr uint32_t kNoBlock = 0xFFFFFFFF;
 // Each layer's K and V may each be a separate allocation.
 inline constexpr uint32_t kMaxRegions = 2 * kMaxLayers;
 // Longest backend handle accepted: a CUDA IPC handle is 64 bytes, a POSIX shm name at most

@@ -11,7 +11,6 @@
 #include "absl/time/clock.h"
 #include "platform/log.h"
 #include "server/errors/cache_error.h"
-#include "server/rpc/request_validation.h"
 
 namespace kvcellar::server {
 namespace {
@@ -85,7 +84,7 @@ ObjectPlan PlanObjects(const Sequences& sequences, uint32_t pages, size_t groups
       }
       for (uint32_t g = 0; g < groups; ++g) {
         const uint32_t j = static_cast<uint32_t>(i * groups + g);
-        if (seq.group_blocks(j) != kNoBlock) add(p, g, seq.group_blocks(j), j);
+        if (seq.group_blocks(j) != core::kNoBlock) add(p, g, seq.group_blocks(j), j);
       }
     }
   }

@@ -509,6 +509,13 @@ absl::StatusOr<Registration> ParseRegistration(const v1::RegisterEngineRequest& 
   }
   if (absl::Status s = CheckLength("device.name", device.name(), kMaxIdBytes); !s.ok()) return s;
   reg.device_kind = device.kind();
+  if (reg.spec.Hybrid() && device.kind() == v1::DEVICE_KIND_CUDA) {
+    // The CUDA copy kernels pack one object per block over every layer (gpu/cuda).
+    return CacheError(absl::StatusCode::kFailedPrecondition, v1::ERROR_REASON_DEVICE_UNAVAILABLE,
+                      "namespace_spec.groups",
+                      "namespace_spec.groups: KV groups (a hybrid model) are served for "
+                      "host-memory (SIM) engines only in this revision, not for CUDA engines");
+  }
   if (!request.has_layout()) return InvalidField("layout", "layout is required for a WORKER");
   absl::StatusOr<core::KvLayout> layout =
       ParseLayout(request.layout(), reg.spec, device.kind(), limits);

@@ -30,7 +30,7 @@ namespace kvcellar::server {
 // Ids, names and request ids: "at most 256 bytes" (cache_service.proto).
 inline constexpr size_t kMaxIdBytes = 256;
 // In a hybrid namespace's group_blocks: this group's object of this page is not moved.
-inline constexpr uint32_t kNoBlock = 0xFFFFFFFF;
+using core::kNoBlock;
 
 // A RegisterEngineRequest turned into the daemon's types.
 struct Registration {

@@ -307,7 +307,8 @@ class _Namespace(ctypes.Structure):
     _fields_ = [("tenant", ctypes.c_char_p), ("model_id", ctypes.c_char_p),
                 ("model_revision", ctypes.c_char_p), ("kv_dtype", ctypes.c_char_p),
                 ("page_size", ctypes.c_uint32), ("layout", ctypes.c_uint32),
-                ("tp_size", ctypes.c_uint32), ("opaque_keys", ctypes.c_int)]
+                ("tp_size", ctypes.c_uint32), ("opaque_keys", ctypes.c_int),
+                ("groups", ctypes.c_void_p), ("num_groups", ctypes.c_size_t)]
 
 
 class _Registration(ctypes.Structure):

@@ -362,6 +362,11 @@ TEST(RequestValidationTest, HybridGroupsAreParsedAndChecked) {
   bad = SimWorker();
   bad.mutable_layout()->mutable_layers(1)->set_group(1);
   EXPECT_TRUE(InvalidAt(Register(bad), "layout.layers[1].group")) << "no groups declared";
+  bad = r;  // CUDA engines: not in this revision, said before anything is opened.
+  bad.mutable_device()->set_kind(v1::DEVICE_KIND_CUDA);
+  EXPECT_TRUE(IsCacheError(Register(bad, {v1::DEVICE_KIND_CUDA, v1::DEVICE_KIND_SIM}),
+                           absl::StatusCode::kFailedPrecondition,
+                           v1::ERROR_REASON_DEVICE_UNAVAILABLE, "namespace_spec.groups"));
 }
 
 TEST_F(DataOpValidationTest, HybridSequencesNameABlockPerPageAndGroup) {
