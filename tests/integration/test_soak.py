@@ -251,7 +251,9 @@ def test_soak_64_ranks_l3_behind_l2_engines_killed_at_random(tmp_path):
         assert sum(r["mismatched_bytes"] for r in results) == 0
         assert loaded > 0 and verified > 0 and stored > 0
         assert sum(r["memoized_matches"] for r in results) > 0, "TP groups never shared a step"
-        assert kills > 0 and sum(s.kills for s in slots) == kills
+        # A SIGKILL sent as an engine was exiting on its own finds it gone: that run ends well
+        # and counts as a finished run, not a kill (seen once in 43 kills).
+        assert 0 < sum(s.kills for s in slots) <= kills
 
         # Loads came from L2 (h2d copies) and from L3: pages evicted from L2, prefetched back from
         # the file tier and from Redis (older pages the file tier's capacity let go).
