@@ -5,15 +5,27 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <utility>
 
 #include "core/kv_layout.h"
 #include "core/signal_layout.h"
 #include "gpu/device_backend.h"
+#include "gpu/sim_device.h"
+#include "gtest/gtest.h"
 #include "platform/sim_engine_memory.h"
 
 namespace kvcellar::gpu::testing {
+
+// A sim device with one copy thread: copies finish in submission order, as tests expect.
+inline std::unique_ptr<SimDevice> OneThreadSimDevice() {
+  SimDevice::Options o;
+  o.copy_threads = 1;
+  absl::StatusOr<std::unique_ptr<SimDevice>> d = SimDevice::Create(o);
+  EXPECT_TRUE(d.ok()) << d.status();
+  return *std::move(d);
+}
 
 // What a daemon passes OpenEngine for `kv`: its layout and, when it has one, its signal region.
 inline EngineSpec SpecOf(const platform::SimEngineKvCache& kv, std::string device_uuid = "") {

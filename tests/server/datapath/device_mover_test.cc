@@ -26,14 +26,6 @@ using ::testing::ElementsAre;
 constexpr uint32_t kBlocks = 16;
 constexpr uint32_t kSeed = 5;
 
-std::unique_ptr<gpu::SimDevice> MakeSim() {
-  gpu::SimDevice::Options o;
-  o.copy_threads = 1;
-  absl::StatusOr<std::unique_ptr<gpu::SimDevice>> d = gpu::SimDevice::Create(o);
-  EXPECT_TRUE(d.ok()) << d.status();
-  return *std::move(d);
-}
-
 // The daemon's side of the copies: an L2 pool, the op and pin tables, and a mover over the sim
 // device.
 class MoverFixture : public ::testing::Test {
@@ -42,7 +34,7 @@ class MoverFixture : public ::testing::Test {
       : world_(l2),
         ops_(&world_.metrics(), absl::Seconds(60)),
         limits_(CacheLimits::FromConfig(DefaultConfig())),
-        sim_(MakeSim()),
+        sim_(gpu::testing::OneThreadSimDevice()),
         devices_(sim_.get()),
         mover_(&devices_, &world_.l2(), &pins_, &ops_, &pump_, &world_.metrics(), &limits_) {}
 

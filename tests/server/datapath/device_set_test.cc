@@ -7,6 +7,7 @@
 #include "gmock/gmock.h"
 #include "gpu/sim_device.h"
 #include "gtest/gtest.h"
+#include "tests/gpu/sim_test_util.h"
 #include "tests/server/fake_cuda_device.h"
 
 namespace kvcellar::server {
@@ -15,14 +16,6 @@ namespace {
 using ::testing::ElementsAre;
 using testing::FakeCudaDevice;
 using ::testing::HasSubstr;
-
-std::unique_ptr<gpu::SimDevice> MakeSim() {
-  gpu::SimDevice::Options o;
-  o.copy_threads = 1;
-  absl::StatusOr<std::unique_ptr<gpu::SimDevice>> d = gpu::SimDevice::Create(o);
-  EXPECT_TRUE(d.ok()) << d.status();
-  return *std::move(d);
-}
 
 TEST(DeviceSetTest, EmptyServesNothing) {
   DeviceSet none;
@@ -36,7 +29,7 @@ TEST(DeviceSetTest, EmptyServesNothing) {
 }
 
 TEST(DeviceSetTest, SimAloneServesSim) {
-  std::unique_ptr<gpu::SimDevice> sim = MakeSim();
+  std::unique_ptr<gpu::SimDevice> sim = gpu::testing::OneThreadSimDevice();
   DeviceSet set(sim.get());
   EXPECT_EQ(set.primary(), sim.get());
   EXPECT_EQ(set.primary_kind(), v1::DEVICE_KIND_SIM);
@@ -49,7 +42,7 @@ TEST(DeviceSetTest, SimAloneServesSim) {
 
 TEST(DeviceSetTest, CudaPrimaryWithHostMemorySimPicksByKind) {
   FakeCudaDevice cuda;
-  std::unique_ptr<gpu::SimDevice> sim = MakeSim();
+  std::unique_ptr<gpu::SimDevice> sim = gpu::testing::OneThreadSimDevice();
   DeviceSet set(&cuda);
   ASSERT_TRUE(set.Add(sim.get()).ok());
   EXPECT_EQ(set.primary(), &cuda);
@@ -65,8 +58,8 @@ TEST(DeviceSetTest, CudaPrimaryWithHostMemorySimPicksByKind) {
 }
 
 TEST(DeviceSetTest, OneBackendPerKind) {
-  std::unique_ptr<gpu::SimDevice> a = MakeSim();
-  std::unique_ptr<gpu::SimDevice> b = MakeSim();
+  std::unique_ptr<gpu::SimDevice> a = gpu::testing::OneThreadSimDevice();
+  std::unique_ptr<gpu::SimDevice> b = gpu::testing::OneThreadSimDevice();
   DeviceSet set(a.get());
   absl::Status s = set.Add(b.get());
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
@@ -78,7 +71,7 @@ TEST(DeviceSetTest, OneBackendPerKind) {
 
 TEST(DeviceSetTest, KindOfNamesTheBackend) {
   FakeCudaDevice cuda;
-  std::unique_ptr<gpu::SimDevice> sim = MakeSim();
+  std::unique_ptr<gpu::SimDevice> sim = gpu::testing::OneThreadSimDevice();
   EXPECT_EQ(KindOf(&cuda), v1::DEVICE_KIND_CUDA);
   EXPECT_EQ(KindOf(sim.get()), v1::DEVICE_KIND_SIM);
   EXPECT_EQ(KindOf(nullptr), v1::DEVICE_KIND_UNSPECIFIED);
