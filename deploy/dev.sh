@@ -61,6 +61,19 @@ case "$cmd" in
     # The soak's one-line summary (tests/integration/test_soak.py), which ctest shows only on
     # failure.
     cat soak-summary.txt 2>/dev/null || true
+    if [[ $rc -ne 0 ]]; then
+      # Each failed test's last lines once more, at the end of the log where a CI excerpt that
+      # keeps only the tail still shows why every one failed (ctest printed them in full above,
+      # in the middle of the others).
+      echo "=== failed tests, the end of each one's output (in full above) ==="
+      sed -n 's/^[0-9]*:\(.*\)$/\1/p' Testing/Temporary/LastTestsFailed.log 2>/dev/null |
+        while read -r name; do
+          echo "--- $name"
+          awk -v t="$name" '$0 ~ "^[0-9]+/[0-9]+ Test: " && $3 == t {on = 1; next}
+                            on && /^<end of output>$/ {exit}
+                            on' Testing/Temporary/LastTest.log | tail -n 60
+        done
+    fi
     exit "$rc"
     ;;
   *)

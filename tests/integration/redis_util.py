@@ -5,6 +5,7 @@ with one replica per primary (CLUSTER REPLICATE) that Redis Cluster's own failov
 its primary dies.
 """
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -14,22 +15,32 @@ REDIS_SERVER = "/usr/bin/redis-server"
 REDIS_CLI = "/usr/bin/redis-cli"
 
 
+def _bindable(port):
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_cluster_port(taken=()):
     """A loopback port whose cluster bus port (+10000) is free too, neither of them in `taken`
-    (the ports of the cluster's other nodes, which may not have bound them yet)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + 10000 > 65535 or port in taken or port + 10000 in taken:
+    (the ports of the cluster's other nodes, which may not have bound them yet). Both lie below
+    the kernel's ephemeral range (32768 and up), so that no outgoing connection of a test running
+    beside this one takes either before redis-server binds it; another test may still pick the
+    same port, and RedisCluster then starts that node on another (PortTaken)."""
+    for _ in range(200):
+        port = random.randrange(10000, 22768)
+        if port in taken or port + 10000 in taken:
             continue
-        with socket.socket() as bus:
-            try:
-                bus.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        return port
+        if _bindable(port) and _bindable(port + 10000):
+            return port
     raise AssertionError("no free port pair for a cluster node")
+
+
+class PortTaken(AssertionError):
+    """redis-server exited at start: its port was taken after it was picked."""
 
 
 class RedisServer:
@@ -75,8 +86,8 @@ class RedisServer:
             if self.proc.poll() is not None:  # A port taken meanwhile: its PONG is not ours.
                 log = os.path.join(self.dir, "redis.log")
                 tail = open(log).read()[-2000:] if os.path.exists(log) else ""
-                raise AssertionError(f"redis-server exited ({self.proc.returncode}) in {self.dir}:"
-                                     f"\n{tail}")
+                raise PortTaken(f"redis-server exited ({self.proc.returncode}) in {self.dir}:"
+                                f"\n{tail}")
             if self.cli("PING", check=False).strip() == "PONG":
                 return self
             time.sleep(0.02)
@@ -160,8 +171,17 @@ class RedisCluster:
             raise
 
     def _start(self):
+        taken = {p for n in self.all_nodes for p in (n.port, n.port + 10000)}
         for n in self.all_nodes:
-            n.start()
+            for attempt in range(5):
+                try:
+                    n.start()
+                    break
+                except PortTaken:
+                    if attempt == 4:
+                        raise
+                    n.port = free_cluster_port(taken)
+                    taken.update((n.port, n.port + 10000))
         for i, n in enumerate(self.nodes):
             n.cli("CLUSTER", "SET-CONFIG-EPOCH", str(i + 1))
             n.cli("CLUSTER", "ADDSLOTSRANGE", str(self.first_slot(i)),

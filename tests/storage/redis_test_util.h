@@ -41,11 +41,14 @@ inline bool PortFree(int port) {
   return ok;
 }
 
-// A port whose cluster bus port (+10000) is free too.
+// A port whose cluster bus port (+10000) is free too, both below the kernel's ephemeral range
+// (32768 and up on Linux): an outgoing connection of a test running beside this one cannot take
+// either between the check here and redis-server's bind. Another test may still pick the same
+// port; ClusterNode then starts the node again on another one.
 inline int PickPort() {
   static std::mt19937 rng(static_cast<unsigned>(::getpid()) ^ static_cast<unsigned>(::time(nullptr)));
   for (int i = 0; i < 200; ++i) {
-    const int port = 20000 + static_cast<int>(rng() % 30000);
+    const int port = 10000 + static_cast<int>(rng() % 12768);
     if (PortFree(port) && PortFree(port + 10000)) return port;
   }
   return 0;
@@ -63,11 +66,16 @@ class RedisServer {
     auto s = std::unique_ptr<RedisServer>(new RedisServer(dir, 0, false));
     return s->Start() ? std::move(s) : nullptr;
   }
+  // A node whose port was taken between PickPort and its bind exits; it is started again on
+  // another port (a few tries).
   static std::unique_ptr<RedisServer> ClusterNode(const std::string& dir) {
-    const int port = PickPort();
-    if (port == 0) return nullptr;
-    auto s = std::unique_ptr<RedisServer>(new RedisServer(dir, port, true));
-    return s->Start() ? std::move(s) : nullptr;
+    for (int attempt = 0; attempt < 5; ++attempt) {
+      const int port = PickPort();
+      if (port == 0) return nullptr;
+      auto s = std::unique_ptr<RedisServer>(new RedisServer(dir, port, true));
+      if (s->Start()) return s;
+    }
+    return nullptr;
   }
 
   ~RedisServer() { Kill(); }
@@ -99,9 +107,14 @@ class RedisServer {
       ::_exit(127);
     }
     if (pid_ < 0) return false;
-    // Ready when it answers PING (bounded).
+    // Ready when it answers PING (bounded). A server that exited (its port taken) has not
+    // started, whoever else answers on that port.
     const absl::Time deadline = absl::Now() + absl::Seconds(10);
     while (absl::Now() < deadline) {
+      if (::waitpid(pid_, nullptr, WNOHANG) == pid_) {
+        pid_ = -1;
+        return false;
+      }
       ReplyPtr r = Command({"PING"});
       if (r != nullptr && r->type == REDIS_REPLY_STATUS) return true;
       ::usleep(5000);

@@ -45,7 +45,9 @@ import torch  # noqa: E402
 
 def build(args: argparse.Namespace, socket: str) -> tuple[Any, Any]:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    import psutil
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.storage import StorageBackendFactory
 
@@ -53,10 +55,13 @@ def build(args: argparse.Namespace, socket: str) -> tuple[Any, Any]:
     dev = MHATokenToKVPool(device_tokens, args.page_size, torch.bfloat16, args.heads,
                            args.head_dim, args.layers, "cpu", False, start_layer=0,
                            end_layer=args.layers)
-    host = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0,
-                                args.page_size, args.layout, pin_memory=False, device="cpu",
-                                allocator_type="shm", device_capacity_tokens=dev.size,
-                                start_layer=0, end_layer=args.layers)
+    # Checked against the host's available memory, without SGLang's 10 GiB reserve for a
+    # server's other use (pool_host/base.py), through SGLang's own budget scope.
+    with host_memory_budget_scope(psutil.virtual_memory().available):
+        host = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0,
+                                    args.page_size, args.layout, pin_memory=False, device="cpu",
+                                    allocator_type="shm", device_capacity_tokens=dev.size,
+                                    start_layer=0, end_layer=args.layers)
     del dev
     extra = {"backend_name": "kvcellar", "module_path": "kvcellar.integrations.sglang",
              "class_name": "KvcellarStorage", "interface_v1": 1, "allocator": "shm",
