@@ -22,6 +22,13 @@ using v1::PageStatus;
 // never happens (a bug): then the pages unpin after 10 minutes, far longer than any copy.
 constexpr absl::Duration kOwnPinLease = absl::Minutes(10);
 
+// Bytes a copy of `items` moves: each its group's object (a hybrid model's groups differ).
+uint64_t MovedBytes(const Namespace& ns, absl::Span<const gpu::CopyItem> items) {
+  uint64_t bytes = 0;
+  for (const gpu::CopyItem& item : items) bytes += ns.group_object_bytes(item.group);
+  return bytes;
+}
+
 // The backend that opened the session's mapping: the one of its kind. Never nullptr for a WORKER
 // session (RegisterEngine admits only a served kind, and the set does not change).
 gpu::DeviceBackend* DeviceOf(const DeviceSet& devices, const SessionInfo& info) {
@@ -441,7 +448,7 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Load(const std::shared_pt
   completion->pins = pins_;
   completion->pump = signal ? pump_ : nullptr;
   completion->metrics = metrics_;
-  completion->bytes = items.size() * ns.object_bytes();
+  completion->bytes = MovedBytes(ns, items);
   completion->submitted = copy_start;
   record->completion = std::move(completion);
   std::shared_ptr<OpRecord> added = ops_->Add(std::move(record));
@@ -485,6 +492,7 @@ struct DeviceMover::BackupBatch {
   std::vector<core::SlotRef> object_slots;  // The slot of each.
   std::vector<uint32_t> object_page;        // The page of each.
   std::vector<gpu::CopyItem> items;     // The copies: device block -> L2 slot.
+  uint64_t moved_bytes = 0;             // Of `items`, counted before they go to the device.
   std::vector<uint32_t> used_blocks;
   std::vector<uint32_t> unused_blocks;
   uint32_t ready_timeout_ms = 0;
@@ -524,7 +532,7 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Backup(
   completion->writer = batch.plan.hybrid ? nullptr : writer_;
   completion->write_policy = request.write_policy();
   completion->metrics = metrics_;
-  completion->bytes = completion->object_page.size() * batch.ns.object_bytes();
+  completion->bytes = batch.moved_bytes;
   completion->submitted = copy_start;
   batch.record->completion = std::move(completion);
   std::shared_ptr<OpRecord> added = ops_->Add(std::move(batch.record));
@@ -730,6 +738,7 @@ uint8_t DeviceMover::RefusedWriteStatus(BackupBatch& batch, uint32_t k, const ab
 
 absl::Status DeviceMover::SubmitBackupCopy(BackupBatch& batch, const v1::BackupRequest& request) {
   if (batch.items.empty()) return absl::OkStatus();
+  batch.moved_bytes = MovedBytes(batch.ns, batch.items);
   const SessionInfo& info = batch.info;
   OpRecord& record = *batch.record;
   absl::StatusOr<gpu::OpHandle> op;

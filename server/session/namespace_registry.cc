@@ -32,7 +32,8 @@ Namespace::Namespace(core::NamespaceSpec spec, core::HostPool* pool,
       id_(id),
       journal_(journal),
       events_(events),
-      tenant_account_(tenant) {}
+      tenant_account_(tenant),
+      group_object_bytes_(spec_.NumGroups()) {}
 
 Namespace::~Namespace() = default;
 
@@ -199,6 +200,9 @@ absl::Status Namespace::FixGeometryLocked(Geometry g) {
   geometry_ = std::move(g);
   has_geometry_ = true;
   object_bytes_.store(object_bytes, std::memory_order_release);
+  for (uint32_t k = 0; k < groups; ++k) {
+    group_object_bytes_[k].store(group_bytes[k], std::memory_order_release);
+  }
   slot_bytes_.store(slot_bytes, std::memory_order_release);
   geometry_epoch_.store(static_cast<uint16_t>(geometry_epoch_.load(std::memory_order_relaxed) + 1),
                         std::memory_order_release);

@@ -90,6 +90,12 @@ class Namespace {
   // Bytes of one (page, shard) object (of a hybrid model: its largest group's), and of the pool
   // slot that holds it; 0 before the geometry.
   uint64_t object_bytes() const { return object_bytes_.load(std::memory_order_acquire); }
+  // Bytes of one object of KV group `group` (what a copy of it moves); 0 before the geometry.
+  uint64_t group_object_bytes(uint32_t group) const {
+    return group < group_object_bytes_.size()
+               ? group_object_bytes_[group].load(std::memory_order_acquire)
+               : 0;
+  }
   uint64_t slot_bytes() const { return slot_bytes_.load(std::memory_order_acquire); }
 
   // Fixes the geometry from `layout` (the first worker, or the first once nothing holds the old
@@ -154,6 +160,7 @@ class Namespace {
   std::unique_ptr<core::RadixIndex> owned_index_ ABSL_GUARDED_BY(mu_);
   std::atomic<core::RadixIndex*> index_{nullptr};
   std::atomic<uint64_t> object_bytes_{0};
+  std::vector<std::atomic<uint64_t>> group_object_bytes_;  // Sized once: one per group.
   std::atomic<uint64_t> slot_bytes_{0};
   std::atomic<uint16_t> geometry_epoch_{0};
   mutable NamespaceCounters counters_;
