@@ -146,8 +146,9 @@ class KvLayout:
 
     @classmethod
     def from_vllm_blocks(cls, kv_caches: Union[dict, Sequence[Any]], *, mla: bool = False,
-                         num_blocks: Optional[int] = None,
-                         device: Any = None) -> tuple["KvLayout", list[int]]:
+                         num_blocks: Optional[int] = None, device: Any = None,
+                         groups: Optional[Sequence[int]] = None
+                         ) -> tuple["KvLayout", list[int]]:
         """vLLM >= 0.33's unified per-layer views ``[B, H, N, C]`` (RFC #42082): K and V side by
         side in the last dim (``C = head_size + head_size_v``), every layer a view of one
         allocation in any block-compact ``KVCacheLayout``; MLA ``[B, 1, N, latent]``.
@@ -160,14 +161,19 @@ class KvLayout:
 
         ``num_blocks``: the manager's block count when kernel-block splitting made dim 0 a
         multiple of it (vLLM's ``group_kernel_blocks``). Layers that alias one view (cross-layer
-        KV sharing) are registered once. Returns the layout and, per input layer, the index of
-        its registered layer (what ``Op.wait_layer`` takes).
+        KV sharing) are registered once. ``groups``: each input layer's KV group of a hybrid
+        model (vLLM's hybrid allocator gives every group views of the same bytes from offset 0:
+        equal views of different groups are different layers). Returns the layout and, per
+        input layer, the index of its registered layer (what ``Op.wait_layer`` takes).
         """
         tensors = list(kv_caches.values()) if isinstance(kv_caches, dict) else list(kv_caches)
         if not tensors:
             raise ValueError("kv_caches: empty")
+        if groups is not None and len(groups) != len(tensors):
+            raise ValueError(f"groups: {len(groups)} entries for {len(tensors)} layers")
         unique: dict[tuple, int] = {}
         flats: list[Any] = []
+        flat_groups: list[int] = []
         index: list[int] = []
         tokens_per_block = 0
         for i, t in enumerate(tensors):
@@ -179,25 +185,29 @@ class KvLayout:
                     raise ValueError(f"kv_caches[{i}]: {t.shape[0]} kernel blocks are not a "
                                      f"multiple of num_blocks={num_blocks}")
                 t = t.unflatten(0, (num_blocks, -1))  # [B, ratio, H, N, C]
-            ident = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+            group = int(groups[i]) if groups is not None else 0
+            ident = (group, t.data_ptr(), tuple(t.shape), tuple(t.stride()))
             if ident not in unique:
                 unique[ident] = len(flats)
                 flats.append(_flat_blocks(t, f"kv_caches[{i}]"))
+                flat_groups.append(group)
                 tokens_per_block = int(t.shape[-2]) * (int(t.shape[1]) if t.dim() == 5 else 1)
             index.append(unique[ident])
+        g = flat_groups if groups is not None else None
         if mla:
             layout = cls.from_block_tensors(flats, None, device=device,
-                                            tokens_per_block=tokens_per_block)
+                                            tokens_per_block=tokens_per_block, groups=g)
             return layout, index
-        per_block = int(flats[0].shape[1])
-        if per_block % 2:
-            raise ValueError(f"kv_caches: {per_block} elements per block cannot be split into "
-                             "equal K and V halves")
-        half = per_block // 2
-        ks = [f[:, :half] for f in flats]
-        vs = [f[:, half:] for f in flats]
-        return cls.from_block_tensors(ks, vs, device=device,
-                                      tokens_per_block=tokens_per_block), index
+        ks, vs = [], []
+        for f in flats:
+            per_block = int(f.shape[1])
+            if per_block % 2:
+                raise ValueError(f"kv_caches: {per_block} elements per block cannot be split "
+                                 "into equal K and V halves")
+            ks.append(f[:, :per_block // 2])
+            vs.append(f[:, per_block // 2:])
+        return cls.from_block_tensors(ks, vs, device=device, tokens_per_block=tokens_per_block,
+                                      groups=g), index
 
     @classmethod
     def from_sglang(cls, k_buffers: Sequence[Any], v_buffers: Optional[Sequence[Any]],
@@ -292,7 +302,6 @@ class _Builder:
         self.region_index: dict[Any, int] = {}
         self.kind: Optional[str] = None
         self.cuda_device: Optional[int] = None
-        self.dtype = None
 
     def build(self, ks: list, vs: Optional[list], tokens_per_block: int,
               groups: Optional[Sequence[int]] = None) -> KvLayout:
@@ -309,9 +318,15 @@ class _Builder:
         if num_blocks <= 0:
             raise ValueError(f"k[0]: shape {tuple(ks[0].shape)} has no blocks")
         layers, keep = [], []
+        # Layers of one group hold blocks of one shape and dtype; groups may differ (a recurrent
+        # state's block is not an attention block).
+        first_of = {}
+        for i, g in enumerate(groups):
+            first_of.setdefault(g, i)
         for i, kt in enumerate(ks):
-            k = self.buffer(kt, f"k[{i}]", num_blocks, ks[0])
-            v = None if vs is None else self.buffer(vs[i], f"v[{i}]", num_blocks, ks[0])
+            first = ks[first_of[groups[i]]]
+            k = self.buffer(kt, f"k[{i}]", num_blocks, first)
+            v = None if vs is None else self.buffer(vs[i], f"v[{i}]", num_blocks, first)
             layers.append((k, v))
             keep.append(kt)
             if vs is not None:
@@ -319,9 +334,12 @@ class _Builder:
         for g in set(groups):  # a block is one group's at a time: only a group's buffers must not meet
             self.check_overlaps([lay for lay, lg in zip(layers, groups) if lg == g], num_blocks,
                                 vs is not None)
+        # The dtype a namespace's kv_dtype is checked against; none when groups differ (a
+        # recurrent state's blocks are viewed as bytes).
+        dtypes = {t.dtype for t in ks}
         layout = KvLayout(self.regions, layers, num_blocks,
                           N.DEVICE_CUDA if self.kind == "cuda" else N.DEVICE_SIM,
-                          dtype=str(self.dtype).replace("torch.", ""),
+                          dtype=str(ks[0].dtype).replace("torch.", "") if len(dtypes) == 1 else "",
                           tokens_per_block=tokens_per_block, cuda_device=self.cuda_device,
                           groups=groups if max(groups) > 0 else [], _keep=keep)
         if self.kind == "cuda":
@@ -335,16 +353,15 @@ class _Builder:
 
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
-        if self.dtype is None:
-            self.dtype = t.dtype
-        elif t.dtype != self.dtype:
-            raise ValueError(f"{what}: dtype {t.dtype} differs from k[0]'s {self.dtype}")
+        if t.dtype != first.dtype:
+            raise ValueError(f"{what}: dtype {t.dtype} differs from its group's first layer's "
+                             f"{first.dtype}")
         if t.dim() < 2 or int(t.shape[0]) != num_blocks:
             raise ValueError(f"{what}: shape {tuple(t.shape)}: expected [{num_blocks}, ...] "
                              f"(num_blocks from k[0])")
         if tuple(t.shape[1:]) != tuple(first.shape[1:]):
-            raise ValueError(f"{what}: block shape {tuple(t.shape[1:])} differs from k[0]'s "
-                             f"{tuple(first.shape[1:])}")
+            raise ValueError(f"{what}: block shape {tuple(t.shape[1:])} differs from its group's "
+                             f"first layer's {tuple(first.shape[1:])}")
         es = t.element_size()
         inner = [(int(st), int(sz)) for sz, st in zip(t.shape[1:], t.stride()[1:]) if sz > 1]
         inner.sort()

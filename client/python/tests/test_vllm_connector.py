@@ -50,11 +50,11 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
-from vllm.v1.core.sched.output import (CachedRequestData, NewRequestData,  # noqa: E402
-                                       SchedulerOutput)
+from vllm.v1.core.sched.output import (CachedRequestData, KVConnectorBlockState,  # noqa: E402
+                                       NewRequestData, SchedulerOutput)
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
-                                        KVCacheGroupSpec, KVCacheTensor, SlidingWindowSpec,
-                                        create_kv_cache_views)
+                                        KVCacheGroupSpec, KVCacheTensor, MambaSpec,
+                                        SlidingWindowSpec, create_kv_cache_views)
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
@@ -336,8 +336,9 @@ def test_other_vllm_releases_are_refused_at_start():
 def test_windowed_kv_is_refused_at_start(role):
     # A model whose every layer has a sliding window (Mistral-style `sliding_window`, no
     # `layer_types`) gets one SlidingWindowSpec group even with vLLM's hybrid manager off. Its
-    # block tables hold the null block (id 0) where the window has passed: the connector must
-    # refuse at start rather than save or load block 0 under the prompt's keys.
+    # block tables hold the null block (id 0) where the window has passed and no group holds
+    # every page: the connector must refuse at start rather than save or load block 0 under the
+    # prompt's keys.
     spec = SlidingWindowSpec(block_size=P, num_kv_heads=KV_HEADS, head_size=D,
                              dtype=torch.bfloat16, sliding_window=4 * P)
     page = spec.page_size_bytes
@@ -346,8 +347,28 @@ def test_windowed_kv_is_refused_at_start(role):
     kvcc = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[tensor],
                          kv_cache_groups=[KVCacheGroupSpec(list(NAMES), spec)],
                          kv_cache_layout="LBNHC")
-    with pytest.raises(ValueError, match="a SlidingWindowSpec group; KvcellarConnector serves "
-                                         "full attention"):
+    with pytest.raises(ValueError, match="a SlidingWindowSpec group and no full-attention one; "
+                                         "KvcellarConnector serves full attention"):
+        KVConnectorFactory.create_connector(vllm_config("/nonexistent/kvcellar.sock"), role, kvcc)
+
+
+@pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
+def test_recurrent_state_without_prefix_caching_is_refused_at_start(role):
+    # Without prefix caching vLLM keeps one in-place state per request (mamba_cache_mode "none"):
+    # no state at a page boundary exists to store or to load into.
+    full = FullAttentionSpec(block_size=P, num_kv_heads=KV_HEADS, head_size=D,
+                             dtype=torch.bfloat16)
+    state = MambaSpec(block_size=P, shapes=((2, 64),), dtypes=(torch.bfloat16,),
+                      page_size_padded=full.page_size_bytes, mamba_cache_mode="none")
+    tensors = [KVCacheTensor(size=full.page_size_bytes * BLOCKS, layers=[n],
+                             layer_stride=full.page_size_bytes * BLOCKS,
+                             block_stride=full.page_size_bytes) for n in NAMES]
+    kvcc = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=tensors,
+                         kv_cache_groups=[KVCacheGroupSpec([NAMES[0]], full),
+                                          KVCacheGroupSpec([NAMES[1]], state)],
+                         kv_cache_layout="LBNHC")
+    with pytest.raises(ValueError, match=r"kv_cache_groups\[1\]: a MambaSpec group in "
+                                         "mamba_cache_mode 'none'.*--enable-prefix-caching"):
         KVConnectorFactory.create_connector(vllm_config("/nonexistent/kvcellar.sock"), role, kvcc)
 
 
@@ -451,3 +472,129 @@ def test_bad_extra_config_fails_at_construction(tmp_path, extra, name):
     vc = vllm_config(str(tmp_path / "none.sock"), **extra)
     with pytest.raises(ValueError, match=name):
         KVConnectorFactory.create_connector(vc, KVConnectorRole.SCHEDULER, kv_cache_config(2))
+
+
+# ---- hybrid models (several KV cache groups) ----------------------------------------------------
+
+
+def test_hybrid_groups_load_whole_hits_asynchronously_and_a_failed_load_is_recomputed(
+        daemon_factory, tmp_path):
+    """vLLM's hybrid manager with a full-attention group and a sliding-window group of one layer
+    each, aliasing one buffer from byte 0 (allocate_kv_cache). Saves name every group's block
+    from the live tables; a hit is one asynchronous Load of the full group's pages and the
+    window's last pages; a Load that cannot run is reported in failed_recving (vLLM raises on
+    block-level errors with several groups) and that request is not offered a hit again."""
+    sock = str(tmp_path / "hyb.sock")
+    args = ("--set", f"listen.unix_socket={sock}", "--set",
+            f"pool.shm_name=kvc-vllm-hyb-{os.getpid()}")
+    d = daemon_factory(args=args)
+    window = 2 * P  # real blocks: the last cdiv(2P - 1, P) = 2 pages before the position
+    specs = [FullAttentionSpec(block_size=P, num_kv_heads=KV_HEADS, head_size=D,
+                               dtype=torch.bfloat16),
+             SlidingWindowSpec(block_size=P, num_kv_heads=KV_HEADS, head_size=D,
+                               dtype=torch.bfloat16, sliding_window=window)]
+    page = specs[0].page_size_bytes
+    tensors = [KVCacheTensor(size=page * BLOCKS, layers=[n], layer_stride=page * BLOCKS,
+                             block_stride=page) for n in NAMES]
+    kvcc = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=tensors,
+                         kv_cache_groups=[KVCacheGroupSpec([n], s) for n, s in zip(NAMES, specs)],
+                         kv_cache_layout="LBNHC")
+    sched = KVConnectorFactory.create_connector(vllm_config(sock), KVConnectorRole.SCHEDULER, kvcc)
+    worker = KVConnectorFactory.create_connector(vllm_config(sock), KVConnectorRole.WORKER, kvcc)
+    assert sched.ns.hybrid and [g.kind for g in sched.ns.groups] == ["full", "window"]
+    dev = SimDevice()
+    raw = dev.empty((page * BLOCKS,), torch.int8)
+    caches = {n: create_kv_cache_views(raw, s, BLOCKS, KVCacheLayout.LBNHC, t)[0]
+              for n, s, t in zip(NAMES, specs, tensors)}
+    assert caches[NAMES[0]].data_ptr() == caches[NAMES[1]].data_ptr()  # the groups alias
+    worker.sim_device = dev
+    worker.register_kv_caches(caches)
+    assert sched._scheduler.session.wait_active(10000)
+    assert worker._worker.session.wait_active(10000)
+    tables = {}
+
+    def step(so):
+        so.kv_connector_block_state = KVConnectorBlockState(set(tables), lambda r: tables[r], {})
+        meta = sched.build_connector_meta(so)
+        worker.handle_preemptions(meta)
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        for rid, n in so.num_scheduled_tokens.items():  # "attention" writes its group's blocks
+            for g, name in enumerate(NAMES):
+                for p in range(len(tables[rid][g])):
+                    if tables[rid][g][p]:
+                        caches[name][tables[rid][g][p]] = hash((rid, g, p)) % 1000
+        worker.wait_for_save()  # the hybrid Backup is over when it returns
+        res = worker.get_transfer_results(set())
+        assert worker.get_block_ids_with_load_errors() == set()
+        worker.clear_connector_metadata()
+        return meta, res
+
+    # A computes 5 full pages: every group's block of each page is stored.
+    a = prompt(1, 5 * P + 3)
+    req = Request("a", list(a), SamplingParams(max_tokens=4), None)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    tables["a"] = ([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12])
+    sched.update_state_after_alloc(req, KVCacheBlocks(tuple(
+        [KVCacheBlock(i) for i in t] for t in tables["a"])), 0)
+    so = SchedulerOutput.make_empty()
+    so.scheduled_new_reqs.append(NewRequestData.from_request(req, tables["a"]))
+    so.num_scheduled_tokens["a"] = req.num_tokens
+    so.total_num_scheduled_tokens = req.num_tokens
+    meta, _ = step(so)
+    NO = 0xFFFFFFFF
+    assert [s.block_ids for s in meta.saves] == [[1, 7, 2, 8, 3, 9, 4, 10, 5, 11]]
+    a_full, a_win = caches[NAMES[0]][[1, 2, 3, 4]].clone(), caches[NAMES[1]][[9, 10]].clone()
+    assert sched.request_finished_all_groups(req, tables.pop("a")) == (False, None)
+
+    # B shares 4 pages: a hit of 4 pages, loaded asynchronously into the blocks vLLM allocated
+    # for it: the full group's 4, and the window group's last 2 (null below the window).
+    b = a[:4 * P] + prompt(2, 9)
+    req = Request("b", list(b), SamplingParams(max_tokens=4), None)
+    assert sched.get_num_new_matched_tokens(req, 0) == (4 * P, True)
+    tables["b"] = ([13, 14, 15, 16, 17], [0, 0, 18, 19, 20])
+    caches[NAMES[0]][[13, 14, 15, 16]] = -7
+    caches[NAMES[1]][[18, 19]] = -7
+    sched.update_state_after_alloc(req, KVCacheBlocks(tuple(
+        [KVCacheBlock(i) for i in t] for t in tables["b"])), 4 * P)
+    meta, res = step(SchedulerOutput.make_empty())  # b waits: nothing scheduled
+    assert [(l.block_ids, l.pin_id != 0) for l in meta.loads] == \
+        [([13, NO, 14, NO, 15, 18, 16, 19], True)]
+    deadline = time.monotonic() + 30
+    while "b" not in res.finished_recving:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+        _, res = step(SchedulerOutput.make_empty())
+    assert res.failed_recving == set()
+    assert torch.equal(caches[NAMES[0]][[13, 14, 15, 16]].view(torch.int16),
+                       a_full.view(torch.int16))
+    assert torch.equal(caches[NAMES[1]][[18, 19]].view(torch.int16), a_win.view(torch.int16))
+    assert sched.request_finished_all_groups(req, tables.pop("b")) == (False, None)
+
+    # C hits too, but the daemon is gone before its Load (stopped: its pool is kept for the warm
+    # restart below): reported failed (and finished), and C is recomputed from scratch without
+    # another hit.
+    req = Request("c", list(a[:4 * P] + prompt(3, 9)), SamplingParams(max_tokens=4), None)
+    assert sched.get_num_new_matched_tokens(req, 0) == (4 * P, True)
+    tables["c"] = ([21, 22, 23, 24, 13], [0, 0, 14, 15, 16])
+    sched.update_state_after_alloc(req, KVCacheBlocks(tuple(
+        [KVCacheBlock(i) for i in t] for t in tables["c"])), 4 * P)
+    d.stop(signal.SIGTERM)
+    _, res = step(SchedulerOutput.make_empty())
+    deadline = time.monotonic() + 30
+    while "c" not in res.finished_recving:
+        assert time.monotonic() < deadline
+        _, res = step(SchedulerOutput.make_empty())
+    assert res.failed_recving == {"c"}
+    sched.update_connector_output(KVConnectorOutput(finished_recving={"c"},
+                                                    failed_recving={"c"}))
+    # The daemon is back with its pool (warm restart): C gets no hit again, a new request does.
+    daemon_factory(args=args)
+    assert sched._scheduler.session.wait_active(10000)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    again = Request("d", list(req.prompt_token_ids), SamplingParams(max_tokens=4), None)
+    assert sched.get_num_new_matched_tokens(again, 0) == (4 * P, True)
+    sched.request_finished_all_groups(again, ([], []))
+    for c in (sched, worker):
+        c.shutdown()
+    dev.close()

@@ -99,9 +99,9 @@ def reference(tmp_path_factory):
     return Reference(model, {(tuple(p), n): out for (p, n), out in zip(asks, got)})
 
 
-def make_model(directory, seed):
-    proc = subprocess.run([sys.executable, str(RUN), "--make-model", str(directory), str(seed)],
-                          capture_output=True, text=True, timeout=300)
+def make_model(directory, seed, arch="llama"):
+    proc = subprocess.run([sys.executable, str(RUN), "--make-model", str(directory), str(seed),
+                           arch], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

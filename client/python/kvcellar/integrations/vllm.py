@@ -25,6 +25,15 @@ How a step goes:
   pages backed up is freed late (``request_finished`` returns True) until every rank reports it in
   ``finished_sending``, and preemption waits for the Backups before its blocks are reused.
 
+Hybrid models (several KV cache groups: sliding-window attention or recurrent state beside full
+attention, with vLLM's hybrid KV cache manager on, which ``SupportsHMA`` allows): the namespace
+has one KV group per vLLM group and a page one object per group (docs/api.md, "Groups"). A hit
+is a boundary every group serves, loaded whole and asynchronously (the request waits in
+WAITING_FOR_REMOTE_KVS; a failure is reported per request in ``failed_recving``, since vLLM's
+scheduler raises on block-level load errors with several groups); saves take each group's blocks
+from the live block tables (a recurrent state only from vLLM's boundary_state_offloads) and
+complete within the step, because vLLM frees window and state blocks mid-request.
+
 Failure semantics: a daemon that is down, dying, slow or refusing is never an engine error. A
 Match that fails is no hit; a Load that fails, or whose layer signal did not come in
 ``load_timeout_ms``, reports its blocks in ``get_block_ids_with_load_errors`` and vLLM
@@ -53,13 +62,17 @@ import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorMetadata,
-                                                               KVConnectorRole)
+                                                               KVConnectorRole,
+                                                               KVConnectorTransferResults,
+                                                               SupportsHMA)
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import (AttentionSpec, FullAttentionSpec, MambaSpec,
+                                        MLAAttentionSpec, SlidingWindowSpec)
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from .. import _native as N
 from ..client import BackupSeq, Client, LoadSeq, Op, Session
-from ..keys import Namespace, as_tokens, page_keys
+from ..keys import KvGroup, Namespace, as_tokens, page_keys
 from ..layout import KvLayout, kv_dtype_for
 from ._options import parse_options
 
@@ -126,6 +139,8 @@ class ConnectorOptions:
 class LoadSpec:
     req_id: str
     keys: bytes  # 32 bytes per page
+    # One block per page; in a hybrid namespace one per (page, group), page-major, NO_BLOCK
+    # where a group's object is not loaded.
     block_ids: list[int]
     pin_id: int
 
@@ -134,7 +149,7 @@ class LoadSpec:
 class SaveSpec:
     req_id: str
     keys: bytes
-    block_ids: list[int]
+    block_ids: list[int]  # as LoadSpec's
     parent: Optional[bytes]  # key of the page before keys[0]; None for page 0
 
 
@@ -148,27 +163,65 @@ class KvcellarConnectorMetadata(KVConnectorMetadata):
 # ---- configuration shared by both sides ----------------------------------------------------
 
 
-def _attention_spec(kv_cache_config: Optional["KVCacheConfig"]) -> AttentionSpec:
+def _group_spec(group: Any) -> Any:
+    """A group's spec; on the worker side a group of several layers may carry vLLM's
+    UniformTypeKVCacheSpecs (per-layer specs of one type), whose first spec stands for all."""
+    spec = group.kv_cache_spec
+    per_layer = getattr(spec, "kv_cache_specs", None)
+    return next(iter(per_layer.values())) if per_layer else spec
+
+
+def _kv_groups(kv_cache_config: Optional["KVCacheConfig"]
+               ) -> tuple[AttentionSpec, tuple[KvGroup, ...]]:
+    """The full-attention spec that names the namespace, and the namespace's KV groups: () for a
+    model of one full-attention group, else one KvGroup per vLLM KV cache group, in vLLM's order
+    (a block id of group g in vLLM is an object of group g in kvcellar)."""
     if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
         raise ValueError("kv_cache_config: KvcellarConnector needs vLLM's KVCacheConfig")
-    if len(kv_cache_config.kv_cache_groups) != 1:
-        raise ValueError(f"kv_cache_config: {len(kv_cache_config.kv_cache_groups)} KV cache "
-                         "groups; KvcellarConnector supports one (no hybrid models)")
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    # Only specs whose block table holds a real block for every page of the request: there
-    # each page the connector saves or loads is the request's own KV. A SlidingWindowSpec group
-    # (a model whose every layer is windowed, e.g. Mistral-style `sliding_window` without
-    # `layer_types`: one group even with the hybrid manager off), an R-SWA or circular-buffer
-    # group, or chunked local attention puts vLLM's null block (id 0) where the window has
-    # passed: saving it would store another request's bytes under this prompt's keys, and
-    # loading would write into the null block. FullAttentionSpec with `sliding_window` set (what
-    # vLLM makes of windowed layers beside full ones with the hybrid manager off) allocates every
-    # block and is served.
-    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
-        raise ValueError(f"kv_cache_config: a {type(spec).__name__} group; KvcellarConnector "
-                         "serves full attention (FullAttentionSpec, MLAAttentionSpec) only, "
-                         "not windowed or recurrent KV")
-    return spec
+    groups: list[KvGroup] = []
+    full: Optional[AttentionSpec] = None
+    for i, g in enumerate(kv_cache_config.kv_cache_groups):
+        spec = _group_spec(g)
+        # Full attention holds a real block for every page of the request. FullAttentionSpec
+        # with `sliding_window` set (windowed layers promoted by vLLM with its hybrid manager
+        # off) allocates every block too. A SlidingWindowSpec group puts vLLM's null block (id 0)
+        # where the window has passed, and holds real blocks for the last
+        # cdiv(sliding_window - 1, block_size) pages before the computed position
+        # (SlidingWindowManager.get_num_skipped_tokens, vLLM 0.32/0.33): the daemon's window rule
+        # (docs/keys.md, "Groups"). A MambaSpec group (Mamba, Gated DeltaNet, short
+        # convolutions) in "align" mode keeps the state after exactly (p + 1) * block_size tokens
+        # in a block of its own at page boundaries: the daemon's state rule. Extra retained
+        # tokens (multi-token speculative prefill) shift the window rule; chunked local
+        # attention and circular buffers are not served.
+        if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
+            groups.append(KvGroup("full"))
+            full = full or spec
+        elif type(spec) is SlidingWindowSpec and not getattr(spec, "extra_retained_tokens", 0):
+            groups.append(KvGroup("window", int(spec.sliding_window)))
+        elif type(spec) is MambaSpec:
+            mode = getattr(spec, "mamba_cache_mode", "none")
+            if mode != "align":
+                raise ValueError(f"kv_cache_config.kv_cache_groups[{i}]: a MambaSpec group in "
+                                 f"mamba_cache_mode {mode!r}; kvcellar stores recurrent state at "
+                                 "page boundaries, which vLLM keeps only in 'align' mode: enable "
+                                 "prefix caching (--enable-prefix-caching)")
+            groups.append(KvGroup("state"))
+        else:
+            raise ValueError(f"kv_cache_config.kv_cache_groups[{i}]: a {type(spec).__name__} "
+                             "group; KvcellarConnector serves full attention (FullAttentionSpec, "
+                             "MLAAttentionSpec), with sliding-window (SlidingWindowSpec) and "
+                             "recurrent-state (MambaSpec) groups beside it, not other KV")
+        if spec.block_size != _group_spec(kv_cache_config.kv_cache_groups[0]).block_size:
+            raise ValueError(f"kv_cache_config.kv_cache_groups[{i}]: block_size "
+                             f"{spec.block_size} differs from group 0's; a page is one block "
+                             "of every group")
+    if full is None:
+        # A model whose every layer has a sliding window (Mistral-style `sliding_window`, no
+        # `layer_types`): no group holds every page, so no page key's prefix is in the cache.
+        raise ValueError("kv_cache_config: a SlidingWindowSpec group and no full-attention "
+                         "one; KvcellarConnector serves full attention (FullAttentionSpec, "
+                         "MLAAttentionSpec), with sliding-window groups beside it")
+    return full, (tuple(groups) if len(groups) > 1 else ())
 
 
 def _kv_layout_name(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> str:
@@ -188,7 +241,7 @@ def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
     block's bytes for the same tokens besides the fields of Namespace goes into model_revision:
     the physical layout (the daemon copies each layer's block as two opaque halves), the cache
     dtype string (fp8 variants) and a quantization mode with its own scales."""
-    spec = _attention_spec(kv_cache_config)
+    spec, groups = _kv_groups(kv_cache_config)
     model_config = vllm_config.model_config
     if model_config is None or not getattr(model_config, "model", None):
         raise ValueError("vllm_config.model_config: KvcellarConnector needs the model's name")
@@ -204,7 +257,7 @@ def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
     return Namespace(model_config.model, revision, kv_dtype, spec.block_size,
                      layout="mla" if isinstance(spec, MLAAttentionSpec) else "mha",
                      tp_size=vllm_config.parallel_config.tensor_parallel_size,
-                     tenant=opts.tenant)
+                     tenant=opts.tenant, groups=groups)
 
 
 def _instance_id(vllm_config: "VllmConfig", opts: ConnectorOptions) -> str:
@@ -237,8 +290,11 @@ def _cacheable(request: "Request") -> bool:
 # ---- the connector ---------------------------------------------------------------------------
 
 
-class KvcellarConnector(KVConnectorBase_V1):
-    """vLLM 0.33.0 KV connector over kvcellard; one instance per process and role."""
+class KvcellarConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM 0.33.0 KV connector over kvcellard; one instance per process and role. It supports
+    vLLM's hybrid KV cache manager (SupportsHMA): a model of several KV cache groups (sliding
+    window attention or recurrent state beside full attention) gets a hybrid namespace, one
+    object per (page, group), and the hybrid path below."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: Optional["KVCacheConfig"] = None) -> None:
@@ -295,9 +351,17 @@ class KvcellarConnector(KVConnectorBase_V1):
         by vLLM; the pins of their Loads are released here."""
         if self._scheduler is not None and connector_output.invalid_block_ids:
             self._scheduler.load_failed(set(connector_output.invalid_block_ids))
+        if self._scheduler is not None and getattr(connector_output, "failed_recving", None):
+            self._scheduler.hybrid_loads_failed(set(connector_output.failed_recving))
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        return self._scheduler.finished(request), None
+
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, Optional[dict[str, Any]]]:
+        """SupportsHMA: what vLLM calls instead of request_finished once the hybrid manager is
+        on (one group or several)."""
         return self._scheduler.finished(request), None
 
     # ---- worker side -------------------------------------------------------------------------
@@ -323,7 +387,16 @@ class KvcellarConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[Optional[set[str]], Optional[set[str]]]:
-        return self._worker.finished_sending(finished_req_ids), None
+        res = self.get_transfer_results(finished_req_ids)
+        return res.finished_sending or None, res.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Backups that are over (plain namespaces), and the hybrid Loads that are over, with
+        the ones that failed (vLLM then recomputes those requests from scratch)."""
+        recving, failed = self._worker.poll_async_loads()
+        return KVConnectorTransferResults(
+            finished_sending=self._worker.finished_sending(finished_req_ids) or set(),
+            finished_recving=recving, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors()
@@ -364,6 +437,7 @@ class _Request:
     hit_pages: int = 0  # pages [local_pages, hit_pages) are to be loaded
     pending_load: Optional[LoadSpec] = None
     had_saves: bool = False  # a Backup was shipped: the blocks are freed late
+    load_failed: bool = False  # a hybrid Load of this request failed: no more hits for it
 
 
 class _SchedulerSide:
@@ -384,6 +458,12 @@ class _SchedulerSide:
         # reports the blocks invalid, rather than left to lapse after pin_lease_ms.
         self.step = 0
         self.shipped: dict[int, tuple[int, set[int]]] = {}
+        # A hybrid namespace (several KV cache groups): hits are loaded asynchronously, whole,
+        # and block ids come per group from vLLM's live block tables.
+        self.hybrid = self.ns.hybrid
+        self.num_groups = len(self.ns.groups)
+        self.full_groups = [g for g, k in enumerate(self.ns.groups) if k.kind == "full"]
+        self.state_groups = [g for g, k in enumerate(self.ns.groups) if k.kind == "state"]
 
     def _release(self, st: _Request) -> None:
         if st.pin_id:
@@ -401,6 +481,13 @@ class _SchedulerSide:
         if st is None:
             st = self.reqs[request.request_id] = _Request(request, np.zeros((0, 32), np.uint8))
         self._release(st)
+        # A hit leaves at least one token to compute.
+        cap = (request.num_tokens - 1) // self.page
+        if self.hybrid:
+            # The daemon's hit is the longest boundary every group serves (a window's last pages,
+            # not all of them): matched on the pages up to the cap, so the boundary it finds is
+            # one vLLM can take whole, not one cut down to the cap with no window before it.
+            tokens = tokens[:cap * self.page]
         m = self.session.match([tokens], pin=True, pin_lease_ms=self.opts.pin_lease_ms,
                                prefetch=self.opts.prefetch_policy)
         r = m.results[0]
@@ -410,16 +497,42 @@ class _SchedulerSide:
         st.saved_pages = r.l2_hit_pages if m.ok else 0
         st.pin_id = r.pin_id if m.ok else 0
         st.local_pages = num_computed_tokens // self.page
-        st.hit_pages = min(st.saved_pages, (request.num_tokens - 1) // self.page)
-        if st.hit_pages <= st.local_pages:
+        st.hit_pages = min(st.saved_pages, cap)
+        if st.hit_pages <= st.local_pages or st.load_failed:
             self._release(st)
             return 0, False
-        return (st.hit_pages - st.local_pages) * self.page, False
+        # Hybrid: an asynchronous load (vLLM parks the request until every rank reports it),
+        # because vLLM recovers from a failed hybrid load only per request (failed_recving);
+        # block-level load errors with several KV cache groups raise in its scheduler.
+        return (st.hit_pages - st.local_pages) * self.page, self.hybrid
+
+    def _group_blocks(self, tables: tuple, begin: int, end: int,
+                      states: Optional[dict] = None) -> tuple[list[int], int]:
+        """Pages [begin, end) of a request's per-group block tables as a hybrid sequence's
+        blocks (page-major, NO_BLOCK for vLLM's null block 0 or past a table's end), and how many
+        leading pages have a block in every full-attention group. ``states``: for a Backup,
+        the recurrent-state blocks by (group, page) that hold the state after exactly that page
+        (vLLM's boundary_state_offloads); a state group's table entry is then not used (its
+        running block holds the state after the last computed token, on no page boundary)."""
+        ids: list[int] = []
+        for p in range(begin, end):
+            row = [tables[g][p] if p < len(tables[g]) and tables[g][p] else N.NO_BLOCK
+                   for g in range(self.num_groups)]
+            if states is not None:
+                for g in self.state_groups:
+                    row[g] = states.get((g, p), N.NO_BLOCK)
+            if any(row[g] == N.NO_BLOCK for g in self.full_groups):
+                return ids, p - begin
+            ids.extend(row)
+        return ids, end - begin
 
     def after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                     num_external_tokens: int) -> None:
         st = self.reqs.get(request.request_id)
         if st is None:
+            return
+        if self.hybrid:
+            self._after_alloc_hybrid(st, blocks, num_external_tokens)
             return
         st.block_ids = list(blocks.get_block_ids()[0])
         n = min(num_external_tokens // self.page, st.hit_pages - st.local_pages)
@@ -429,6 +542,27 @@ class _SchedulerSide:
         first = st.local_pages
         st.pending_load = LoadSpec(request.request_id, st.keys[first:first + n].tobytes(),
                                    st.block_ids[first:first + n], st.pin_id)
+
+    def _after_alloc_hybrid(self, st: _Request, blocks: "KVCacheBlocks",
+                            num_external_tokens: int) -> None:
+        """The Load of the whole hit into the blocks vLLM allocated for it: per group the
+        entries of pages [local, hit) that are real blocks (a window group's table is null below
+        its window, which is where the daemon's window rule ends too). vLLM waits for this
+        request's Load to be reported, so one is shipped even when it cannot run (empty: the
+        worker reports it failed and vLLM recomputes the request)."""
+        rid = st.request.request_id
+        if num_external_tokens <= 0:
+            self._release(st)  # vLLM took no external tokens: it waits for nothing
+            return
+        first, n = st.local_pages, num_external_tokens // self.page
+        ids, ok = self._group_blocks(blocks.get_block_ids(), first, first + n)
+        if ok != n or n != st.hit_pages - st.local_pages or not st.pin_id:
+            log.warning("kvcellar: hybrid load of %s not possible (%d of %d pages have blocks)",
+                        rid, ok, n)
+            self._release(st)
+            st.pending_load = LoadSpec(rid, b"", [], 0)
+            return
+        st.pending_load = LoadSpec(rid, st.keys[first:first + n].tobytes(), ids, st.pin_id)
 
     def build_meta(self, so: SchedulerOutput) -> KvcellarConnectorMetadata:
         meta = KvcellarConnectorMetadata()
@@ -463,7 +597,10 @@ class _SchedulerSide:
         for rid, st in self.reqs.items():
             if st.pending_load is None:
                 continue
-            if rid in so.num_scheduled_tokens:
+            if self.hybrid:  # asynchronous: the request is waiting for it, not scheduled
+                meta.loads.append(st.pending_load)
+                st.pin_id = 0
+            elif rid in so.num_scheduled_tokens:
                 meta.loads.append(st.pending_load)
                 self.shipped[st.pin_id] = (self.step, set(st.pending_load.block_ids))
                 st.pin_id = 0  # each rank's Load(release_pin) drops its hold
@@ -473,17 +610,30 @@ class _SchedulerSide:
         for rid, n in so.num_scheduled_tokens.items():
             st = self.reqs.get(rid)
             if st is not None and rid in computed:
-                self._add_save(meta, st, computed[rid] + n)
+                self._add_save(meta, st, computed[rid] + n, so)
         if meta.loads or meta.saves or meta.preempted:
             log.debug("kvcellar: step loads=%d pages, saves=%d pages, preempted=%d",
                       sum(len(s.block_ids) for s in meta.loads),
                       sum(len(s.block_ids) for s in meta.saves), len(meta.preempted))
         return meta
 
-    def _add_save(self, meta: KvcellarConnectorMetadata, st: _Request, done: int) -> None:
+    def _add_save(self, meta: KvcellarConnectorMetadata, st: _Request, done: int,
+                  so: SchedulerOutput) -> None:
         # Tokens past all_token_ids are speculative drafts: their KV may be rejected.
         full = min(done, st.request.num_tokens) // self.page
-        full = min(full, len(st.block_ids))
+        tables = None
+        if self.hybrid:
+            # The live tables (vLLM rewrites a window group's entries to the null block in place
+            # as the window passes). Every block of the pages computed in this step is real now;
+            # the worker's Backup completes before the next step, when vLLM may free the window
+            # blocks and hand them to another request.
+            state = so.kv_connector_block_state
+            tables = state.get_block_ids(st.request.request_id) if state is not None else None
+            if tables is None:
+                return
+            full = min([full] + [len(tables[g]) for g in self.full_groups])
+        else:
+            full = min(full, len(st.block_ids))
         if full <= st.saved_pages:
             return
         if len(st.keys) < full:
@@ -493,10 +643,30 @@ class _SchedulerSide:
             parent = bytes(st.keys[have - 1]) if have else None
             st.keys = np.concatenate([st.keys, page_keys(self.ns, toks, parent)])
         s = st.saved_pages
-        meta.saves.append(SaveSpec(st.request.request_id, st.keys[s:full].tobytes(),
-                                   st.block_ids[s:full], bytes(st.keys[s - 1]) if s else None))
+        if tables is not None:
+            # A recurrent state is offered in the step that computes it, as (group, block,
+            # tokens); this step's Backup reads it before vLLM can free the block.
+            states = {(g, tokens // self.page - 1): block for g, block, tokens in
+                      so.kv_connector_block_state.boundary_state_offloads.get(
+                          st.request.request_id, ()) if tokens % self.page == 0}
+            ids, ok = self._group_blocks(tables, s, full, states)
+            full = s + ok
+            if full <= s:
+                return
+        else:
+            ids = st.block_ids[s:full]
+        meta.saves.append(SaveSpec(st.request.request_id, st.keys[s:full].tobytes(), ids,
+                                   bytes(st.keys[s - 1]) if s else None))
         st.saved_pages = full
-        st.had_saves = True
+        st.had_saves = not self.hybrid  # hybrid Backups are over before the step ends
+
+    def hybrid_loads_failed(self, req_ids: set[str]) -> None:
+        """Requests whose hybrid Load failed (vLLM recomputes them): no hit is offered to them
+        again, so a Load that keeps failing cannot keep a request waiting."""
+        for rid in req_ids:
+            st = self.reqs.get(rid)
+            if st is not None:
+                st.load_failed = True
 
     def load_failed(self, invalid_block_ids: set[int]) -> None:
         """Releases the pins of shipped Loads with blocks a worker reported not loaded."""
@@ -543,6 +713,15 @@ class _Load:
 
 
 @dataclass
+class _AsyncLoad:
+    """A hybrid step's Load: the requests wait (WAITING_FOR_REMOTE_KVS) until it is over."""
+
+    op: Op
+    specs: list[LoadSpec]
+    since: float
+
+
+@dataclass
 class _Backup:
     op: Op
     req_ids: set[str]
@@ -564,6 +743,9 @@ class _WorkerSide:
         self.backups: list[_Backup] = []
         self.saved_reqs: set[str] = set()  # requests with a Backup: reported in finished_sending
         self.finishing: set[str] = set()
+        self.hybrid = conn.ns.hybrid
+        self.async_loads: list[_AsyncLoad] = []
+        self.recv_failed: set[str] = set()  # hybrid Loads that could not be submitted
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Raises ValueError for KV tensors kvcellar cannot describe (configuration); a daemon
@@ -574,8 +756,17 @@ class _WorkerSide:
         # the daemon copies straight from and to them (docs/security.md, "Process memory"). A
         # test may instead hand over the SimDevice whose shared memory holds them.
         device = getattr(self.conn, "sim_device", None)
+        groups = None
+        if self.hybrid:  # each layer's group: vLLM's groups alias one allocation from byte 0
+            group_of = {name: g for g, grp in enumerate(self.conn._kv_cache_config.kv_cache_groups)
+                        for name in grp.layer_names}
+            missing = [n for n in names if n not in group_of]
+            if missing:
+                raise ValueError(f"kv_caches: layers {missing} are in no KV cache group")
+            groups = [group_of[n] for n in names]
         layout, index = KvLayout.from_vllm_blocks(kv_caches, mla=self.conn.ns.layout == "mla",
-                                                  num_blocks=self.num_blocks, device=device)
+                                                  num_blocks=self.num_blocks, device=device,
+                                                  groups=groups)
         self.layer_index = dict(zip(names, index))
         self.session = self.conn.client.register(self.conn.instance_id, self.conn.ns,
                                                  layout=layout, rank=self.rank,
@@ -589,6 +780,9 @@ class _WorkerSide:
 
     def start_load(self, meta: KvcellarConnectorMetadata) -> None:
         if not meta.loads:
+            return
+        if self.hybrid:
+            self._start_async_loads(meta.loads)
             return
         if self.session is None:  # never registered: every page is recomputed
             self.load = _Load(None, meta.loads, True)
@@ -629,13 +823,66 @@ class _WorkerSide:
                         "signal timeout" if ld.failed else "op not done")
         return bad
 
+    def _start_async_loads(self, specs: list[LoadSpec]) -> None:
+        """One Load for the step's hybrid hits, each sequence all or nothing (the daemon copies
+        a sequence's objects only when every one is there)."""
+        runnable = [s for s in specs if s.keys]
+        self.recv_failed.update(s.req_id for s in specs if not s.keys)
+        if not runnable:
+            return
+        op = None
+        if self.session is not None:
+            seqs = [LoadSeq(np.frombuffer(s.keys, np.uint8).reshape(-1, 32),
+                            np.asarray(s.block_ids, np.uint32), s.pin_id, True)
+                    for s in runnable]
+            op = self.session.load(seqs, layerwise=False)
+        if op is None or not op.ok:
+            log.warning("kvcellar: hybrid load of %d requests not submitted: %s", len(runnable),
+                        "not registered" if op is None else op.reason)
+            self.recv_failed.update(s.req_id for s in runnable)
+            return
+        self.async_loads.append(_AsyncLoad(op, runnable, time.monotonic()))
+
+    def poll_async_loads(self) -> tuple[set[str], set[str]]:
+        """(requests whose hybrid Load is over, those of them whose Load failed). A Load whose
+        outcome does not come within load_timeout_ms fails; vLLM then frees its blocks, so it is
+        settled (waited for) before the next forward, as a timed-out plain Load is."""
+        failed, self.recv_failed = self.recv_failed, set()
+        finished = set(failed)
+        if not self.async_loads:
+            return finished, failed
+        sts = self.session.wait([a.op for a in self.async_loads], 0) if self.session else \
+            [None] * len(self.async_loads)
+        now = time.monotonic()
+        keep = []
+        for a, st in zip(self.async_loads, sts):
+            if st is not None and st.terminal:
+                ok = st.leading_ok_pages if st.done else [0] * len(a.specs)
+                for spec, n in zip(a.specs, ok):
+                    finished.add(spec.req_id)
+                    if n < len(spec.keys) // 32:
+                        failed.add(spec.req_id)
+            elif st is None or now - a.since >= self.opts.load_timeout_ms / 1000:
+                for spec in a.specs:
+                    finished.add(spec.req_id)
+                    failed.add(spec.req_id)
+                if st is not None and not _unreachable(st.reason):
+                    self.stale_loads.append(a.op)
+            else:
+                keep.append(a)
+        self.async_loads = keep
+        if failed:
+            log.warning("kvcellar: hybrid load failed for %d requests (recomputed)", len(failed))
+        return finished, failed
+
     # ---- saves -------------------------------------------------------------------------------
 
     def save(self, meta: KvcellarConnectorMetadata) -> None:
         if not meta.saves:
             return
         ids = {s.req_id for s in meta.saves}
-        self.saved_reqs |= ids
+        if not self.hybrid:
+            self.saved_reqs |= ids
         if self.session is None:
             return
         seqs = [BackupSeq(np.frombuffer(s.keys, np.uint8).reshape(-1, 32),
@@ -645,6 +892,12 @@ class _WorkerSide:
             log.debug("kvcellar: backup of %d requests not submitted: %s", len(ids), op.reason)
         if op.ok or op.op_id or op.c_op.generation:
             self.backups.append(_Backup(op, ids, time.monotonic()))
+        if self.hybrid:
+            # vLLM frees a window group's blocks as the window passes, mid-request, and may give
+            # them to another request in the next step: the daemon must have read them by then.
+            # Waited for while the daemon answers (a daemon that is gone reads nothing).
+            while self.backups:
+                self._poll_backups(50)
 
     def _poll_backups(self, timeout_ms: int) -> None:
         """Drops the Backups that are over. One whose outcome the daemon cannot tell (it is
