@@ -43,12 +43,18 @@ def model(tmp_path_factory):
     return m
 
 
+@pytest.fixture(scope="module")
+def reference(model):
+    """A's and B's greedy tokens from an engine without kvcellar."""
+    return engine(model, None, [[A], [B]])
+
+
 def test_hybrid_model_loads_every_groups_pages_and_outputs_do_not_change(tmp_path, model,
+                                                                        reference,
                                                                         daemon_factory):
     shm = f"kvcellar-test-vllmhybrid-{os.getpid()}"
     args = ("--set", f"pool.shm_name={shm}", "--set", "pool.capacity=128MiB")
     daemon = daemon_factory(args=args)
-    reference = engine(model, None, [[A], [B]])
     # The model under a path of this test's own (the path is part of the namespace), rewritten
     # with other weights at the end.
     mine = tmp_path / "model"
@@ -85,6 +91,22 @@ def test_hybrid_model_loads_every_groups_pages_and_outputs_do_not_change(tmp_pat
     assert stale != fresh
     daemon.stop()
     Path("/dev/shm", shm).unlink(missing_ok=True)
+
+
+def test_hybrid_model_at_tensor_parallel_2_stores_and_loads_each_ranks_objects(tmp_path, model,
+                                                                               reference,
+                                                                               daemon):
+    # Each rank holds one of the two KV heads of every group's layer: an object is one (page,
+    # group, rank). The outputs are those of the single-rank engine without kvcellar.
+    mine = tmp_path / "model"
+    shutil.copytree(model, mine)
+    tp2 = dict(tensor_parallel_size=2, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    stores_before, loads_before = moved(daemon, "d2h"), moved(daemon, "h2d")
+    assert engine(mine, daemon.socket, [[A], [B]], "vllm-hybrid-tp", **tp2) == reference
+    half = OBJECT_BYTES // 2
+    window_pages = -(-(GEMMA3_WINDOW - 1) // PAGE)
+    assert moved(daemon, "h2d") - loads_before == 2 * (8 + 3 * window_pages) * half
+    assert moved(daemon, "d2h") - stores_before == 2 * (9 + 1) * GROUPS * half
 
 
 def test_recurrent_state_model_loads_the_state_at_the_boundary_and_outputs_do_not_change(
