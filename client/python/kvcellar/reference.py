@@ -12,19 +12,31 @@ transformers' DeepseekV3Attention caches, like vLLM's and SGLang's MLA caches). 
 runs on a transformers ``DynamicCache``; the pool is where pages land from kvcellar and where new
 full pages are written for backup.
 
+Hybrid models (sliding-window layers beside full attention, e.g. Gemma 3: ``make_gemma3``) get a
+hybrid namespace (docs/api.md, "Groups"): a full group and one window group per window size,
+each layer in its group. A page is then one object per group, each in a pool block of its own
+(Load and Backup name them page-major, NO_BLOCK where an object is not moved). A hit at boundary
+h loads the full group's h pages and a window group's last ceil((W - 1) / P) only, which hold the
+W - 1 tokens transformers' sliding layer keeps; a Backup stores every full page and the window
+pages of the boundaries a later hit can use (``ReferenceEngine._backup``). kvcellard serves
+hybrid namespaces to host-memory engines only in API revision 4: on CUDA its sessions are refused
+at registration and every request is a miss.
+
 One request (``ReferenceEngine.generate``):
   1. ``match(pin=True)`` on rank 0's session, one Match for the TP group as vLLM's scheduler
      does: h pages of the prompt are cached (h is capped so the last token is computed).
-  2. ``load(keys[:h], blocks, release_pin=True)`` on every rank, layer by layer.
+  2. ``load(keys[:h], blocks, release_pin=True)`` on every rank, layer by layer (a hybrid:
+     only the objects the hit at h needs).
   3. Prefill of the suffix only (positions from h * page_size) on a DynamicCache whose first h
      pages per layer are read from the pool when that layer first runs, right after
      ``wait_layer``: layer i computes as soon as layer i has landed.
   4. ``wait()``: unless every rank reports ``leading_ok_pages == [h]`` the output is discarded and
      the whole prompt is prefilled again (a cache failure is a miss, never an error).
   5. The new full pages are written into pool blocks and backed up (``parent``: the key of page
-     h - 1); greedy decoding runs while the daemon gathers them. Blocks are reused only once
-     every Load and Backup on them is terminal; those of an op whose outcome the client lost
-     (the daemon died during the call) are set aside until the client settles it.
+     h - 1; a hybrid: the objects a later hit can use); greedy decoding runs while the daemon
+     gathers them. Blocks are reused only once every Load and Backup on them is terminal; those
+     of an op whose outcome the client lost (the daemon died during the call) are set aside
+     until the client settles it.
 
 Failure semantics: construction raises ValueError for a model, namespace or pool that do not fit
 together (configuration, before any request). ``generate`` raises only ValueError for bad
@@ -48,10 +60,11 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from ._native import NO_BLOCK
 from .client import Client, Op, OpStatus, Session
-from .keys import Namespace, TokensLike, as_tokens, page_keys
+from .keys import KvGroup, Namespace, TokensLike, as_tokens, page_keys
 from .layout import KvLayout, kv_dtype_for
 from .sim import SimDevice
 
@@ -106,6 +119,33 @@ def make_deepseek_mla(seed: int = 0, *, vocab_size: int = 512, hidden_size: int 
     return _build(AutoModelForCausalLM, config, seed, device, dtype)
 
 
+def make_gemma3(seed: int = 0, *, vocab_size: int = 512, hidden_size: int = 256,
+                intermediate_size: int = 512, num_layers: int = 4, num_heads: int = 8,
+                num_kv_heads: int = 2, head_dim: int = 32, sliding_window: int = 64,
+                full_every: int = 2, initializer_range: float = 0.5, max_positions: int = 32768,
+                device: Union[str, torch.device] = "cpu",
+                dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A Gemma 3 text model with random weights from ``seed``: a hybrid whose every
+    ``full_every``-th layer is full attention and the others attend to a sliding window of
+    ``sliding_window`` tokens (the token and the W - 1 before it; Gemma 3 itself: 1024 tokens, 5
+    of every 6 layers). Its namespace has a full and a window KV group (namespace_for).
+
+    The output embedding is not tied to the input one (Gemma 3's is): with random weights, tied
+    ones make every prompt decode the same token over and over."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    layer_types = ["full_attention" if (i + 1) % full_every == 0 else "sliding_attention"
+                   for i in range(num_layers)]
+    config = Gemma3TextConfig(vocab_size=vocab_size, hidden_size=hidden_size,
+                              intermediate_size=intermediate_size, num_hidden_layers=num_layers,
+                              num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                              head_dim=head_dim, query_pre_attn_scalar=head_dim,
+                              sliding_window=sliding_window, layer_types=layer_types,
+                              initializer_range=initializer_range,
+                              max_position_embeddings=max_positions, tie_word_embeddings=False)
+    return _build(AutoModelForCausalLM, config, seed, device, dtype)
+
+
 def _build(auto: Any, config: Any, seed: int, device: Union[str, torch.device],
            dtype: torch.dtype) -> torch.nn.Module:
     torch.manual_seed(seed)
@@ -117,12 +157,13 @@ def _build(auto: Any, config: Any, seed: int, device: Union[str, torch.device],
 def namespace_for(model: torch.nn.Module, *, page_size: int = 16, tp_size: int = 1,
                   model_id: str = "", revision: str = "") -> Namespace:
     """The namespace of ``model``'s KV: kv_dtype from its weights, layout from its attention,
-    and by default a revision that fingerprints its config and weights, so that two random
-    models (another seed, another device's initialization) never share pages."""
+    KV groups from its cache layers (KvGeometry.groups), and by default a revision that
+    fingerprints its config and weights, so that two random models (another seed, another
+    device's initialization) never share pages."""
     geo = KvGeometry.of(model)
     return Namespace(model_id or type(model).__name__, revision or weights_fingerprint(model),
                      kv_dtype_for(geo.dtype), page_size, layout="mla" if geo.mla else "gqa",
-                     tp_size=tp_size)
+                     tp_size=tp_size, groups=geo.groups)
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
@@ -140,7 +181,8 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 class KvGeometry:
     """What a model's cache layer holds per token, in transformers' [batch, heads, seq, dim]
     form: K/V heads of head_dim, or for MLA one "head" of kv_nope (as K) and one of k_rot
-    (as V)."""
+    (as V). ``windows``: per layer, the sliding window in tokens of a window layer, 0 for full
+    attention (cache_windows)."""
 
     num_layers: int
     mla: bool
@@ -148,6 +190,24 @@ class KvGeometry:
     k_dim: int
     v_dim: int
     dtype: torch.dtype
+    windows: tuple[int, ...]
+
+    @property
+    def groups(self) -> tuple[KvGroup, ...]:
+        """The namespace's KV groups: none for a model of full attention only, else the full
+        group first, then a window group per distinct window, smallest first."""
+        return (KvGroup("full"), *(KvGroup("window", w) for w in self._distinct_windows)
+                ) if self._distinct_windows else ()
+
+    @property
+    def layer_groups(self) -> list[int]:
+        """Each layer's index in ``groups`` (all 0 for a model of one group)."""
+        ws = self._distinct_windows
+        return [ws.index(w) + 1 if w else 0 for w in self.windows]
+
+    @property
+    def _distinct_windows(self) -> list[int]:
+        return sorted(set(self.windows) - {0})
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "KvGeometry":
@@ -155,11 +215,39 @@ class KvGeometry:
         dtype = next(model.parameters()).dtype
         if dtype not in POOL_DTYPES:
             raise ValueError(f"model: weights of {dtype}; the pool supports {list(POOL_DTYPES)}")
+        windows = cache_windows(model)
         if getattr(c, "kv_lora_rank", None):
-            return cls(c.num_hidden_layers, True, 1, c.kv_lora_rank, c.qk_rope_head_dim, dtype)
+            return cls(c.num_hidden_layers, True, 1, c.kv_lora_rank, c.qk_rope_head_dim, dtype,
+                       windows)
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        return cls(c.num_hidden_layers, False, kv_heads, head_dim, head_dim, dtype)
+        return cls(c.num_hidden_layers, False, kv_heads, head_dim, head_dim, dtype, windows)
+
+
+def cache_windows(model: torch.nn.Module) -> tuple[int, ...]:
+    """Per layer of the model's DynamicCache, 0 for full attention (a DynamicLayer) or the
+    window W of a sliding-window layer (a DynamicSlidingWindowLayer, which transformers gives
+    the token and the W - 1 before it, as kvcellar's window groups count). ValueError for any
+    other layer (chunked, linear-attention, shared-KV layers are not paged here) and for a model
+    without a full-attention layer (a hybrid namespace needs one: it keeps the index
+    prefix-closed)."""
+    layers = DynamicCache(config=model.config).layers
+    n = model.config.num_hidden_layers
+    kinds = getattr(model.config, "layer_types", None) or ["full_attention"] * n
+    windows: list[int] = []
+    for layer, kind in zip(layers, kinds):
+        if type(layer) is DynamicLayer and kind == "full_attention":
+            windows.append(0)
+        elif type(layer) is DynamicSlidingWindowLayer and kind == "sliding_attention":
+            windows.append(int(layer.sliding_window))
+    if len(layers) != n or len(windows) != n:
+        raise ValueError(f"model: cache layers {[type(x).__name__ for x in layers]} of "
+                         f"{list(kinds)}; only full attention (DynamicLayer) and sliding windows "
+                         "(DynamicSlidingWindowLayer) are supported")
+    if 0 not in windows:
+        raise ValueError("model: every layer has a sliding window; kvcellar's hybrid namespaces "
+                         "need a full-attention layer")
+    return tuple(windows)
 
 
 # ---- the paged pool -------------------------------------------------------------------------
@@ -195,7 +283,9 @@ class PagedKvPool:
             self.tensors.append([raw[i] for i in range(geo.num_layers)])
 
     def layout(self, rank: int) -> KvLayout:
-        return KvLayout.from_vllm(self.tensors[rank], mla=self.geo.mla, device=self.sims[rank])
+        groups = self.geo.layer_groups if self.geo.groups else None
+        return KvLayout.from_vllm(self.tensors[rank], mla=self.geo.mla, device=self.sims[rank],
+                                  groups=groups)
 
     def write(self, layer: int, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         n, p = len(blocks), self.page_size
@@ -294,39 +384,61 @@ class _LoadFailed(Exception):
 
 
 class LayerwisePrefixCache(DynamicCache):
-    """A DynamicCache whose first ``prefix_len`` positions per layer come from ``fill(layer)``,
-    called once per layer on that layer's first ``update``: the layer computes as soon as its
-    pages have landed, not after the whole Load. Until then each layer holds a placeholder of the
-    prefix's length (a zero-stride view, nothing allocated) so that transformers derives
-    positions and masks from ``get_seq_length()`` as for a cache already filled."""
+    """The DynamicCache of a prefill whose first ``prefix_len`` positions come from
+    ``fill(layer)``, called once per layer on that layer's first ``update``: the layer computes
+    as soon as its pages have landed, not after the whole Load. Until then each layer holds a
+    placeholder of what a prefill of the prefix would have left in it (a zero-stride view,
+    nothing allocated) so that transformers derives positions and masks from it as for a cache
+    already filled: a full layer all ``prefix_len`` positions, a window layer of W tokens the
+    last min(prefix_len, W - 1) (and ``cumulative_length`` the prefix's). ``fill`` returns whole
+    pages ending at the prefix's end; a window layer keeps their last tokens only.
+
+    Window layers record every token they see until ``end_prefill`` (transformers' past
+    recording: what attention sees is unchanged), so that the Backup can store window pages
+    further back than the W - 1 tokens such a layer keeps. ``end_prefill`` cuts them back to
+    what a prefill leaves, before decoding."""
 
     def __init__(self, config: Any, geo: KvGeometry, prefix_len: int, device: torch.device,
-                 fill: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> None:
-        super().__init__(config=config)  # one DynamicLayer per layer (check_cache_layers)
+                 fill: Optional[Callable[[int], tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        super().__init__(config=config)  # a layer per KvGeometry.windows entry (cache_windows)
         self._fill = fill
         self._pending = set(range(geo.num_layers)) if prefix_len else set()
         zero = torch.zeros((), dtype=geo.dtype, device=device)
-        for layer in self.layers if prefix_len else ():
+        for layer, window in zip(self.layers, geo.windows):
+            if window:
+                layer.activate_past_recording()
+            if not prefix_len:
+                continue
+            held = min(prefix_len, window - 1) if window else prefix_len
             layer.lazy_initialization(zero, zero)
-            layer.keys = zero.expand(1, geo.heads, prefix_len, geo.k_dim)
-            layer.values = zero.expand(1, geo.heads, prefix_len, geo.v_dim)
+            layer.keys = zero.expand(1, geo.heads, held, geo.k_dim)
+            layer.values = zero.expand(1, geo.heads, held, geo.v_dim)
+            if window:
+                layer.cumulative_length = prefix_len
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if layer_idx in self._pending:
             self._pending.discard(layer_idx)
             layer = self.layers[layer_idx]
-            layer.keys, layer.values = self._fill(layer_idx)
+            k, v = self._fill(layer_idx)
+            held = layer.keys.shape[-2]  # the placeholder's: what a prefill would have left
+            layer.keys, layer.values = k[..., -held:, :], v[..., -held:, :]
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    def end_prefill(self) -> None:
+        """Window layers back to what a prefill leaves them: the last W - 1 tokens, no longer
+        recording (decoding then runs as without kvcellar)."""
+        for layer in self.layers:
+            if isinstance(layer, DynamicSlidingWindowLayer) and layer.record_past:
+                layer.crop(0)
+                layer.record_past = False
 
-def check_cache_layers(model: torch.nn.Module, geo: KvGeometry) -> None:
-    """ValueError unless every layer of the model's DynamicCache is full attention (a
-    DynamicLayer): sliding-window, linear-attention and shared-KV layers are not paged here."""
-    layers = DynamicCache(config=model.config).layers
-    if len(layers) != geo.num_layers or any(type(x) is not DynamicLayer for x in layers):
-        raise ValueError(f"model: cache layers {[type(x).__name__ for x in layers]}; only full "
-                         "attention (DynamicLayer) is supported")
+    def first_position(self, layer_idx: int) -> int:
+        """The prompt position of ``layers[layer_idx].keys[..., 0, :]`` (0 but for a window
+        layer that has dropped tokens)."""
+        layer = self.layers[layer_idx]
+        return layer.get_seq_length() - layer.keys.shape[-2]
 
 
 # ---- the engine -----------------------------------------------------------------------------
@@ -342,7 +454,10 @@ class GenerationResult:
     could not serve or store this request ("" when it did); ``ttft_s``: seconds from the call
     to the first token. With ``keep_kv``: ``loaded_kv`` per layer the (K, V) read from
     the pool for the hit pages, and ``prefill_kv`` per layer the (K, V) of the whole prompt after
-    prefill, both [heads, tokens, dim] (MLA: K is kv_nope, V is k_rot, one head)."""
+    prefill, both [heads, tokens, dim] (MLA: K is kv_nope, V is k_rot, one head). A window
+    layer's ``loaded_kv`` holds only the window pages loaded (the last ones before the hit's
+    boundary), its ``prefill_kv`` the positions it held at the end of the prefill: every one
+    without a hit, else from W - 1 before the boundary on."""
 
     tokens: list[int]
     logits: torch.Tensor
@@ -358,7 +473,7 @@ class GenerationResult:
 
 @dataclass
 class _Prefill:
-    cache: DynamicCache
+    cache: LayerwisePrefixCache
     logits: torch.Tensor  # [vocab], the last prompt position
     hit_pages: int = 0
     loaded_kv: Optional[list] = None
@@ -398,7 +513,15 @@ class ReferenceEngine:
         if ns.kv_dtype != kv_dtype_for(self.geo.dtype):
             raise ValueError(f"ns.kv_dtype: {ns.kv_dtype!r}, the model computes "
                              f"{kv_dtype_for(self.geo.dtype)!r}")
-        check_cache_layers(model, self.geo)
+        if (ns.groups if ns.hybrid else ()) != self.geo.groups:
+            raise ValueError(f"ns.groups: {ns.groups}, the model's cache layers make "
+                             f"{self.geo.groups}")
+        # Per group, the pages before a boundary a hit needs: None for every page (full
+        # attention), else a window's ceil((W - 1) / P) (docs/api.md, "Groups").
+        self._group_pages = [None if g.kind == "full" else
+                             -(-(g.window_tokens - 1) // self.page_size)
+                             for g in self.geo.groups] or [None]
+        self._layer_groups = self.geo.layer_groups
         self.pool = PagedKvPool(self.geo, rank_count, num_blocks, ns.page_size, self.device)
         self.blocks = _BlockAllocator(num_blocks)
         self.sessions: list[Session] = []
@@ -450,15 +573,16 @@ class ReferenceEngine:
             keys = page_keys(self.ns, toks)
             pre, matched, reason = self._prefill_from_cache(toks, keys, keep_kv)
         if pre is None:
-            pre = self._forward_prompt(toks, DynamicCache(config=self.model.config), 0)
+            pre = self._forward_prompt(toks, self._prefix_cache(0, None), 0)
         first = int(pre.logits.argmax())  # synchronizes: the first token exists now
         ttft = time.perf_counter() - t0
         backup = _Backup()
         if keys is not None:
-            backup = self._backup(pre.cache, keys, pre.hit_pages)
+            backup = self._backup(pre.cache, keys, pre.hit_pages, len(toks))
         prefill_kv = None
         if keep_kv:
             prefill_kv = [(x.keys[0].clone(), x.values[0].clone()) for x in pre.cache.layers]
+        pre.cache.end_prefill()
         out, logits = self._decode(pre.cache, first, pre.logits, len(toks), max_new_tokens)
         backed_up = self._settle_backup(backup)
         return GenerationResult(out, logits, pre.hit_pages,
@@ -466,7 +590,8 @@ class ReferenceEngine:
                                 reason or backup.reason, ttft,
                                 pre.loaded_kv, prefill_kv)
 
-    def _forward_prompt(self, toks: np.ndarray, cache: DynamicCache, start: int) -> _Prefill:
+    def _forward_prompt(self, toks: np.ndarray, cache: LayerwisePrefixCache,
+                        start: int) -> _Prefill:
         """Prefill of toks[start:] at positions from ``start`` over ``cache`` (holding start)."""
         ids = torch.as_tensor(toks[start:].astype(np.int64), device=self.device).unsqueeze(0)
         pos = torch.arange(start, len(toks), device=self.device).unsqueeze(0)
@@ -478,23 +603,60 @@ class ReferenceEngine:
                             keep_kv: bool) -> tuple[Optional[_Prefill], int, str]:
         """Match, Load and the suffix's prefill: (the prefill or None, pages matched, why
         matched pages were not used). None: recompute the whole prompt."""
-        m = self.sessions[0].match([keys], by_keys=True, pin=True)
-        r = m.results[0]
         # At least the last prompt token is computed: its logits give the first token.
-        h = min(r.l2_hit_pages, (len(toks) - 1) // self.page_size)
+        cap = (len(toks) - 1) // self.page_size
+        # A hybrid's hits are not prefix-closed (a shorter boundary needs window pages further
+        # back than a longer one), so the daemon is asked for the longest boundary within the
+        # cap instead of one cut down to it.
+        m = self.sessions[0].match([keys[:cap] if self.ns.hybrid else keys], by_keys=True,
+                                   pin=True)
+        r = m.results[0]
+        h = min(r.l2_hit_pages, cap)
         if not m.ok or h == 0:
             self._release_pin(r.pin_id)
             return None, 0, "" if m.ok else f"match: {m.reason}"
-        blocks = self.blocks.take(h)
-        if blocks is None:
+        placed = self._place(self._objects((h,), 0, h))
+        if placed is None:
             self._release_pin(r.pin_id)
             return None, r.l2_hit_pages, "pool: no free blocks to load into"
-        ops = [s.load(keys[:h], blocks, pin_id=r.pin_id, release_pin=True) for s in self.sessions]
+        blocks, grid = placed
+        ops = [s.load(keys[:h], grid.ravel(), pin_id=r.pin_id, release_pin=True)
+               for s in self.sessions]
         for s, op in zip(self.sessions, ops):
             if not op.op_id:
                 s.release([r.pin_id])  # never accepted: drop this rank's hold now
-        pre, reason = self._prefill_suffix(toks, h, blocks, ops, keep_kv)
+        pre, reason = self._prefill_suffix(toks, h, blocks, self._group_blocks(grid), ops,
+                                           keep_kv)
         return pre, r.l2_hit_pages, reason
+
+    def _objects(self, boundaries: Sequence[int], lo: int, hi: int) -> np.ndarray:
+        """[hi - lo, groups] bools: the objects of pages [lo, hi) that a hit at any of
+        ``boundaries`` needs: a full group's every page before the boundary, a window group's
+        last ceil((W - 1) / P) of them (docs/api.md, "Groups"). A model of one group: one
+        column, every page."""
+        pages = np.arange(lo, hi)
+        need = np.zeros((hi - lo, len(self._group_pages)), dtype=bool)
+        for b in boundaries:
+            for g, window_pages in enumerate(self._group_pages):
+                first = 0 if window_pages is None else b - window_pages
+                need[:, g] |= (pages >= first) & (pages < b)
+        return need
+
+    def _place(self, need: np.ndarray) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """A free block for every needed object: (the blocks taken, the [pages, groups] grid of
+        block ids in Load and Backup's page-major order, NO_BLOCK where an object is not
+        moved), or None when the pool has too few free blocks."""
+        blocks = self.blocks.take(int(need.sum()))
+        if blocks is None:
+            return None
+        grid = np.full(need.shape, NO_BLOCK, dtype=np.uint32)
+        grid[need] = blocks  # row-major: page by page, each page's groups in order
+        return blocks, grid
+
+    def _group_blocks(self, grid: np.ndarray) -> list[torch.Tensor]:
+        """Per group, the blocks of its moved objects in page order, as a device tensor."""
+        return [torch.as_tensor(col[col != NO_BLOCK].astype(np.int64), device=self.device)
+                for col in grid.T]
 
     def _release_pin(self, pin_id: int) -> None:
         """Drops every rank's hold of a pin no Load will release (else its lease lapses)."""
@@ -502,19 +664,19 @@ class ReferenceEngine:
             for s in self.sessions:
                 s.release([pin_id])
 
-    def _prefill_suffix(self, toks: np.ndarray, h: int, blocks: np.ndarray, ops: list[Op],
+    def _prefill_suffix(self, toks: np.ndarray, h: int, blocks: np.ndarray,
+                        group_blocks: list[torch.Tensor], ops: list[Op],
                         keep_kv: bool) -> tuple[Optional[_Prefill], str]:
         """The suffix's prefill over the loading prefix. Its output counts only when every
         rank's Load delivered all h pages; the blocks are reused only once every Load is
         terminal."""
-        blocks_t = torch.as_tensor(blocks, device=self.device)
         loaded: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def fill(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
             for op in ops:
                 if not op.wait_layer(layer, self.timeout_ms):
                     raise _LoadFailed(f"load: layer {layer} never landed")
-            k, v = self.pool.read(layer, blocks_t)
+            k, v = self.pool.read(layer, group_blocks[self._layer_groups[layer]])
             if keep_kv:
                 loaded.append((k[0], v[0]))
             return k, v
@@ -540,27 +702,47 @@ class ReferenceEngine:
         return pre, ""
 
     def _prefix_cache(self, prefix_len: int,
-                      fill: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+                      fill: Optional[Callable[[int], tuple[torch.Tensor, torch.Tensor]]]
+                      ) -> LayerwisePrefixCache:
         return LayerwisePrefixCache(self.model.config, self.geo, prefix_len, self.device, fill)
 
-    def _backup(self, cache: DynamicCache, keys: np.ndarray, h: int) -> _Backup:
-        """Writes the prompt's full pages past the hit into pool blocks and backs them up
-        (MLA: rank 0, the shard writer, only). Returns at once; ``_settle_backup`` waits."""
-        n = len(keys) - h
-        if n <= 0:
+    def _backup(self, cache: LayerwisePrefixCache, keys: np.ndarray, h: int,
+                length: int) -> _Backup:
+        """Writes the objects of the prompt's full pages past the hit that a later hit can use
+        into pool blocks and backs them up (MLA: rank 0, the shard writer, only). Returns at
+        once; ``_settle_backup`` waits."""
+        if len(keys) <= h:
             return _Backup()
-        blocks = self.blocks.take(n)
-        if blocks is None:
+        # Every full-attention object is stored. A window object serves only the boundaries
+        # whose window holds it, and a later request hits this prompt's pages at one of two:
+        # after all of them (len(keys): a prompt that goes on from this one) or at this
+        # prompt's own cap ((length - 1) // P: the same prompt again, one page less when it
+        # ends on a page boundary). The window pages of those two are stored, at most
+        # ceil((W - 1) / P) + 1 whatever the prompt's length. Serving every boundary (a prompt
+        # that leaves this one part way) would take every window page, as many objects as a
+        # full group; such a prompt misses instead and stores the window of its own boundary.
+        # The window pages of these boundaries before h lie in the window of the hit at h:
+        # stored already.
+        need = self._objects((len(keys), (length - 1) // self.page_size), h, len(keys))
+        placed = self._place(need)
+        if placed is None:
             return _Backup(reason="pool: no free blocks to back up")
-        blocks_t = torch.as_tensor(blocks, device=self.device)
-        p = self.page_size
+        blocks, grid = placed
+        group_blocks = self._group_blocks(grid)
+        p, offsets = self.page_size, torch.arange(self.page_size)
         for i, layer in enumerate(cache.layers):
-            k = layer.keys[0, :, h * p:(h + n) * p]
-            v = layer.values[0, :, h * p:(h + n) * p]
-            self.pool.write(i, blocks_t, k, v)
+            g = self._layer_groups[i]
+            pages = torch.as_tensor(h + np.flatnonzero(need[:, g]))
+            if not len(pages):
+                continue  # a window of one token: no page before a boundary is ever needed
+            # The pages' tokens, counted from the first position the layer still holds.
+            tokens = ((pages[:, None] * p + offsets).flatten() -
+                      cache.first_position(i)).to(self.device)
+            self.pool.write(i, group_blocks[g], layer.keys[0].index_select(1, tokens),
+                            layer.values[0].index_select(1, tokens))
         parent = bytes(keys[h - 1]) if h else None
         writers = self.sessions[:1] if self.geo.mla else self.sessions
-        ops = [s.backup(keys[h:], blocks, parent=parent, ready=True) for s in writers]
+        ops = [s.backup(keys[h:], grid.ravel(), parent=parent, ready=True) for s in writers]
         failed = [op.reason for op in ops if not op.ok]
         return _Backup(ops, blocks, f"backup: {failed[0]}" if failed else "")
 
