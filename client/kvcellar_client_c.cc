@@ -275,6 +275,11 @@ int kvc_register(kvc_client* client, const kvc_registration* r, kvc_session** ou
     reg.layout.layers.push_back(l);
   }
   reg.layout.num_blocks = r->num_blocks;
+  if (r->num_group_num_blocks > 0 && r->group_num_blocks == nullptr) {
+    return Fail(KVC_ERR_INVALID_ARGUMENT, "group_num_blocks: NULL with num_group_num_blocks > 0");
+  }
+  reg.layout.group_num_blocks.assign(r->group_num_blocks,
+                                     r->group_num_blocks + r->num_group_num_blocks);
   reg.completion.num_load_slots = r->num_load_slots;
   reg.completion.num_ready_slots = r->num_ready_slots;
   reg.completion.sim_shm_name = Str(r->sim_signal_shm_name);

@@ -172,6 +172,11 @@ typedef struct {
   const uint8_t* cuda_ready_event_handles; /* CUDA: num_ready_slots * 64 bytes */
   int replace_existing;
   const char* engine_name;
+  /* A hybrid layout whose groups have block pools of their own (SGLang's host pools): one block
+     count per group (num_blocks the largest), or NULL and 0 when all groups share num_blocks.
+     Since API revision 5. */
+  const uint32_t* group_num_blocks;
+  size_t num_group_num_blocks;
 } kvc_registration;
 
 typedef struct {

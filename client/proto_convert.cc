@@ -78,6 +78,7 @@ v1::RegisterEngineRequest ToRegisterRequest(const EngineRegistration& reg) {
     pl->set_group(l.group);
   }
   layout->set_num_blocks(reg.layout.num_blocks);
+  for (uint32_t n : reg.layout.group_num_blocks) layout->add_group_num_blocks(n);
   layout->set_tokens_per_block(reg.ns.page_size);
 
   const CompletionChannelSpec& c = reg.completion;

@@ -1,6 +1,7 @@
 #include "core/kv_layout.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -28,17 +29,18 @@ int128 FloorDiv(int128 a, int128 b) {  // b > 0
   return q;
 }
 
-// Whether two buffers with the same block stride share a byte. Block i of A is
-// [a + i*s, a + i*s + ba), block j of B is [c + j*s, c + j*s + bb); with d = c - a and k = j - i
-// they meet iff -bb < d + k*s < ba for some k in [-(n-1), n-1]. The smallest k above the lower
-// bound is the only candidate worth testing, clamped to the allowed range.
-bool SameStrideCollide(const BufferRef& x, const BufferRef& y, uint32_t n) {
+// Whether two buffers with the same block stride share a byte. Block i of X is
+// [a + i*s, a + i*s + ba) for i in [0, nx), block j of Y is [c + j*s, c + j*s + bb) for j in
+// [0, ny); with d = c - a and k = j - i they meet iff -bb < d + k*s < ba for some k in
+// [-(nx-1), ny-1]. The smallest k above the lower bound is the only candidate worth testing,
+// clamped to the allowed range.
+bool SameStrideCollide(const BufferRef& x, uint32_t nx, const BufferRef& y, uint32_t ny) {
   const int128 s = x.buf->block_stride;
   const int128 d = int128(y.begin) - int128(x.begin);
   const int128 ba = x.buf->bytes_per_block, bb = y.buf->bytes_per_block;
   int128 k = FloorDiv(-bb - d, s) + 1;
-  k = std::max<int128>(k, -(int128(n) - 1));
-  return k <= int128(n) - 1 && d + k * s < ba;
+  k = std::max<int128>(k, -(int128(nx) - 1));
+  return k <= int128(ny) - 1 && d + k * s < ba;
 }
 
 absl::Status ValidateBuffer(const KvLayout& l, uint32_t layer, const char* which,
@@ -56,15 +58,15 @@ absl::Status ValidateBuffer(const KvLayout& l, uint32_t layer, const char* which
         absl::StrCat(name, ".bytes_per_block (", b.bytes_per_block, ") exceeds ", name,
                      ".block_stride (", b.block_stride, "): consecutive blocks would overlap"));
   }
-  // offset + (num_blocks - 1) * stride + bytes_per_block, in 128 bits so nothing wraps.
-  const int128 end =
-      int128(b.offset) + int128(l.num_blocks - 1) * b.block_stride + b.bytes_per_block;
+  // offset + (blocks - 1) * stride + bytes_per_block, in 128 bits so nothing wraps.
+  const uint32_t blocks = l.GroupBlocks(l.layers[layer].group);
+  const int128 end = int128(b.offset) + int128(blocks - 1) * b.block_stride + b.bytes_per_block;
   const uint64_t region_size = l.regions[b.region].size;
   if (end > int128(region_size)) {
     return absl::InvalidArgumentError(
-        absl::StrCat(name, ": block ", l.num_blocks - 1, " ends past regions[", b.region,
-                     "].size (", region_size, "); offset ", b.offset, ", block_stride ",
-                     b.block_stride, ", bytes_per_block ", b.bytes_per_block));
+        absl::StrCat(name, ": block ", blocks - 1, " ends past regions[", b.region, "].size (",
+                     region_size, "); offset ", b.offset, ", block_stride ", b.block_stride,
+                     ", bytes_per_block ", b.bytes_per_block));
   }
   return absl::OkStatus();
 }
@@ -112,6 +114,31 @@ absl::Status KvLayout::Validate() const {
                                                      " and each has a layer)"));
     }
   }
+  if (separate_group_pools()) {
+    if (group_num_blocks.size() != groups) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("group_num_blocks: ", group_num_blocks.size(), " entries for ", groups,
+                       " groups (one per group, or none when the groups share one pool)"));
+    }
+    uint64_t total = 0;
+    uint32_t largest = 0;
+    for (uint32_t g = 0; g < groups; ++g) {
+      if (group_num_blocks[g] == 0) {
+        return absl::InvalidArgumentError(absl::StrCat("group_num_blocks[", g, "] is 0"));
+      }
+      total += group_num_blocks[g];
+      largest = std::max(largest, group_num_blocks[g]);
+    }
+    if (total > UINT32_MAX) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("group_num_blocks: ", total, " blocks in all, more than 2^32 - 1"));
+    }
+    if (num_blocks != largest) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("num_blocks (", num_blocks, ") must be the largest group_num_blocks entry (",
+                       largest, ") when each group has its own pool"));
+    }
+  }
   std::vector<BufferRef> refs;
   refs.reserve(layers.size() * 2);
   for (uint32_t i = 0; i < layers.size(); ++i) {
@@ -128,8 +155,9 @@ absl::Status KvLayout::Validate() const {
     auto add = [&](const char* which, const BufferLayout& b) {
       const MemoryRegion& r = regions[b.region];
       const uint64_t begin = r.offset + b.offset;  // Fits: both are inside offset + size.
-      refs.push_back({i, layer.group, which, &b, &r.handle, begin,
-                      begin + uint64_t(num_blocks - 1) * b.block_stride + b.bytes_per_block});
+      refs.push_back(
+          {i, layer.group, which, &b, &r.handle, begin,
+           begin + uint64_t(GroupBlocks(layer.group) - 1) * b.block_stride + b.bytes_per_block});
     };
     add("k", layer.k);
     if (layer.v) add("v", *layer.v);
@@ -149,14 +177,17 @@ absl::Status KvLayout::Validate() const {
       const BufferRef& a = refs[i];
       const BufferRef& b = refs[j];
       if (*b.handle != *a.handle || b.begin >= a.end) break;
-      // Groups share the engine's block pool: a block is one group's at a time.
-      if (a.group != b.group) continue;
+      // Groups sharing the engine's block pool: a block is one group's at a time. Groups with
+      // pools of their own are used at once, so their buffers may not meet either.
+      if (a.group != b.group && !separate_group_pools()) continue;
+      const uint32_t na = GroupBlocks(a.group);
+      const uint32_t nb = GroupBlocks(b.group);
       bool collide;
       const char* why = "";
-      if (num_blocks == 1) {
+      if (na == 1 && nb == 1) {
         collide = true;  // Single blocks whose extents intersect.
       } else if (a.buf->block_stride == b.buf->block_stride) {
-        collide = SameStrideCollide(a, b, num_blocks);
+        collide = SameStrideCollide(a, na, b, nb);
       } else {
         // Interleaving buffers of different strides is not a layout any engine uses; proving it
         // disjoint is not worth the risk of a wrong proof.

@@ -72,12 +72,20 @@ struct KvLayout {
   std::vector<MemoryRegion> regions;
   uint32_t num_blocks = 0;
   std::vector<LayerLayout> layers;
+  // Empty: every group indexes one pool of num_blocks blocks (vLLM's hybrid allocator gives a
+  // block to one group at a time, so buffers of different groups may share bytes). Otherwise one
+  // entry per group: group g has its own pool of group_num_blocks[g] blocks (SGLang's host pools
+  // per KV kind), its block b is not group h's block b, buffers of different groups never share
+  // a byte, and num_blocks is the largest entry.
+  std::vector<uint32_t> group_num_blocks;
 
   // INVALID_ARGUMENT naming the offending field ("layers[3].v.block_stride ...") when: a count is
   // out of range; a buffer names a missing region, has zero size, overlaps its own next block, or
-  // runs past its region; layers mix MHA and MLA; groups are not numbered 0..G-1 without gaps;
-  // or two buffers of one group share a byte. A layout that
-  // passes can be copied to and from without any further bounds checks except block indices.
+  // runs past its region (over its group's blocks); layers mix MHA and MLA; groups are not
+  // numbered 0..G-1 without gaps; group_num_blocks is set but not one nonzero entry per group
+  // with num_blocks the largest; or two buffers of one group (of any groups, when each has its
+  // own pool) share a byte. A layout that passes can be copied to and from without any further
+  // bounds checks except block indices (each below its group's GroupBlocks).
   absl::Status Validate() const;
 
   // True when every layer has a single (latent) buffer. Meaningful after Validate().
@@ -85,6 +93,14 @@ struct KvLayout {
 
   // Number of KV groups: the largest layer group + 1 (1 for a model of one group).
   uint32_t NumGroups() const;
+
+  // Whether each group has its own block pool (group_num_blocks set).
+  bool separate_group_pools() const { return !group_num_blocks.empty(); }
+
+  // Valid block indices of group g are [0, GroupBlocks(g)).
+  uint32_t GroupBlocks(uint32_t g) const {
+    return group_num_blocks.empty() ? num_blocks : group_num_blocks[g];
+  }
 
   // Bytes of group `group`'s page object: the sum of its buffers' bytes_per_block.
   uint64_t GroupObjectBytes(uint32_t group) const;

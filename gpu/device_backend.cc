@@ -51,37 +51,41 @@ bool DeviceOp::Finish(absl::Status status) {
   return true;
 }
 
-absl::Status ValidateCopyItems(absl::Span<const CopyItem> items, uint32_t num_blocks,
+absl::Status ValidateCopyItems(absl::Span<const CopyItem> items, const core::KvLayout& layout,
                                uint32_t num_groups, bool distinct_blocks) {
   if (items.size() > kMaxCopyItems) {
     return absl::InvalidArgumentError(
         absl::StrCat("items: ", items.size(), " in one batch, more than ", kMaxCopyItems));
   }
   for (size_t i = 0; i < items.size(); ++i) {
-    if (items[i].device_block >= num_blocks) {
-      return absl::InvalidArgumentError(absl::StrCat("items[", i, "].device_block (",
-                                                     items[i].device_block, ") out of range [0, ",
-                                                     num_blocks, ")"));
-    }
-    if (items[i].host_page == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("items[", i, "].host_page is null"));
-    }
     if (items[i].group >= num_groups) {
       return absl::InvalidArgumentError(absl::StrCat("items[", i, "].group (", items[i].group,
                                                      ") out of range [0, ", num_groups, ")"));
     }
+    const uint32_t blocks = layout.GroupBlocks(items[i].group);
+    if (items[i].device_block >= blocks) {
+      return absl::InvalidArgumentError(absl::StrCat("items[", i, "].device_block (",
+                                                     items[i].device_block, ") out of range [0, ",
+                                                     blocks, ")"));
+    }
+    if (items[i].host_page == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("items[", i, "].host_page is null"));
+    }
   }
   if (distinct_blocks && items.size() > 1) {
     // Two pages scattered into one block would race: the block's bytes would be neither page.
-    std::vector<std::pair<uint32_t, uint32_t>> order(items.size());
+    // Groups with pools of their own have blocks of their own: (group, block) is the block.
+    const bool own_pools = layout.separate_group_pools();
+    std::vector<std::pair<std::pair<uint32_t, uint32_t>, uint32_t>> order(items.size());
     for (size_t i = 0; i < items.size(); ++i) {
-      order[i] = {items[i].device_block, static_cast<uint32_t>(i)};
+      order[i] = {{own_pools ? items[i].group : 0, items[i].device_block},
+                  static_cast<uint32_t>(i)};
     }
     std::sort(order.begin(), order.end());
     for (size_t i = 1; i < order.size(); ++i) {
       if (order[i].first == order[i - 1].first) {
         return absl::InvalidArgumentError(
-            absl::StrCat("items[", order[i].second, "].device_block (", order[i].first,
+            absl::StrCat("items[", order[i].second, "].device_block (", order[i].first.second,
                          ") duplicates items[", order[i - 1].second, "].device_block"));
       }
     }

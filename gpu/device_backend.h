@@ -215,9 +215,10 @@ class DeviceBackend {
 };
 
 // Checks a batch against a mapping: INVALID_ARGUMENT naming the item ("items[3].device_block
-// (9000) out of range [0, 4096)"), a null host page, a group past `num_groups`, an oversized
-// batch, or (when `distinct_blocks`) a device block named twice. Shared by the backends.
-absl::Status ValidateCopyItems(absl::Span<const CopyItem> items, uint32_t num_blocks,
+// (9000) out of range [0, 4096)": its group's blocks in `layout`), a null host page, a group past
+// `num_groups`, an oversized batch, or (when `distinct_blocks`) a device block named twice (of
+// one group, when the groups have pools of their own). Shared by the backends.
+absl::Status ValidateCopyItems(absl::Span<const CopyItem> items, const core::KvLayout& layout,
                                uint32_t num_groups, bool distinct_blocks);
 
 // Maps the engine's signal region (EngineSpec::completion_region) and checks it against the

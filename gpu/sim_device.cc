@@ -475,8 +475,7 @@ absl::StatusOr<OpHandle> SimDevice::Submit(EngineMapping& mapping, absl::Span<co
     return absl::InvalidArgumentError("engine: not a mapping of the sim device");
   }
   const std::shared_ptr<Engine>& engine = sim->engine();
-  if (absl::Status s = ValidateCopyItems(items, engine->layout.num_blocks, engine->groups, scatter);
-      !s.ok()) {
+  if (absl::Status s = ValidateCopyItems(items, engine->layout, engine->groups, scatter); !s.ok()) {
     return s;
   }
   const bool has_region = engine->completion.valid();

@@ -695,8 +695,7 @@ absl::Status CudaDevice::IssueRuns(CudaEngine& e, cudaStream_t stream, bool kern
 absl::Status CheckSubmit(const CudaEngine& e, absl::Span<const CopyItem> items,
                          const ReadyFence& fence, OpSignal signal, bool scatter,
                          bool layer_events) {
-  if (absl::Status s = ValidateCopyItems(items, e.layout_.num_blocks, /*num_groups=*/1, scatter);
-      !s.ok())
+  if (absl::Status s = ValidateCopyItems(items, e.layout_, /*num_groups=*/1, scatter); !s.ok())
     return s;
   switch (fence.kind) {
     case ReadyFence::Kind::kReady:

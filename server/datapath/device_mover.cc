@@ -53,7 +53,8 @@ std::vector<uint32_t> SequenceStarts(const Sequences& sequences) {
 struct ObjectPlan {
   std::vector<uint32_t> page;        // Flat page index of each object.
   std::vector<uint32_t> group;       // Its KV group.
-  std::vector<uint32_t> block;       // Its device block.
+  std::vector<uint32_t> block;       // Its device block (in its group's pool).
+  std::vector<uint32_t> busy;        // That block as the session tracks it (BusyBlock).
   std::vector<uint32_t> field;       // Its index in the sequence's device_blocks / group_blocks.
   std::vector<uint32_t> page_begin;  // Objects of page p: [page_begin[p], page_begin[p + 1]).
   bool hybrid = false;
@@ -69,15 +70,17 @@ struct ObjectPlan {
 };
 
 template <typename Sequences>
-ObjectPlan PlanObjects(const Sequences& sequences, uint32_t pages, size_t groups) {
+ObjectPlan PlanObjects(const Sequences& sequences, uint32_t pages, const SessionInfo& info) {
+  const size_t groups = info.group_kinds.size();
   ObjectPlan plan;
   plan.hybrid = groups > 0;
   plan.page.reserve(pages);
   plan.page_begin.reserve(pages + 1);
-  auto add = [&plan](uint32_t page, uint32_t group, uint32_t block, uint32_t field) {
+  auto add = [&plan, &info](uint32_t page, uint32_t group, uint32_t block, uint32_t field) {
     plan.page.push_back(page);
     plan.group.push_back(group);
     plan.block.push_back(block);
+    plan.busy.push_back(info.BusyBlock(group, block));
     plan.field.push_back(field);
   };
   uint32_t p = 0;
@@ -165,7 +168,7 @@ class LoadCompletion final : public OpCompletion {
   std::shared_ptr<Session> session;
   uint64_t op_id = 0;
   bool pinned = false;
-  std::vector<uint32_t> blocks;  // Blocks the copy writes.
+  std::vector<uint32_t> blocks;  // Blocks the copy writes (as SessionInfo::BusyBlock numbers).
   std::optional<uint32_t> slot;
   std::vector<uint64_t> release_pins;
   PinTable* pins = nullptr;
@@ -202,7 +205,7 @@ class BackupCompletion final : public OpCompletion {
   std::vector<core::ObjectId> objects;  // In flight in the index, one per PENDING page.
   std::vector<core::SlotRef> slots;     // Each object's slot.
   std::vector<uint32_t> object_page;    // Each object's page (flat index).
-  std::vector<uint32_t> blocks;         // Blocks the copy reads.
+  std::vector<uint32_t> blocks;         // Blocks the copy reads (as BusyBlock numbers).
   uint32_t ready_timeout_ms = 0;
   L2Space* l2 = nullptr;
   CacheMetrics* metrics = nullptr;
@@ -278,9 +281,9 @@ absl::StatusOr<StartedOp> StartOp(Session& session, const Sequences& sequences,
   auto record = std::make_unique<OpRecord>();
   record->seq_begin = SequenceStarts(sequences);
   const uint32_t n = record->seq_begin.back();
-  ObjectPlan plan = PlanObjects(sequences, n, info.group_kinds.size());
+  ObjectPlan plan = PlanObjects(sequences, n, info);
   if (absl::Status s = session.Reserve(
-          plan.block, [&](size_t i) { return plan.Field(record->seq_begin, i); }, slot, slot_field,
+          plan.busy, [&](size_t i) { return plan.Field(record->seq_begin, i); }, slot, slot_field,
           max_inflight);
       !s.ok()) {
     return s;
@@ -392,9 +395,9 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Load(const std::shared_pt
       for (uint32_t k = plan.page_begin[p]; k < plan.page_begin[p + 1]; ++k) {
         if (i < hit) {
           items.push_back({plan.block[k], pool->Address(slots[k]), plan.group[k]});
-          used_blocks.push_back(plan.block[k]);
+          used_blocks.push_back(plan.busy[k]);
         } else {
-          unused_blocks.push_back(plan.block[k]);
+          unused_blocks.push_back(plan.busy[k]);
         }
       }
       if (i < hit) {
@@ -650,7 +653,7 @@ void DeviceMover::SettlePages(BackupBatch& batch, absl::Span<const absl::Status>
         l2_->Free(batch.requests[r].slot);
       }
     }
-    batch.unused_blocks.push_back(plan.block[k]);
+    batch.unused_blocks.push_back(plan.busy[k]);
   };
   for (size_t s = 0; s + 1 < seq_begin.size(); ++s) {
     bool failed = false;
@@ -695,7 +698,7 @@ void DeviceMover::SettlePages(BackupBatch& batch, absl::Span<const absl::Status>
           l2_->JournalWriting(batch.ns, batch.requests[r]);
           batch.items.push_back(
               {plan.block[k], pool->Address(batch.requests[r].slot), plan.group[k]});
-          batch.used_blocks.push_back(plan.block[k]);
+          batch.used_blocks.push_back(plan.busy[k]);
         } else {
           undo(k);  // Present already, or written by another op: not copied.
         }

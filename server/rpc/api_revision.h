@@ -8,6 +8,8 @@
 //      thread.
 //   4: hybrid models: NamespaceSpec.groups, LayerLayout.group, Load/BackupSequence.group_blocks
 //      (docs/api.md "Groups").
+//   5: KvLayout.group_num_blocks: each KV group of a hybrid layout with a block pool of its own
+//      (SGLang's host pools per KV kind).
 #ifndef KVCELLAR_SERVER_RPC_API_REVISION_H_
 #define KVCELLAR_SERVER_RPC_API_REVISION_H_
 
@@ -15,7 +17,7 @@
 
 namespace kvcellar::server {
 
-inline constexpr uint32_t kApiRevision = 4;
+inline constexpr uint32_t kApiRevision = 5;
 
 }  // namespace kvcellar::server
 

@@ -140,22 +140,32 @@ absl::Status CheckKeysAndBlocks(const Sequences& sequences, const SessionInfo& s
         }
         continue;
       }
-      if (b[j] >= session.num_blocks) {
+      // With a pool per group, group g's block b is its own: (g, b) is what may not repeat.
+      const size_t g = groups > 0 ? static_cast<size_t>(j) % groups : 0;
+      const uint32_t limit = session.GroupBlocks(g);
+      if (b[j] >= limit) {
         field = absl::StrCat("sequences[", i, "].", blocks_name, "[", j, "]");
-        return BlockOutOfRange(
-            field, absl::StrCat(field, " (", b[j], ") out of range [0, ", session.num_blocks, ")"));
+        return BlockOutOfRange(field,
+                               absl::StrCat(field, " (", b[j], ") out of range [0, ", limit, ")",
+                                            session.group_block_base.empty()
+                                                ? ""
+                                                : absl::StrCat(": group ", g, "'s own pool")));
       }
-      blocks.emplace_back(b[j], i, j);
+      blocks.emplace_back(session.BusyBlock(g, b[j]), i, j);
     }
   }
   std::sort(blocks.begin(), blocks.end());
   for (size_t k = 1; k < blocks.size(); ++k) {
     if (std::get<0>(blocks[k]) == std::get<0>(blocks[k - 1])) {
+      const auto& seq = sequences[std::get<1>(blocks[k])];
+      const uint32_t block =
+          (groups > 0 ? seq.group_blocks()
+                      : seq.device_blocks())[static_cast<int>(std::get<2>(blocks[k]))];
       std::string field = absl::StrCat("sequences[", std::get<1>(blocks[k]), "].", blocks_name, "[",
                                        std::get<2>(blocks[k]), "]");
-      return BlockOutOfRange(field, absl::StrCat(field, " (", std::get<0>(blocks[k]),
-                                                 ") repeats sequences[", std::get<1>(blocks[k - 1]),
-                                                 "].", blocks_name, "[", std::get<2>(blocks[k - 1]),
+      return BlockOutOfRange(field, absl::StrCat(field, " (", block, ") repeats sequences[",
+                                                 std::get<1>(blocks[k - 1]), "].", blocks_name, "[",
+                                                 std::get<2>(blocks[k - 1]),
                                                  "]: a block may appear once per request"));
     }
   }
@@ -281,6 +291,11 @@ absl::StatusOr<core::KvLayout> ParseLayout(const v1::KvLayout& in, const core::N
                         absl::StrCat("layout.layers: no layer is in group ", out.NumGroups(),
                                      " of namespace_spec.groups (every group needs a layer)"));
   }
+  if (in.group_num_blocks_size() > 0 && !spec.Hybrid()) {
+    return InvalidField("layout.group_num_blocks",
+                        "layout.group_num_blocks must be empty: the namespace has no KV groups");
+  }
+  out.group_num_blocks.assign(in.group_num_blocks().begin(), in.group_num_blocks().end());
   if (absl::Status s = out.Validate(); !s.ok()) {
     std::string field = LayoutField(s.message());
     return InvalidField(field, absl::StrCat("layout.", s.message()));
@@ -371,6 +386,12 @@ void FillSessionGeometry(const v1::RegisterEngineRequest& request, const Registr
   }
   info->device_kind = reg.device_kind;
   info->num_blocks = reg.engine.layout.num_blocks;
+  info->group_num_blocks = reg.engine.layout.group_num_blocks;
+  uint32_t base = 0;
+  for (uint32_t n : info->group_num_blocks) {
+    info->group_block_base.push_back(base);
+    base += n;  // Fits: KvLayout::Validate bounds the total by 2^32 - 1.
+  }
   info->num_layers = static_cast<uint32_t>(reg.engine.layout.layers.size());
   info->num_load_slots = reg.num_load_slots;
   info->num_ready_slots = reg.num_ready_slots;

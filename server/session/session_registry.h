@@ -60,6 +60,11 @@ struct SessionInfo {
   std::vector<core::GroupKind> group_kinds;
   v1::DeviceKind device_kind = v1::DEVICE_KIND_UNSPECIFIED;
   uint32_t num_blocks = 0;
+  // A hybrid layout whose groups have block pools of their own (KvLayout::group_num_blocks): the
+  // blocks of each group, and where its blocks start in the one numbering of all groups' blocks
+  // that BLOCK_BUSY and repeats are checked in. Empty: the groups share num_blocks.
+  std::vector<uint32_t> group_num_blocks;
+  std::vector<uint32_t> group_block_base;
   uint32_t num_layers = 0;
   uint32_t num_load_slots = 0;
   uint32_t num_ready_slots = 0;
@@ -77,6 +82,15 @@ struct SessionInfo {
   absl::Time registered;
 
   bool is_worker() const { return role != v1::SESSION_ROLE_SCHEDULER; }
+  // Valid block indices of group g are [0, GroupBlocks(g)).
+  uint32_t GroupBlocks(size_t g) const {
+    return group_num_blocks.empty() ? num_blocks : group_num_blocks[g];
+  }
+  // Group g's block b in the numbering busy blocks are tracked in: b itself when the groups share
+  // one pool (a block is one group's at a time), else after the blocks of groups 0..g-1.
+  uint32_t BusyBlock(size_t g, uint32_t b) const {
+    return group_block_base.empty() ? b : group_block_base[g] + b;
+  }
 };
 
 class Session {

@@ -157,5 +157,69 @@ TEST(KvLayoutTest, SameStrideDisjointAcrossBlockRange) {
   ExpectInvalid(l, "overlaps");
 }
 
+// SGLang-like hybrid: the KV pool (group 0, 6 blocks) and a state pool (group 1, 3 slots), each
+// its own allocation and its own block indices (one buffer per layer, as MLA lays them out).
+KvLayout SeparatePools() {
+  KvLayout l;
+  l.num_blocks = 6;
+  l.group_num_blocks = {6, 3};
+  l.regions.push_back({"/kv", 0, 6 * 200});
+  l.regions.push_back({"/state", 0, 3 * 40});
+  l.layers.push_back({{0, 0, 200, 200}, std::nullopt, 0});
+  l.layers.push_back({{1, 0, 40, 40}, std::nullopt, 1});
+  return l;
+}
+
+TEST(KvLayoutTest, GroupsWithPoolsOfTheirOwnAreCheckedAgainstTheirOwnBlocks) {
+  KvLayout l = SeparatePools();
+  ASSERT_TRUE(l.Validate().ok()) << l.Validate();
+  EXPECT_TRUE(l.separate_group_pools());
+  EXPECT_EQ(l.GroupBlocks(0), 6u);
+  EXPECT_EQ(l.GroupBlocks(1), 3u);
+  // The state region holds 3 slots, not num_blocks (6): with one shared pool it is too small.
+  KvLayout shared = l;
+  shared.group_num_blocks.clear();
+  ExpectInvalid(shared, "layers[1].k: block 5 ends past regions[1]");
+  // One slot more than the region holds.
+  KvLayout more = l;
+  more.group_num_blocks = {6, 4};
+  ExpectInvalid(more, "layers[1].k: block 3 ends past regions[1]");
+}
+
+TEST(KvLayoutTest, GroupPoolCountsAreRefusedNamingTheField) {
+  KvLayout l = SeparatePools();
+  l.group_num_blocks = {6};
+  ExpectInvalid(l, "group_num_blocks: 1 entries for 2 groups");
+  l.group_num_blocks = {6, 0};
+  ExpectInvalid(l, "group_num_blocks[1] is 0");
+  l.group_num_blocks = {5, 3};
+  ExpectInvalid(l, "num_blocks (6) must be the largest group_num_blocks entry (5)");
+  l.num_blocks = 0xFFFFFFFFu;
+  l.group_num_blocks = {0xFFFFFFFFu, 3};
+  ExpectInvalid(l, "more than 2^32 - 1");
+}
+
+TEST(KvLayoutTest, GroupsWithPoolsOfTheirOwnMayNotShareBytes) {
+  // Both groups over one allocation: with one shared pool (vLLM) that is how groups alias; with
+  // pools of their own both are in use at once, so the state slots may not meet the KV blocks.
+  KvLayout l;
+  l.num_blocks = 4;
+  l.regions.push_back({"/one", 0, 8 * 100});
+  l.layers.push_back({{0, 0, 100, 100}, std::nullopt, 0});
+  l.layers.push_back({{0, 300, 100, 100}, std::nullopt, 1});
+  EXPECT_TRUE(l.Validate().ok()) << l.Validate();  // Shared pool: aliasing allowed.
+  l.group_num_blocks = {4, 2};
+  ExpectInvalid(l, "layers[1].k overlaps layers[0].k");
+  // Right after the KV pool's last block: disjoint, though the same stride would reach it.
+  l.layers[1].k.offset = 400;
+  EXPECT_TRUE(l.Validate().ok()) << l.Validate();
+  // And a state pool ending just before the KV pool starts (KV after it in the allocation).
+  l.layers[1].k.offset = 0;
+  l.layers[0].k.offset = 200;
+  EXPECT_TRUE(l.Validate().ok()) << l.Validate();
+  l.layers[0].k.offset = 199;
+  ExpectInvalid(l, "overlaps");
+}
+
 }  // namespace
 }  // namespace kvcellar::core

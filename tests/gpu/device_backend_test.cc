@@ -40,24 +40,49 @@ TEST(DeviceOpTest, CancelIsAFlag) {
   EXPECT_FALSE(op.Poll());  // Still the backend's to finish.
 }
 
+core::KvLayout Blocks(uint32_t n, std::vector<uint32_t> group_num_blocks = {}) {
+  core::KvLayout l;
+  l.num_blocks = n;
+  l.group_num_blocks = std::move(group_num_blocks);
+  return l;
+}
+
 TEST(ValidateCopyItemsTest, NamesTheItem) {
   uint8_t page[8];
   std::vector<CopyItem> items = {{0, page}, {3, page}, {4, page}};
-  absl::Status s = ValidateCopyItems(items, 4, 1, false);
+  absl::Status s = ValidateCopyItems(items, Blocks(4), 1, false);
   EXPECT_THAT(std::string(s.message()), HasSubstr("items[2].device_block (4) out of range [0, 4)"));
   items[2] = {1, nullptr};
-  s = ValidateCopyItems(items, 4, 1, false);
+  s = ValidateCopyItems(items, Blocks(4), 1, false);
   EXPECT_THAT(std::string(s.message()), HasSubstr("items[2].host_page is null"));
   items[2] = {0, page};
-  EXPECT_TRUE(ValidateCopyItems(items, 4, 1, false).ok());
-  s = ValidateCopyItems(items, 4, 1, true);
+  EXPECT_TRUE(ValidateCopyItems(items, Blocks(4), 1, false).ok());
+  s = ValidateCopyItems(items, Blocks(4), 1, true);
   EXPECT_THAT(std::string(s.message()), HasSubstr("items[2].device_block (0) duplicates items[0]"));
-  EXPECT_TRUE(ValidateCopyItems({}, 4, 1, true).ok());
+  EXPECT_TRUE(ValidateCopyItems({}, Blocks(4), 1, true).ok());
   items[1] = {1, page, 2};
-  s = ValidateCopyItems(items, 4, 2, false);
+  s = ValidateCopyItems(items, Blocks(4), 2, false);
   EXPECT_THAT(std::string(s.message()), HasSubstr("items[1].group (2) out of range [0, 2)"));
   items[1].group = 1;
-  EXPECT_TRUE(ValidateCopyItems(items, 4, 2, false).ok());
+  EXPECT_TRUE(ValidateCopyItems(items, Blocks(4), 2, false).ok());
+}
+
+TEST(ValidateCopyItemsTest, GroupsWithPoolsOfTheirOwnHaveTheirOwnBlocks) {
+  uint8_t page[8];
+  // Group 0: 4 blocks; group 1: 2 slots. Block 0 of each is not the same block.
+  std::vector<CopyItem> items = {{0, page, 0}, {0, page, 1}, {3, page, 0}};
+  EXPECT_TRUE(ValidateCopyItems(items, Blocks(4, {4, 2}), 2, true).ok());
+  // With one shared pool they are: a scatter into it twice races.
+  absl::Status s = ValidateCopyItems(items, Blocks(4), 2, true);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("items[1].device_block (0) duplicates items[0]"));
+  // Group 1's block 2 is past its 2 slots, though below num_blocks.
+  items[1].device_block = 2;
+  s = ValidateCopyItems(items, Blocks(4, {4, 2}), 2, true);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("items[1].device_block (2) out of range [0, 2)"));
+  items[1].device_block = 1;
+  items.push_back({1, page, 1});
+  s = ValidateCopyItems(items, Blocks(4, {4, 2}), 2, true);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("items[3].device_block (1) duplicates items[1]"));
 }
 
 TEST(OpenCompletionRegionTest, ChecksTheLayoutAndNamesTheField) {

@@ -141,6 +141,8 @@ class Registration(Structure):
         ("cuda_ready_event_handles", POINTER(c_uint8)),
         ("replace_existing", c_int),
         ("engine_name", c_char_p),
+        ("group_num_blocks", POINTER(c_uint32)),
+        ("num_group_num_blocks", c_size_t),
     ]
 
 

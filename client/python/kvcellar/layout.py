@@ -79,6 +79,9 @@ class KvLayout:
     cuda_device: Optional[int] = None
     # Per layer, its KV group (Namespace.groups index) for a hybrid model; empty: all group 0.
     groups: list[int] = field(default_factory=list)
+    # Per group, its own pool's block count when the groups do not share one pool of num_blocks
+    # (SGLang's host pools per KV kind; num_blocks is then the largest); empty: one shared pool.
+    group_num_blocks: list[int] = field(default_factory=list)
     _keep: list = field(default_factory=list, repr=False)  # tensors kept alive
 
     @property
@@ -263,6 +266,11 @@ class KvLayout:
         reg.layers = layers
         reg.num_layers = len(self.layers)
         reg.num_blocks = self.num_blocks
+        if self.group_num_blocks:
+            counts = (ctypes.c_uint32 * len(self.group_num_blocks))(*self.group_num_blocks)
+            keep.append(counts)
+            reg.group_num_blocks = ctypes.cast(counts, ctypes.POINTER(ctypes.c_uint32))
+            reg.num_group_num_blocks = len(self.group_num_blocks)
         reg.device_kind = self.device_kind
         uuid = (ctypes.c_uint8 * 16).from_buffer_copy(self.device_uuid)
         keep.append(uuid)

@@ -369,6 +369,66 @@ TEST(RequestValidationTest, HybridGroupsAreParsedAndChecked) {
                            v1::ERROR_REASON_DEVICE_UNAVAILABLE, "namespace_spec.groups"));
 }
 
+// API revision 5: a hybrid layout whose groups have block pools of their own (SGLang).
+TEST(RequestValidationTest, GroupsWithPoolsOfTheirOwnAreParsedAndChecked) {
+  v1::RegisterEngineRequest r = SimWorker();
+  v1::NamespaceSpec* spec = r.mutable_namespace_spec();
+  spec->add_groups()->set_kind(v1::KV_GROUP_KIND_FULL_ATTENTION);
+  spec->add_groups()->set_kind(v1::KV_GROUP_KIND_RECURRENT_STATE);
+  r.mutable_layout()->mutable_layers(1)->set_group(1);
+  const uint32_t n = r.layout().num_blocks();
+  r.mutable_layout()->add_group_num_blocks(n);
+  r.mutable_layout()->add_group_num_blocks(n / 2);
+  absl::StatusOr<Registration> reg = ParseRegistration(r, Limits(), {v1::DEVICE_KIND_SIM});
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  EXPECT_EQ(reg->engine.layout.GroupBlocks(1), n / 2);
+  SessionInfo info;
+  FillSessionGeometry(r, *reg, &info);
+  EXPECT_EQ(info.GroupBlocks(0), n);
+  EXPECT_EQ(info.GroupBlocks(1), n / 2);
+  EXPECT_EQ(info.BusyBlock(1, 3), n + 3) << "group 1's blocks come after group 0's";
+
+  v1::RegisterEngineRequest bad = r;
+  bad.mutable_layout()->mutable_group_num_blocks()->RemoveLast();
+  EXPECT_TRUE(InvalidAt(Register(bad), "layout.group_num_blocks"));
+  bad = r;
+  bad.mutable_layout()->set_group_num_blocks(1, 0);
+  EXPECT_TRUE(InvalidAt(Register(bad), "layout.group_num_blocks[1]"));
+  bad = r;
+  bad.mutable_layout()->set_group_num_blocks(0, n - 1);
+  EXPECT_TRUE(InvalidAt(Register(bad), "layout.num_blocks")) << "num_blocks is not the largest";
+  bad = SimWorker();  // Not hybrid: one pool by definition.
+  bad.mutable_layout()->add_group_num_blocks(n);
+  EXPECT_TRUE(InvalidAt(Register(bad), "layout.group_num_blocks"));
+}
+
+TEST_F(DataOpValidationTest, GroupsWithPoolsOfTheirOwnNameBlocksOfTheirOwnPool) {
+  SessionInfo hybrid = session_;  // 16 blocks: group 0 has all of them, group 1 four.
+  hybrid.group_kinds = {core::GroupKind::kFull, core::GroupKind::kState};
+  hybrid.group_num_blocks = {16, 4};
+  hybrid.group_block_base = {0, 16};
+  v1::BackupRequest backup;
+  auto* seq = backup.add_sequences();
+  seq->set_page_keys(KeyBlob(PromptKeys(NsSpec(), 1, 2)));
+  // Page 0: KV block 0, no state; page 1: KV block 1 and state slot 0, not KV block 0.
+  for (uint32_t b : {0u, kNoBlock, 1u, 0u}) seq->add_group_blocks(b);
+  EXPECT_TRUE(ValidateBackup(backup, hybrid, Limits()).ok());
+  v1::BackupRequest shared = backup;  // With one shared pool, block 0 twice is a repeat.
+  SessionInfo one_pool = hybrid;
+  one_pool.group_num_blocks.clear();
+  one_pool.group_block_base.clear();
+  EXPECT_TRUE(IsCacheError(ValidateBackup(shared, one_pool, Limits()), kInvalid,
+                           v1::ERROR_REASON_BLOCK_OUT_OF_RANGE, "sequences[0].group_blocks[3]"));
+  v1::BackupRequest out = backup;  // Slot 4 is past group 1's pool, though below num_blocks.
+  out.mutable_sequences(0)->set_group_blocks(3, 4);
+  EXPECT_TRUE(IsCacheError(ValidateBackup(out, hybrid, Limits()), kInvalid,
+                           v1::ERROR_REASON_BLOCK_OUT_OF_RANGE, "sequences[0].group_blocks[3]"));
+  v1::BackupRequest repeated = backup;  // Slot 0 twice in group 1.
+  repeated.mutable_sequences(0)->set_group_blocks(1, 0);
+  EXPECT_TRUE(IsCacheError(ValidateBackup(repeated, hybrid, Limits()), kInvalid,
+                           v1::ERROR_REASON_BLOCK_OUT_OF_RANGE, "sequences[0].group_blocks[3]"));
+}
+
 TEST_F(DataOpValidationTest, HybridSequencesNameABlockPerPageAndGroup) {
   SessionInfo hybrid = session_;
   hybrid.group_kinds = {core::GroupKind::kFull, core::GroupKind::kState};
