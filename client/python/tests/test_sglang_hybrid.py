@@ -45,6 +45,9 @@ else:
                     allow_module_level=True)
 
 import torch.distributed as dist  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import (STORAGE_BATCH_SIZE,  # noqa: E402
+                                                  HiCacheStorageConfig, HiCacheStorageExtraInfo)
+from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 from sglang.srt.configs.mamba_utils import (Mamba2CacheParams, Mamba2StateDType,  # noqa: E402
                                             Mamba2StateShape)
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
@@ -101,7 +104,7 @@ def mapper(mapping):
     return lambda layer_id: mapping.get(layer_id)
 
 
-def mamba_pools():
+def mamba_pools(device_tokens=DEVICE_TOKENS):
     """Layers 0 and 2 full attention, 1 and 3 Mamba 2 (fp32 temporal state, bf16 conv)."""
     shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=32, n_groups=1,
                                     num_heads=4, head_dim=8, state_size=16, conv_kernel=4)
@@ -109,10 +112,10 @@ def mamba_pools():
                                dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32))
     mamba_dev = MambaPool(size=MAMBA_SLOTS, spec_state_size=MAMBA_SLOTS, cache_params=params,
                           mamba_layer_ids=[1, 3], device="cpu")
-    kv_dev = HybridLinearKVPool(size=DEVICE_TOKENS, dtype=torch.bfloat16, page_size=PAGE,
+    kv_dev = HybridLinearKVPool(size=device_tokens, dtype=torch.bfloat16, page_size=PAGE,
                                 head_num=2, head_dim=8, full_attention_layer_ids=[0, 2],
                                 device="cpu", mamba_pool=mamba_dev)
-    alloc = PagedTokenToKVPoolAllocator(DEVICE_TOKENS, PAGE, torch.bfloat16, "cpu", kv_dev, False)
+    alloc = PagedTokenToKVPoolAllocator(device_tokens, PAGE, torch.bfloat16, "cpu", kv_dev, False)
     # Checked against the available memory itself, not less SGLang's 10 GiB server reserve
     # (see test_sglang_backend.host_pool).
     with host_memory_budget_scope(psutil.virtual_memory().available):
@@ -127,13 +130,13 @@ def mamba_pools():
     return alloc, group, kvh, side
 
 
-def swa_pools():
+def swa_pools(device_tokens=DEVICE_TOKENS):
     """Layers 0 and 2 full attention, 1 and 3 sliding window; the swa pool has half the slots."""
-    kv_dev = SWAKVPool(size=DEVICE_TOKENS, size_swa=DEVICE_TOKENS // 2, page_size=PAGE,
+    kv_dev = SWAKVPool(size=device_tokens, size_swa=device_tokens // 2, page_size=PAGE,
                        dtype=torch.bfloat16, head_num=2, head_dim=8,
                        swa_attention_layer_ids=[1, 3], full_attention_layer_ids=[0, 2],
                        device="cpu")
-    alloc = SWATokenToKVPoolAllocator(DEVICE_TOKENS, DEVICE_TOKENS // 2, PAGE, torch.bfloat16,
+    alloc = SWATokenToKVPoolAllocator(device_tokens, device_tokens // 2, PAGE, torch.bfloat16,
                                       "cpu", kv_dev, False)
     with host_memory_budget_scope(psutil.virtual_memory().available):
         kvh, side = kv_host(kv_dev.full_kv_pool), kv_host(kv_dev.swa_kv_pool)
@@ -149,9 +152,10 @@ class HybridEngine:
     over real hybrid pools. Plays the scheduler and its tree: owns the slots, builds the side
     pool's PoolTransfers as the unified radix cache's components do."""
 
-    def __init__(self, kind, socket, model=MODEL, **extra):
+    def __init__(self, kind, socket, model=MODEL, device_tokens=DEVICE_TOKENS, **extra):
         self.kind = kind
-        alloc, group, self.kv, self.side = mamba_pools() if kind == "mamba" else swa_pools()
+        pools = mamba_pools if kind == "mamba" else swa_pools
+        alloc, group, self.kv, self.side = pools(device_tokens)
         self.name = PoolName.MAMBA if kind == "mamba" else PoolName.SWA
         self.ctl = HybridCacheController(alloc, group, PAGE, dist.group.WORLD, threading.Event(),
                                          write_policy="write_through", io_backend="direct",
@@ -396,3 +400,73 @@ def test_a_daemon_down_is_a_miss_for_every_pool(daemon_factory, engines):
     assert a.prefetch(tokens, trailing=1)[:2] == (0, 0)
     kv2, state2 = a.write(tokens_for(8, 4), seed=8)
     assert a.backup(tokens_for(8, 4), kv2, state2)[0] == 0  # not stored, nothing raised
+
+
+def test_side_pages_of_a_backup_over_two_kv_batches_are_stored_with_their_pages(daemon,
+                                                                                  engines):
+    """A node of 130 pages: SGLang writes its KV in batches of 128 and 2, and the window's
+    pages (127, 128, 129) lie in both; each is stored with its page."""
+    a = engines("swa", daemon.socket, device_tokens=144 * PAGE)
+    b = engines("swa", daemon.socket, device_tokens=144 * PAGE)
+    assert a.active() and b.active()
+    assert STORAGE_BATCH_SIZE == 128
+    tokens = tokens_for(9, 130)
+    kv, swa = a.write(tokens, seed=9)
+    assert a.backup(tokens, kv, swa)[0] == len(tokens)
+    trailing = -(-(WINDOW - 1) // PAGE)
+    completed, side_hits, kv_b, swa_b = b.prefetch(tokens, trailing)
+    assert (completed, side_hits) == (len(tokens), trailing)
+    assert all(torch.equal(x, y) for x, y in zip(a.side_pages(swa)[-trailing:],
+                                                 b.side_pages(swa_b)))
+
+
+def test_tp_ranks_hit_only_where_every_rank_stored_its_state(daemon):
+    """Tensor parallel 2: each rank stores its shard of every KV page and of the state; a
+    boundary hits for either rank only once both ranks' state shards are in."""
+    backends, pools = [], []
+    for rank in range(2):
+        cfg = HiCacheStorageConfig(tp_rank=rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                                   attn_cp_size=1, is_mla_model=False,
+                                   enable_storage_metrics=False, is_page_first_layout=True,
+                                   model_name=MODEL,
+                                   extra_config=extra_config(daemon.socket,
+                                                             instance_id=f"rank-{rank}"))
+        _, _, kvh, side = mamba_pools()
+        be = StorageBackendFactory.create_backend("dynamic", cfg, kvh)
+        be.register_mem_pool_host(kvh)
+        be.register_mem_host_pool_v2(kvh, PoolName.KV)
+        be.register_mem_host_pool_v2(side, PoolName.MAMBA)
+        be.on_host_pools_registered()
+        backends.append(be)
+        pools.append((kvh, side))
+    try:
+        for be in backends:
+            assert be._session().wait_active(5000)
+        tokens = tokens_for(10, 4)
+        keys = get_hash_str(tokens, prior_hash=None, page_size=PAGE)
+        info = HiCacheStorageExtraInfo(prefix_keys=[])
+        query = [PoolTransfer(PoolName.MAMBA, keys=["x"], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+
+        def hits():
+            return [be.batch_exists_v2(keys, query, info).kv_hit_pages for be in backends]
+
+        def store(rank, state):
+            kvh, side = pools[rank]
+            be = backends[rank]
+            if state:
+                v2 = be.batch_set_v2([PoolTransfer(PoolName.MAMBA, host_indices=side.alloc(1),
+                                                   keys=keys[-1:],
+                                                   hit_policy=PoolHitPolicy.TRAILING_PAGES)], info)
+                assert v2 == {"mamba": [True]}
+            assert be.batch_set_v1(keys, kvh.alloc(len(tokens)), info) == [True] * 4
+
+        store(0, state=True)
+        assert hits() == [0, 0]
+        store(1, state=False)  # every KV shard, one state shard: no boundary has a state
+        assert hits() == [0, 0]
+        assert [be.batch_exists(keys, info) for be in backends] == [0, 0]
+        store(1, state=True)  # the KV pages are stored already; the state joins them
+        assert hits() == [4, 4]
+    finally:
+        for be in backends:
+            be.close()
