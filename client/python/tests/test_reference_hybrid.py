@@ -12,10 +12,6 @@ those objects (its kvcellar_moved_bytes_total). A prompt that leaves A part way 
 boundary's window was not stored), a daemon killed before B is a miss (the same tokens), and a
 namespace without the model's groups is refused at construction.
 """
-import re
-import signal
-import urllib.request
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -23,9 +19,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from kvcellar import Client  # noqa: E402
 from kvcellar.keys import KvGroup, Namespace  # noqa: E402
 from kvcellar.reference import ReferenceEngine, make_gemma3, namespace_for  # noqa: E402
+from reference_util import engine_for as reference_engine_for  # noqa: E402
+from reference_util import (killed_daemon_is_a_miss, moved, poison,  # noqa: E402
+                            same_as_prefill)
 
 P = 16
 W = 64  # the sliding window: the token and the 63 before it
@@ -58,27 +56,9 @@ def prompts(vocab):
     return a, b
 
 
-@contextmanager
 def engine_for(model, tp, daemon, name):
-    client = Client(daemon.socket, rpc_timeout_ms=250, register_timeout_ms=500,
-                    backoff_max_ms=200)
-    ns = namespace_for(model, page_size=P, tp_size=tp, model_id=name)
-    assert ns.groups == (KvGroup("full"), KvGroup("window", W))
-    engine = ReferenceEngine(model, client, ns, name, rank_count=tp, num_blocks=NUM_BLOCKS)
-    try:
-        assert engine.wait_active(5000)
-        yield engine
-    finally:
-        engine.close()
-        client.close()
-
-
-def moved(daemon, direction):
-    """kvcellar_moved_bytes_total{direction=...}: h2d are Loads, d2h Backups."""
-    text = urllib.request.urlopen(f"http://{daemon.http}/metrics", timeout=10).read().decode()
-    m = re.search(rf'^kvcellar_moved_bytes_total{{direction="{direction}"}} (\S+)$', text,
-                  re.MULTILINE)
-    return int(float(m.group(1))) if m else 0
+    assert namespace_for(model).groups == (KvGroup("full"), KvGroup("window", W))
+    return reference_engine_for(model, tp, daemon, name, page_size=P, num_blocks=NUM_BLOCKS)
 
 
 class Moves:
@@ -93,18 +73,6 @@ class Moves:
         out = (h2d - self.h2d, d2h - self.d2h)
         self.h2d, self.d2h = h2d, d2h
         return out
-
-
-def poison(engine):
-    """NaN in every block: what a request uses from the pool can only come from a Load."""
-    for per_layer in engine.pool.tensors:
-        for t in per_layer:
-            t.fill_(float("nan"))
-
-
-def min_margin(logits):
-    top = logits.topk(2, dim=-1).values
-    return float((top[:, 0] - top[:, 1]).min())
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -133,11 +101,7 @@ def test_window_pages_reproduce_the_prefill(tp, model, daemon):
 
         full = engine.generate(b, NEW_TOKENS, use_cache=False)
         assert full.hit_pages == 0 and full.prefill_tokens == len(b)
-        assert rb.tokens == full.tokens
-        logit_diff = float((rb.logits - full.logits).abs().max())
-        margin = min_margin(full.logits)
-        assert logit_diff <= LOGIT_ATOL
-        assert margin >= MARGIN_OVER_ATOL * LOGIT_ATOL
+        logit_diff, margin = same_as_prefill(rb, full, LOGIT_ATOL, MARGIN_OVER_ATOL)
 
         # The loaded bytes are A's prefill's, bit for bit: a full layer's every page, a window
         # layer's last 4 before the boundary.
@@ -189,15 +153,7 @@ def test_a_prompt_leaving_the_prefix_part_way_misses(model, daemon):
 def test_daemon_killed_before_b_is_a_miss(tp, model, daemon):
     a, b = prompts(model.config.vocab_size)
     with engine_for(model, tp, daemon, f"hybrid-kill-tp{tp}") as engine:
-        assert engine.generate(a, NEW_TOKENS).backed_up_pages == A_PAGES
-        expect = engine.generate(b, NEW_TOKENS, use_cache=False).tokens
-        daemon.stop(signal.SIGKILL)
-        rb = engine.generate(b, NEW_TOKENS)
-        assert rb.tokens == expect
-        assert rb.hit_pages == 0 and rb.prefill_tokens == len(b)
-        assert rb.miss_reason.startswith("match:"), rb.miss_reason
-        assert rb.backed_up_pages == 0
-        assert len(engine.blocks.free) + engine.blocks.num_deferred == NUM_BLOCKS
+        killed_daemon_is_a_miss(engine, daemon, a, b, NEW_TOKENS, A_PAGES, NUM_BLOCKS)
 
 
 def test_a_namespace_without_the_models_groups_is_refused(model):

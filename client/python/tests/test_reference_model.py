@@ -9,7 +9,6 @@ LOGIT_ATOL, and the KV it loaded bit-for-bit the KV of A's prompt recomputed wit
 and its Load, is a miss: the same tokens, nothing raised.
 """
 import signal
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -17,9 +16,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from kvcellar import Client  # noqa: E402
-from kvcellar.reference import (ReferenceEngine, make_deepseek_mla, make_llama,  # noqa: E402
-                                namespace_for)
+from kvcellar.reference import make_deepseek_mla, make_llama  # noqa: E402
+from reference_util import engine_for as reference_engine_for  # noqa: E402
+from reference_util import killed_daemon_is_a_miss, poison, same_as_prefill  # noqa: E402
 
 P = 16
 PREFIX_PAGES = 6  # A: 6 full pages and a partial one
@@ -50,32 +49,8 @@ def prompts(seed, vocab):
     return a, b
 
 
-@contextmanager
 def engine_for(model, tp, daemon, name):
-    # Every TP rank is a session of this one process (the model runs once, each rank's pool
-    # holds its share of the KV heads).
-    client = Client(daemon.socket, rpc_timeout_ms=250, register_timeout_ms=500,
-                    backoff_max_ms=200)
-    ns = namespace_for(model, page_size=P, tp_size=tp, model_id=name)
-    engine = ReferenceEngine(model, client, ns, name, rank_count=tp, num_blocks=NUM_BLOCKS)
-    try:
-        assert engine.wait_active(5000)
-        yield engine
-    finally:
-        engine.close()
-        client.close()
-
-
-def poison(engine):
-    """NaN in every block: what B uses from the pool can only come from the daemon's Load."""
-    for per_layer in engine.pool.tensors:
-        for t in per_layer:
-            t.fill_(float("nan"))
-
-
-def min_margin(logits):
-    top = logits.topk(2, dim=-1).values
-    return float((top[:, 0] - top[:, 1]).min())
+    return reference_engine_for(model, tp, daemon, name, page_size=P, num_blocks=NUM_BLOCKS)
 
 
 def max_diff(pairs):
@@ -101,11 +76,7 @@ def test_prefix_pages_reproduce_the_prefill(case, models, daemon):
 
         full = engine.generate(b, NEW_TOKENS, use_cache=False, keep_kv=True)
         assert full.hit_pages == 0 and full.prefill_tokens == len(b)
-        assert rb.tokens == full.tokens
-        logit_diff = float((rb.logits - full.logits).abs().max())
-        margin = min_margin(full.logits)
-        assert logit_diff <= LOGIT_ATOL
-        assert margin >= MARGIN_OVER_ATOL * LOGIT_ATOL
+        logit_diff, margin = same_as_prefill(rb, full, LOGIT_ATOL, MARGIN_OVER_ATOL)
 
         # The loaded bytes are A's prefill's, bit for bit.
         again = engine.generate(a, 1, use_cache=False, keep_kv=True)
@@ -134,15 +105,7 @@ def test_daemon_killed_before_b_is_a_miss(case, models, daemon):
     model = models[kind]
     a, b = prompts(seed, model.config.vocab_size)
     with engine_for(model, tp, daemon, f"kill-{case}") as engine:
-        assert engine.generate(a, NEW_TOKENS).backed_up_pages == PREFIX_PAGES
-        expect = engine.generate(b, NEW_TOKENS, use_cache=False).tokens
-        daemon.stop(signal.SIGKILL)
-        rb = engine.generate(b, NEW_TOKENS)
-        assert rb.tokens == expect
-        assert rb.hit_pages == 0 and rb.prefill_tokens == len(b)
-        assert rb.miss_reason.startswith("match:"), rb.miss_reason
-        assert rb.backed_up_pages == 0
-        assert len(engine.blocks.free) + engine.blocks.num_deferred == NUM_BLOCKS
+        killed_daemon_is_a_miss(engine, daemon, a, b, NEW_TOKENS, PREFIX_PAGES, NUM_BLOCKS)
 
 
 def test_daemon_killed_between_match_and_load_is_a_miss(models, daemon):

@@ -31,38 +31,29 @@ import logging
 import os
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 import urllib.request
 
 import numpy as np
-import psutil
 import pytest
 
-if os.environ.get("KVCELLAR_REQUIRE_ENGINES") == "1":
-    import torch
-    import sglang
-    assert sglang.__version__ == "0.5.23", f"written for SGLang 0.5.23, found {sglang.__version__}"
-else:
-    torch = pytest.importorskip("torch")
-    sglang = pytest.importorskip("sglang")
-    if sglang.__version__ != "0.5.23":
-        pytest.skip(f"written for SGLang 0.5.23, found {sglang.__version__}",
-                    allow_module_level=True)
+# First: it skips this module without SGLang 0.5.23, which the imports below need.
+from sglang_util import (engine_factory, extra_config, init_single_rank,  # noqa: E402
+                         rank_config)
+import psutil  # noqa: E402
+import torch  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
-from sglang.srt.mem_cache.hicache_storage import (HiCacheStorageConfig,  # noqa: E402
-                                                  HiCacheStorageExtraInfo)
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
-from sglang.srt.runtime_context import get_parallel  # noqa: E402
 
 from kvcellar.integrations.sglang import _keys_array, host_pool_layout  # noqa: E402
 
@@ -75,25 +66,8 @@ MODEL = "test-org/tiny-llama"
 
 @pytest.fixture(scope="module", autouse=True)
 def single_rank_process():
-    """What SGLang's launcher sets up before a scheduler builds its cache: a process group (gloo,
-    one rank) and the parallel context the controller reads its ranks from."""
-    if not dist.is_initialized():
-        f = tempfile.mktemp(prefix="kvc-sgl-pg-")
-        dist.init_process_group("gloo", init_method=f"file://{f}", rank=0, world_size=1)
-    get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
-                                        attn_dcp_size=1, attn_dcp_rank=0)
+    init_single_rank()
     yield
-
-
-def extra_config(socket, **more):
-    # A 2 s deadline per call instead of 250 ms: the tests assert hits, and beside the rest of
-    # ctest (ASan daemons, the soak, a vLLM engine) on 2 cores a call can take longer than 250 ms;
-    # a call past its deadline is a miss, by design.
-    cfg = {"backend_name": "kvcellar", "module_path": "kvcellar.integrations.sglang",
-           "class_name": "KvcellarStorage", "interface_v1": 1, "allocator": "shm",
-           "socket": socket, "rpc_timeout_ms": 2000}
-    cfg.update(more)
-    return cfg
 
 
 def host_pool(layout="page_first", mla=False, allocator="shm"):
@@ -222,21 +196,7 @@ def tokens_for(seed, pages):
 
 @pytest.fixture
 def engines():
-    made = []
-
-    def make(socket, **kw):
-        # Engines of one process would share the default instance id (one per process).
-        kw.setdefault("instance_id", f"engine-{len(made)}")
-        e = Engine(socket, **kw)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        try:
-            e.close()
-        except Exception:
-            pass
+    yield from engine_factory(Engine)
 
 
 # ---- configuration ------------------------------------------------------------------------------
@@ -386,14 +346,7 @@ def test_tp_ranks_hit_only_pages_every_rank_has_stored(daemon, tmp_path):
     both shards are in, so ranks never disagree on what they can load."""
     backends, pools = [], []
     for rank in range(2):
-        cfg = HiCacheStorageConfig(tp_rank=rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0,
-                                   attn_cp_size=1, is_mla_model=False,
-                                   enable_storage_metrics=False, is_page_first_layout=True,
-                                   model_name=MODEL,
-                                   # One process per rank in SGLang: one instance each (the
-                                   # default instance id has the pid in it).
-                                   extra_config=extra_config(daemon.socket,
-                                                             instance_id=f"rank-{rank}"))
+        cfg = rank_config(daemon.socket, rank, 2, MODEL)
         _, host = host_pool()
         be = StorageBackendFactory.create_backend("dynamic", cfg, host)
         be.register_mem_pool_host(host)

@@ -22,31 +22,23 @@ the PoolTransfers the unified radix cache's Mamba and SWA components build:
 unified_cache/components/mamba.py L917-941, swa.py L1207-1233).
 """
 import json
-import os
 import re
 import signal
-import tempfile
 import threading
 import urllib.request
 
 import numpy as np
-import psutil
 import pytest
 
-if os.environ.get("KVCELLAR_REQUIRE_ENGINES") == "1":
-    import torch
-    import sglang
-    assert sglang.__version__ == "0.5.23", f"written for SGLang 0.5.23, found {sglang.__version__}"
-else:
-    torch = pytest.importorskip("torch")
-    sglang = pytest.importorskip("sglang")
-    if sglang.__version__ != "0.5.23":
-        pytest.skip(f"written for SGLang 0.5.23, found {sglang.__version__}",
-                    allow_module_level=True)
+# First: it skips this module without SGLang 0.5.23, which the imports below need.
+from sglang_util import (engine_factory, extra_config, init_single_rank,  # noqa: E402
+                         rank_config)
+import psutil  # noqa: E402
+import torch  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import (STORAGE_BATCH_SIZE,  # noqa: E402
-                                                  HiCacheStorageConfig, HiCacheStorageExtraInfo)
+                                                  HiCacheStorageExtraInfo)
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 from sglang.srt.configs.mamba_utils import (Mamba2CacheParams, Mamba2StateDType,  # noqa: E402
                                             Mamba2StateShape)
@@ -64,7 +56,6 @@ from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool  # noqa: E402
 from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
-from sglang.srt.runtime_context import get_parallel  # noqa: E402
 
 PAGE = 16
 DEVICE_TOKENS = 512  # host pools of 2x: 64 KV pages
@@ -75,22 +66,8 @@ WINDOW = 49  # the model's sliding window: SGLang keeps the 48 tokens before, 3 
 
 @pytest.fixture(scope="module", autouse=True)
 def single_rank_process():
-    """What SGLang's launcher sets up before a scheduler builds its cache (as in
-    test_sglang_backend.py)."""
-    if not dist.is_initialized():
-        f = tempfile.mktemp(prefix="kvc-sglh-pg-")
-        dist.init_process_group("gloo", init_method=f"file://{f}", rank=0, world_size=1)
-    get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
-                                        attn_dcp_size=1, attn_dcp_rank=0)
+    init_single_rank()
     yield
-
-
-def extra_config(socket, **more):
-    cfg = {"backend_name": "kvcellar", "module_path": "kvcellar.integrations.sglang",
-           "class_name": "KvcellarStorage", "interface_v1": 1, "allocator": "shm",
-           "socket": socket, "rpc_timeout_ms": 2000}
-    cfg.update(more)
-    return {k: v for k, v in cfg.items() if v is not None}  # None: the option left out
 
 
 def kv_host(dev):
@@ -248,22 +225,12 @@ class HybridEngine:
 
 @pytest.fixture
 def engines():
-    made = []
-
-    def make(kind, socket, **kw):
-        kw.setdefault("instance_id", f"engine-{len(made)}")
+    def build(kind, socket, **kw):
         if kind == "swa":
             kw.setdefault("sliding_window", WINDOW)
-        e = HybridEngine(kind, socket, **kw)
-        made.append(e)
-        return e
+        return HybridEngine(kind, socket, **kw)
 
-    yield make
-    for e in made:
-        try:
-            e.close()
-        except Exception:
-            pass
+    yield from engine_factory(build)
 
 
 def moved(daemon, direction):
@@ -425,12 +392,7 @@ def test_tp_ranks_hit_only_where_every_rank_stored_its_state(daemon):
     boundary hits for either rank only once both ranks' state shards are in."""
     backends, pools = [], []
     for rank in range(2):
-        cfg = HiCacheStorageConfig(tp_rank=rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0,
-                                   attn_cp_size=1, is_mla_model=False,
-                                   enable_storage_metrics=False, is_page_first_layout=True,
-                                   model_name=MODEL,
-                                   extra_config=extra_config(daemon.socket,
-                                                             instance_id=f"rank-{rank}"))
+        cfg = rank_config(daemon.socket, rank, 2, MODEL)
         _, _, kvh, side = mamba_pools()
         be = StorageBackendFactory.create_backend("dynamic", cfg, kvh)
         be.register_mem_pool_host(kvh)
