@@ -72,6 +72,7 @@ class FileBackendImpl final : public FileBackend, private FileObjectIo::Listener
   BackendStats Stats() const override;
   bool WaitForIndex(absl::Duration timeout) const override;
   void SetScanSink(FileScanSink sink) override;
+  void SetRemovalSink(FileRemovalSink sink) override;
   absl::string_view io_engine_name() const override { return engine_->name(); }
 
  private:
@@ -138,7 +139,10 @@ class FileBackendImpl final : public FileBackend, private FileObjectIo::Listener
   void Publish(Task* t);
   void Forget(const FileObjectId& id);
   void CountCorrupt(const Task* t);
-  void UnlinkVictims(const FileVictims& victims);
+  // Unlinks objects evicted for the capacity; `announce`: tells the removal sink (not for the
+  // startup scan's, which never reached the daemon's index).
+  void UnlinkVictims(const FileVictims& victims, bool announce = true);
+  void AnnounceRemoved(absl::Span<const FileObjectId> removed);
   static void OnEvicted(IoOp* op);
 
   // Startup scan.
@@ -171,6 +175,10 @@ class FileBackendImpl final : public FileBackend, private FileObjectIo::Listener
   // The scan's result until a sink takes it. Apart from mu_: the sink inserts into the daemon's
   // index, and SetScanSink(nullptr) waits it out without stalling I/O.
   ResultHandoff<FileScanResult> scan_handoff_;
+  // Apart from mu_ too: the sink updates the daemon's index. Held while the sink runs, so that
+  // SetRemovalSink(nullptr) returns once no call is under way.
+  absl::Mutex removal_mu_;
+  FileRemovalSink removal_sink_ ABSL_GUARDED_BY(removal_mu_);
 
   mutable absl::Mutex mu_;
   FileCapacity capacity_ ABSL_GUARDED_BY(mu_);
@@ -575,13 +583,23 @@ void FileBackendImpl::Forget(const FileObjectId& id) {
 
 void FileBackendImpl::CountCorrupt(const Task* t) {
   Forget(t->id);
+  AnnounceRemoved(absl::MakeConstSpan(&t->id, 1));
   stats_.corrupt_removed.fetch_add(1, std::memory_order_relaxed);
   // Rare and important: one line per object found bad.
   KVLOG(Warn, "l3 object corrupt, removed",
         {{"backend", name_}, {"path", t->path}, {"defect", ObjectDefectName(t->defect)}});
 }
 
-void FileBackendImpl::UnlinkVictims(const FileVictims& victims) {
+void FileBackendImpl::AnnounceRemoved(absl::Span<const FileObjectId> removed) {
+  if (removed.empty()) return;
+  absl::MutexLock lock(&removal_mu_);
+  if (removal_sink_) removal_sink_(removed);
+}
+
+void FileBackendImpl::UnlinkVictims(const FileVictims& victims, bool announce) {
+  // Gone from the tier's index already: announced before the unlinks land, a Match stops
+  // naming them at once (a Get meanwhile misses, as for any object evicted).
+  if (announce) AnnounceRemoved(victims);
   for (const FileObjectId& id : victims) {
     EvictOp* e;
     {
@@ -634,7 +652,7 @@ void FileBackendImpl::PublishScan() {
     absl::MutexLock lock(&mu_);
     capacity_.CompleteScan(&victims);
   }
-  UnlinkVictims(victims);
+  UnlinkVictims(victims, /*announce=*/false);
 
   FileScanResult r;
   r.namespaces = scan_->namespaces();
@@ -665,6 +683,11 @@ void FileBackendImpl::PublishScan() {
 }
 
 void FileBackendImpl::SetScanSink(FileScanSink sink) { scan_handoff_.SetSink(std::move(sink)); }
+
+void FileBackendImpl::SetRemovalSink(FileRemovalSink sink) {
+  absl::MutexLock lock(&removal_mu_);
+  removal_sink_ = std::move(sink);
+}
 
 void FileBackendImpl::ScanThread() {
   if (scan_->ScanUntil(absl::InfiniteFuture())) PublishScan();

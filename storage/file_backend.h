@@ -59,13 +59,14 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "absl/functional/any_invocable.h"
+#include "absl/types/span.h"
 #include "storage/backend.h"
-#include "storage/file_startup_scan.h"
 #include "storage/file_object_io.h"
+#include "storage/file_startup_scan.h"
 #include "storage/io_engine.h"
 
 namespace kvcellar::storage {
@@ -110,6 +111,8 @@ struct FileScanResult {
   absl::Duration elapsed;      // From Open to the end of the scan.
 };
 using FileScanSink = absl::AnyInvocable<void(FileScanResult result)>;
+// Objects the tier removed by itself: evicted to fit its capacity, or found corrupt.
+using FileRemovalSink = absl::AnyInvocable<void(absl::Span<const FileObjectId> removed)>;
 
 // Open returns the implementation (file_backend.cc); this class adds what only the file tier
 // answers. Destroying it stops accepting work and waits for every batch in flight to complete
@@ -125,6 +128,11 @@ class FileBackend : public Backend {
   // removes a sink that has not run; once that call returns, the old sink is not running and
   // never will. The result waits in the backend until a sink takes it.
   virtual void SetScanSink(FileScanSink sink) = 0;
+  // Tells `sink` of every object the tier removes by itself from now on (capacity evictions,
+  // objects found corrupt; not Deletes, which the caller knows of), right after the removal, on
+  // the thread that removed them. nullptr: none; once a call returns, the old sink is not running
+  // and never will.
+  virtual void SetRemovalSink(FileRemovalSink sink) = 0;
   // "io_uring" or "thread_pool".
   virtual absl::string_view io_engine_name() const = 0;
   // Where an object lives, relative to root (tests and tools).

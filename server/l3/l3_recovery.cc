@@ -1,6 +1,7 @@
 #include "server/l3/l3_recovery.h"
 
 #include <algorithm>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -8,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "core/radix_index.h"
 #include "platform/log.h"
+#include "storage/file_layout.h"
 
 namespace kvcellar::server {
 namespace {
@@ -42,6 +44,8 @@ L3Recovery::L3Recovery(L3Tiers* tiers, NamespaceRegistry* namespaces)
   for (size_t t = 0; t < tiers_->size(); ++t) {
     if (storage::FileBackend* file = tiers_->tier(t).file(); file != nullptr) {
       file->SetScanSink([this, t](storage::FileScanResult r) { OnScanned(t, std::move(r)); });
+      file->SetRemovalSink(
+          [this, t](absl::Span<const storage::FileObjectId> removed) { OnRemoved(t, removed); });
     }
     if (storage::RedisBackend* redis = tiers_->tier(t).redis_index(); redis != nullptr) {
       redis->SetIndexSink(
@@ -54,6 +58,7 @@ L3Recovery::~L3Recovery() {
   for (size_t t = 0; t < tiers_->size(); ++t) {
     if (storage::FileBackend* file = tiers_->tier(t).file(); file != nullptr) {
       file->SetScanSink(nullptr);
+      file->SetRemovalSink(nullptr);
     }
     if (storage::RedisBackend* redis = tiers_->tier(t).redis_index(); redis != nullptr) {
       redis->SetIndexSink(nullptr);
@@ -93,6 +98,38 @@ void L3Recovery::OnScanned(size_t tier, storage::FileScanResult r, bool partial)
          {"seconds", absl::StrFormat("%.3f", s.seconds)}});
 }
 
+void L3Recovery::OnRemoved(size_t tier, absl::Span<const storage::FileObjectId> removed) {
+  {
+    // First: an object still pending never enters, even when its namespace's index appears
+    // before the lines below look for it.
+    absl::MutexLock lock(&mu_);
+    if (!pending_.empty()) {
+      for (const storage::FileObjectId& id : removed) {
+        removed_pending_.insert({static_cast<uint8_t>(tier), id});
+      }
+    }
+  }
+  // Namespaces by the tag a file tier names them with.
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Namespace>> by_prefix;
+  for (std::shared_ptr<Namespace>& ns : namespaces_->Snapshot()) {
+    by_prefix.emplace(storage::NamespacePrefix(ns->digest()), std::move(ns));
+  }
+  absl::flat_hash_map<Namespace*, std::vector<core::L3Update>> gone;
+  for (const storage::FileObjectId& id : removed) {
+    auto it = by_prefix.find(id.ns_prefix);
+    if (it == by_prefix.end() || it->second->index() == nullptr) continue;
+    gone[it->second.get()].push_back({id.key, std::nullopt, static_cast<uint16_t>(id.shard),
+                                      static_cast<uint8_t>(tier),
+                                      /*present=*/false});
+  }
+  // Outside mu_: UpdateL3 takes the namespace's index lock.
+  std::vector<absl::Status> statuses;
+  for (auto& [ns, updates] : gone) {
+    statuses.assign(updates.size(), absl::OkStatus());
+    ns->index()->UpdateL3(updates, absl::MakeSpan(statuses));  // A page not indexed: nothing.
+  }
+}
+
 void L3Recovery::OnIndexed(Namespace& ns) {
   absl::MutexLock lock(&mu_);
   ApplyLocked(ns);
@@ -104,6 +141,12 @@ void L3Recovery::ApplyLocked(Namespace& ns) {
   if (it == pending_.end()) return;
   std::vector<Pending> objects = std::move(it->second);
   pending_.erase(it);
+  if (!removed_pending_.empty()) {
+    std::erase_if(objects, [this](const Pending& p) {
+      return removed_pending_.contains({p.tier, p.object.id});
+    });
+    if (pending_.empty()) removed_pending_.clear();
+  }
   // Tier by tier, earlier tiers first: a page may hang under another tier's copy of its parent.
   std::stable_sort(objects.begin(), objects.end(),
                    [](const Pending& a, const Pending& b) { return a.tier < b.tier; });

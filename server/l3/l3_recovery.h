@@ -1,6 +1,12 @@
 // L3Recovery: puts what the file and Redis tiers hold back in the radix index after a restart
 // (DESIGN.md "Restart and fleet"), so that a Match finds them as L3 hits without asking the
-// backends.
+// backends; and takes out of it what a file tier removes by itself while the daemon runs.
+//
+// Removals: a file tier evicts its coldest objects when a write would exceed its capacity, and
+// unlinks objects it finds corrupt (FileBackend::SetRemovalSink). Each becomes an UpdateL3
+// "gone" for that tier in its namespace's index, so the next Match no longer names the page as
+// an L3 hit and the index announces BlockRemoved on the tier's medium (docs/events.md). An
+// object still pending here (its namespace has no index yet) is dropped from what will enter.
 //
 // A Redis tier reads its index back instead (storage/redis_index.h: one HSCAN'd entry per object,
 // with the same parent link); its result arrives through RedisBackend::SetIndexSink in the same
@@ -43,12 +49,15 @@
 #define KVCELLAR_SERVER_L3_L3_RECOVERY_H_
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "core/page_key.h"
 #include "server/l3/l3_tiers.h"
 #include "server/metrics/metrics.h"
@@ -103,6 +112,9 @@ class L3Recovery {
     storage::FileStartupScan::Found object;
   };
 
+  // Tier `tier` removed `removed` (evicted or corrupt): out of the index, or of what is pending.
+  void OnRemoved(size_t tier, absl::Span<const storage::FileObjectId> removed)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // `partial`: the result is what a Redis readback read before it was cut short.
   void OnScanned(size_t tier, storage::FileScanResult result, bool partial = false)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -119,6 +131,9 @@ class L3Recovery {
   // By namespace digest; the objects in tier order (tier 0's first), so a later tier's pages can
   // hang under an earlier tier's.
   absl::flat_hash_map<core::PageKey, std::vector<Pending>> pending_ ABSL_GUARDED_BY(mu_);
+  // Pending objects removed since (by tier): skipped when their namespace's objects enter.
+  absl::flat_hash_set<std::pair<uint8_t, storage::FileObjectId>> removed_pending_
+      ABSL_GUARDED_BY(mu_);
   std::vector<L3ScanStats> stats_ ABSL_GUARDED_BY(mu_);
 };
 

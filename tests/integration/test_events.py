@@ -2,7 +2,8 @@
 
 A WatchEvents stream and a ZMQ subscriber (python3-zmq) watch a daemon whose engines back pages up
 (kvcellar-engine-sim): every page stored in L2 ("CPU") and in an L3 tier ("STORAGE:<name>") is
-announced once, every page evicted or cleared is announced removed, sequence numbers have no gap,
+announced once, every page evicted or cleared is announced removed (a file tier's own capacity
+evictions too, which also leave the index at once), sequence numbers have no gap,
 the ZMQ payload is vLLM's msgpack layout (decoded here with python3-msgpack against the published
 field names; client/python/tests/test_vllm_kv_events.py decodes it with vLLM's own classes), a
 warm restart re-announces the recovered pages after AllBlocksCleared, an overfull queue drops
@@ -257,3 +258,36 @@ def test_an_endpoint_in_use_stops_the_daemon_naming_the_key(daemon_factory):
         assert d.proc.wait(timeout=30) != 0
         log = "\n".join(d.lines)
         assert "events.endpoint" in log and str(port) in log, log
+
+
+def test_file_tier_capacity_evictions_are_announced_and_leave_the_index(daemon_factory, tmp_path):
+    """A file tier over its capacity evicts its coldest objects: each is announced removed on the
+    tier's medium and leaves the index, so a Match after L2 eviction names as L3 hits exactly the
+    pages the tier still holds, and the prefetch reads no missing object."""
+    # 16 KiB objects, each a 20 KiB file (a 4 KiB header block): the tier holds 5.
+    d = daemon_factory(args=(*DAEMON_ARGS,
+                             "--set", f"storage.tiers=file:{tmp_path}/l3?name=nvme&capacity=100KiB",
+                             "--set", "storage.write_policy=write_through"))
+    w = Watch(d)
+    time.sleep(0.2)
+    backup(d, tokens_seed=11, pages=4)
+    first = w.wait_pages(STORED, "STORAGE:nvme", 4)
+    backup(d, tokens_seed=12, pages=4, instance="writer2")  # 8 objects: 3 of the first go
+    stored = w.wait_pages(STORED, "STORAGE:nvme", 8)
+    wait_until(lambda: metric(d, "kvcellar_l3_evicted_objects_total") >= 3, timeout=10,
+               what="3 capacity evictions")
+    assert metric(d, "kvcellar_l3_evicted_objects_total") == 3
+    removed = w.wait_pages(REMOVED, "STORAGE:nvme", 3)
+    assert len(removed) == 3 and set(removed) <= set(first), (removed, stored)
+    evict_l2(d)
+    r = run_engine(d.socket, "load", instance="reader", verify_seed=1, tokens_seed=11, pages=4,
+                   first_block=0, **GEOMETRY)
+    assert r.rc == EXIT_OK and r["mismatched_bytes"] == 0, r.describe()
+    # The leading pages the tier still holds (none when its first page went), all read back; the
+    # chain's order is the order its pages were stored in L2 (one Backup commits them in order).
+    chain = w.pages(STORED, "CPU")[:4]
+    assert set(chain) == set(first)
+    held = next((i for i, k in enumerate(chain) if k in removed), len(chain))
+    assert r["l3_hits"] == held, r.describe()
+    assert r["prefetch_final"].get("MISS", 0) == 0 and r["hits"] == held, r.describe()
+    w.close()

@@ -15,9 +15,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
-#include "platform/log.h"
 #include "gtest/gtest.h"
+#include "platform/log.h"
+#include "storage/file_layout.h"
 #include "storage/object_format.h"
 #include "storage_test_util.h"
 
@@ -200,6 +202,13 @@ TEST_P(FileBackendTest, CapacityEvictsColdestFirst) {
   o.capacity_bytes = 10 * footprint;
   auto b = Open(o);
   ASSERT_NE(b, nullptr);
+  // Every eviction is told to the removal sink (the daemon's index), at once.
+  absl::Mutex mu;
+  std::vector<FileObjectId> removed;
+  b->SetRemovalSink([&](absl::Span<const FileObjectId> ids) {
+    absl::MutexLock lock(&mu);
+    removed.insert(removed.end(), ids.begin(), ids.end());
+  });
   for (int i = 0; i < 10; ++i) ASSERT_EQ(PutOne(*b, ns_, TestKey(i), 0, kSize), ObjectStatus::kOk);
   // A read makes object 0 hot: it survives the next five writes, 1..5 do not.
   ASSERT_EQ(GetOne(*b, ns_, TestKey(0), 0, kSize), ObjectStatus::kOk);
@@ -213,6 +222,13 @@ TEST_P(FileBackendTest, CapacityEvictsColdestFirst) {
   EXPECT_EQ(GetOne(*b, ns_, TestKey(0), 0, kSize), ObjectStatus::kOk);
   for (int i = 1; i <= 5; ++i) EXPECT_EQ(GetOne(*b, ns_, TestKey(i), 0, kSize), ObjectStatus::kNotFound) << i;
   for (int i = 6; i < 15; ++i) EXPECT_EQ(GetOne(*b, ns_, TestKey(i), 0, kSize), ObjectStatus::kOk) << i;
+  {
+    absl::MutexLock lock(&mu);
+    std::vector<FileObjectId> want;
+    for (int i = 1; i <= 5; ++i) want.push_back({NamespacePrefix(ns_), TestKey(i), 0});
+    EXPECT_EQ(removed, want);
+  }
+  b->SetRemovalSink(nullptr);
   // The evicted files are gone from disk (unlinks are asynchronous: settle first).
   b.reset();
   EXPECT_EQ(FilesUnder(o.root).size(), 10u);
@@ -290,8 +306,16 @@ class FileBackendCorruptionTest : public FileBackendTest {
   void SetUp() override {
     b_ = Open(Options());
     ASSERT_NE(b_, nullptr);
+    WatchRemovals();
     ASSERT_EQ(PutOne(*b_, ns_, TestKey(1), 0, kSize), ObjectStatus::kOk);
     ASSERT_EQ(PutOne(*b_, ns_, TestKey(2), 0, kSize), ObjectStatus::kOk);
+  }
+  // What b_ tells its removal sink (the daemon's index) lands in removed_.
+  void WatchRemovals() {
+    b_->SetRemovalSink([this](absl::Span<const FileObjectId> ids) {
+      absl::MutexLock lock(&mu_);
+      removed_.insert(removed_.end(), ids.begin(), ids.end());
+    });
   }
   void FlipByte(const std::string& path, off_t offset) {
     int fd = ::open(path.c_str(), O_RDWR);
@@ -309,6 +333,11 @@ class FileBackendCorruptionTest : public FileBackendTest {
     const uint64_t before = b_->Stats().corrupt_removed;
     EXPECT_EQ(GetOne(*b_, ns, key, shard, capacity), ObjectStatus::kChecksumError);
     EXPECT_FALSE(fs::exists(path));
+    {
+      absl::MutexLock lock(&mu_);  // Told to the removal sink (the daemon's index).
+      ASSERT_FALSE(removed_.empty());
+      EXPECT_EQ(removed_.back(), (FileObjectId{NamespacePrefix(ns), key, shard}));
+    }
     BackendStats s = b_->Stats();
     EXPECT_EQ(s.corrupt_removed, before + 1);
     EXPECT_GE(s.op(OpKind::kGet).by_status[size_t(ObjectStatus::kChecksumError)], 1u);
@@ -318,6 +347,8 @@ class FileBackendCorruptionTest : public FileBackendTest {
   }
 
   static constexpr size_t kSize = 64 * 1024;
+  absl::Mutex mu_;
+  std::vector<FileObjectId> removed_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<FileBackend> b_;
 };
 
@@ -375,6 +406,7 @@ TEST_P(FileBackendCorruptionTest, ForeignKeyShardAndNamespace) {
   b_.reset();
   b_ = Open(Options());
   ASSERT_NE(b_, nullptr);
+  WatchRemovals();
   ASSERT_TRUE(b_->WaitForIndex(absl::Seconds(10)));
   uint64_t dropped = 0;
   absl::Notification scanned;

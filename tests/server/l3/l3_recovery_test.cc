@@ -1,9 +1,12 @@
 // Tests server/l3/l3_recovery.h: what a file tier's startup scan found enters the radix index
 // prefix-closed (parents before children, whatever order the files were listed in), only once the
 // namespace has an index, and what cannot be placed (orphans, version 1 objects without a parent
-// link, another geometry's objects) is counted and left out.
+// link, another geometry's objects) is counted and left out; objects the tier evicts for its
+// capacity leave the index at once, and never enter it when they were still pending.
 #include "server/l3/l3_recovery.h"
 
+#include <chrono>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <string>
@@ -41,7 +44,9 @@ class L3RecoveryTest : public ::testing::Test {
     return o;
   }
 
-  std::string TierSpec() const { return absl::StrCat("file:", dir_.path(), "?name=t0&io=threads"); }
+  std::string TierSpec() const {
+    return absl::StrCat("file:", dir_.path(), "?name=t0&io=threads", capacity_);
+  }
 
   // Writes objects as an earlier daemon would have: (key, parent link), shard 0, `bytes` each.
   void Store(const std::vector<std::pair<core::PageKey, ParentLink>>& pages,
@@ -86,7 +91,38 @@ class L3RecoveryTest : public ::testing::Test {
 
   L3ScanStats Stats() { return recovery_->Stats()[0]; }
 
+  // Puts `keys` (a chain from its first page) through the running tier, as the daemon's writer.
+  void Write(const std::vector<core::PageKey>& keys) {
+    std::vector<AlignedBuffer> bufs;
+    std::vector<storage::PutItem> items;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      bufs.emplace_back(kObjectBytes);
+      storage::testing::FillPayload(keys[i], 0, bufs.back().get(), kObjectBytes);
+      items.push_back({keys[i], 0, bufs.back().get(), kObjectBytes,
+                       i == 0 ? ParentLink::First() : ParentLink::Of(keys[i - 1])});
+    }
+    storage::BatchResult r = storage::testing::PutSync(
+        *tiers_->tier(0).backend, {spec_.Digest(), absl::MakeConstSpan(items), {}});
+    for (const storage::ItemResult& item : r.items) {
+      ASSERT_EQ(item.status, storage::ObjectStatus::kOk);
+    }
+  }
+
+  // Leading pages of `keys` the tier itself holds.
+  uint32_t TierHolds(const std::vector<core::PageKey>& keys) {
+    const std::vector<uint32_t> shards(keys.size(), 0);
+    return storage::testing::ExistsSync(*tiers_->tier(0).backend, {spec_.Digest(), keys, shards})
+        .present_prefix;
+  }
+
+  // Whether the index marks page `key` in tier 0.
+  static bool Marked(Namespace& ns, const core::PageKey& key) {
+    std::optional<core::PageInfo> info = ns.index()->Inspect(key);
+    return info.has_value() && (info->shards[0].l3_tiers & 1) != 0;
+  }
+
   TempDir dir_;
+  std::string capacity_;  // "&capacity=..." for the tier, or empty.
   core::NamespaceSpec spec_;
   L2World world_;
   std::unique_ptr<L3Tiers> tiers_;
@@ -169,6 +205,43 @@ TEST_F(L3RecoveryTest, ANamespaceRegisteredBeforeTheScanEndsGetsItsPagesWhenItEn
   Restart();
   EXPECT_EQ(Stats().pages_inserted, 3u);
   EXPECT_EQ(L3Pages(*ns, keys), 3u);
+}
+
+TEST_F(L3RecoveryTest, ObjectsTheTierEvictsForItsCapacityLeaveTheIndexAndWhatIsPending) {
+  // Room for 6 objects (a 4 KiB header block each).
+  capacity_ = absl::StrCat("&capacity=", 6 * (4096 + kObjectBytes));
+  const std::vector<core::PageKey> keys = Chain(10, 6);
+  std::vector<std::pair<core::PageKey, ParentLink>> pages;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    pages.push_back({keys[i], i == 0 ? ParentLink::First() : ParentLink::Of(keys[i - 1])});
+  }
+  Store(pages);
+  // The scan ranks by age: page 5 the oldest (coldest), page 0 the newest.
+  const auto now = std::filesystem::file_time_type::clock::now();
+  for (size_t i = 0; i < keys.size(); ++i) {
+    std::filesystem::last_write_time(
+        dir_.path() + "/" + storage::FileBackend::ObjectPath(spec_.Digest(), keys[i], 0),
+        now - std::chrono::hours(1 + i));
+  }
+  Restart();
+  ASSERT_EQ(Stats().objects_pending, 6u);
+  // Two new objects while the namespace has no index: pages 5 and 4 go, and never enter.
+  Write(Chain(11, 2));
+  ASSERT_EQ(tiers_->tier(0).backend->Stats().evicted_objects, 2u);
+  ASSERT_EQ(TierHolds(keys), 4u);
+  std::shared_ptr<Namespace> ns = world_.Adopted(spec_);
+  recovery_->OnIndexed(*ns);
+  EXPECT_EQ(Stats().pages_inserted, 4u);
+  EXPECT_EQ(L3Pages(*ns, keys), 4u);
+  EXPECT_FALSE(Marked(*ns, keys[4]) || Marked(*ns, keys[5]));
+  // Two more once the namespace is indexed: pages 3 and 2 go, and leave the index at once.
+  Write(Chain(12, 2));
+  ASSERT_EQ(TierHolds(keys), 2u);
+  EXPECT_EQ(L3Pages(*ns, keys), 2u);
+  EXPECT_TRUE(Marked(*ns, keys[1]));
+  EXPECT_FALSE(Marked(*ns, keys[2]) || Marked(*ns, keys[3]));
+  EXPECT_EQ(L3Pages(*ns, Chain(11, 2)), 0u) << "written around the index, never in it";
+  EXPECT_TRUE(ns->index()->CheckInvariants().ok());
 }
 
 }  // namespace
