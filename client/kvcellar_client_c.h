@@ -174,7 +174,8 @@ typedef struct {
   const char* engine_name;
   /* A hybrid layout whose groups have block pools of their own (SGLang's host pools): one block
      count per group (num_blocks the largest), or NULL and 0 when all groups share num_blocks.
-     Since API revision 5. */
+     Since API revision 5: a program built against an older header must be rebuilt (the library
+     reads these two fields of every registration). */
   const uint32_t* group_num_blocks;
   size_t num_group_num_blocks;
 } kvc_registration;

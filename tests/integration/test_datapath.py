@@ -321,7 +321,8 @@ class _Registration(ctypes.Structure):
                 ("num_ready_slots", ctypes.c_uint32), ("sim_signal_shm_name", ctypes.c_char_p),
                 ("sim_signal_size", ctypes.c_uint64), ("cuda_load_event_handles", ctypes.c_void_p),
                 ("cuda_ready_event_handles", ctypes.c_void_p), ("replace_existing", ctypes.c_int),
-                ("engine_name", ctypes.c_char_p)]
+                ("engine_name", ctypes.c_char_p), ("group_num_blocks", ctypes.c_void_p),
+                ("num_group_num_blocks", ctypes.c_size_t)]
 
 
 class _MatchSeq(ctypes.Structure):
