@@ -499,10 +499,10 @@ ShardMask RadixIndex::NeededObjects(ShardMask shards, uint32_t hit_pages, uint32
 MatchResult RadixIndex::MatchGroupsLocked(absl::Span<const PageKey> keys,
                                           const MatchOptions& options) {
   MatchResult result;
-  // The path: the chain's indexed pages, each holding committed L2 data (a tombstone or a doomed
-  // page ends it: nothing after it can be loaded under one pin).
+  // The path: the chain's indexed pages holding some L2 or L3 copy (a tombstone or a doomed page
+  // ends it: nothing after it can be loaded under one pin).
   Node* n = keys.empty() ? nullptr : Find(keys[0]);
-  for (size_t i = 0; n != nullptr && n->resident != 0 && !n->doomed;) {
+  for (size_t i = 0; n != nullptr && (n->resident != 0 || n->l3_copies != 0) && !n->doomed;) {
     scratch_.push_back(n);
     if (++i == keys.size()) break;
     n = FindChild(n, keys[i]);
@@ -527,16 +527,42 @@ MatchResult RadixIndex::MatchGroupsLocked(absl::Span<const PageKey> keys,
     }
   }
   absl::InlinedVector<uint32_t, 4> runs(windows.size(), 0);
-  uint32_t hit = 0;
-  for (size_t i = 0; i < scratch_.size(); ++i) {
-    const ShardMask have = scratch_[i]->resident;
-    if ((have & full_need) != full_need) break;
-    bool ok = (have & state_need) == state_need;
-    for (size_t w = 0; w < windows.size(); ++w) {
-      runs[w] = (have & windows[w].first) == windows[w].first ? runs[w] + 1 : 0;
-      ok = ok && runs[w] >= std::min<uint32_t>(static_cast<uint32_t>(i + 1), windows[w].second);
+  // The longest boundary over the objects have(page) says are there; a page holding none of
+  // them ends the walk.
+  auto longest = [&](auto have_of) {
+    std::fill(runs.begin(), runs.end(), 0);
+    uint32_t hit = 0;
+    for (size_t i = 0; i < scratch_.size(); ++i) {
+      const ShardMask have = have_of(scratch_[i]);
+      if (have == 0 || (have & full_need) != full_need) break;
+      bool ok = (have & state_need) == state_need;
+      for (size_t w = 0; w < windows.size(); ++w) {
+        runs[w] = (have & windows[w].first) == windows[w].first ? runs[w] + 1 : 0;
+        ok = ok && runs[w] >= std::min<uint32_t>(static_cast<uint32_t>(i + 1), windows[w].second);
+      }
+      if (ok) hit = static_cast<uint32_t>(i + 1);
     }
-    if (ok) hit = static_cast<uint32_t>(i + 1);
+    return hit;
+  };
+  const uint32_t hit = longest([](const Node* p) { return p->resident; });
+  // Per tier: how far the boundary reaches over L2 and that tier together. The objects a
+  // prefetch reads for it are those NeededObjects names that L2 lacks; the window pages before
+  // the L2 boundary are in L2 by the L2 hit's own rule.
+  for (int t = 0; t < l3_tiers_; ++t) {
+    const uint8_t bit = uint8_t{1} << t;
+    const uint32_t reach = longest([&](const Node* p) {
+      ShardMask have = p->resident;
+      const ShardState* shards = p->shards();
+      for (int s = 0; s < shards_per_page_; ++s) {
+        if ((shards[s].l3_tiers & bit) != 0) have |= ShardMask{1} << s;
+      }
+      return have;
+    });
+    result.l3_pages[t] = reach > hit ? reach - hit : 0;
+    if (result.l3_pages[t] > result.best_l3_pages) {
+      result.best_l3_pages = result.l3_pages[t];
+      result.best_l3_tier = t;
+    }
   }
   scratch_.resize(hit);
   result.l2_pages = hit;
@@ -776,11 +802,10 @@ absl::Status RadixIndex::UpdateL3Locked(const L3Update& update) {
     }
     ShardState& s = n->shards()[update.shard];
     if ((s.l3_tiers & bit) == 0) {
-      const bool first = sink_ != nullptr && (PageTiers(n) & bit) == 0;
+      EmitL3(IndexEvent::Kind::kStored, n, update.shard, update.tier);  // Before: first copy?
       s.l3_tiers |= bit;
       ++n->l3_copies;
       ++counters_.l3_objects[update.tier];
-      if (first) Emit(IndexEvent::Kind::kStored, static_cast<int8_t>(update.tier), n);
     }
     return absl::OkStatus();
   }
@@ -790,9 +815,7 @@ absl::Status RadixIndex::UpdateL3Locked(const L3Update& update) {
     s.l3_tiers &= ~bit;
     --n->l3_copies;
     --counters_.l3_objects[update.tier];
-    if (sink_ != nullptr && (PageTiers(n) & bit) == 0) {
-      Emit(IndexEvent::Kind::kRemoved, static_cast<int8_t>(update.tier), n);
-    }
+    EmitL3(IndexEvent::Kind::kRemoved, n, update.shard, update.tier);  // After: last copy?
     CollectUpwards(n);
   }
   return absl::OkStatus();
@@ -952,11 +975,20 @@ void RadixIndex::Emit(IndexEvent::Kind kind, int8_t medium, const Node* n, int16
   sink_->OnIndexEvent(event);
 }
 
-uint8_t RadixIndex::PageTiers(const Node* n) const {
+uint8_t RadixIndex::PageTiers(const Node* n, ShardMask mask) const {
   uint8_t tiers = 0;
   const ShardState* shards = n->shards();
-  for (int s = 0; s < shards_per_page_; ++s) tiers |= shards[s].l3_tiers;
+  for (ShardMask m = mask & AllShards(shards_per_page_); m != 0; m &= m - 1) {
+    tiers |= shards[LowBit(m)].l3_tiers;
+  }
   return tiers;
+}
+
+void RadixIndex::EmitL3(IndexEvent::Kind kind, const Node* n, uint16_t shard, uint8_t tier) {
+  if (sink_ == nullptr) return;
+  const ShardMask scope = hybrid_ ? GroupMask(GroupOf(shard)) : ~ShardMask{0};
+  if ((PageTiers(n, scope) >> tier & 1) != 0) return;  // Another copy there still speaks for it.
+  Emit(kind, static_cast<int8_t>(tier), n, hybrid_ ? static_cast<int16_t>(GroupOf(shard)) : -1);
 }
 
 uint64_t RadixIndex::L2BytesLocked() const {
@@ -986,7 +1018,11 @@ uint64_t RadixIndex::EvictToLowWatermark(std::vector<ReleasedObject>* evicted) {
 
 void RadixIndex::DropCopies(Node* n, std::vector<ReleasedObject>* released) {
   const bool held = n->HoldsL2();
-  const uint8_t tiers = sink_ != nullptr ? PageTiers(n) : 0;
+  // Per group (the page as a whole without groups): the tiers whose copies go.
+  absl::InlinedVector<uint8_t, 4> tiers(groups_.size(), 0);
+  for (size_t g = 0; sink_ != nullptr && g < groups_.size(); ++g) {
+    tiers[g] = PageTiers(n, hybrid_ ? GroupMask(g) : ~ShardMask{0});
+  }
   ShardState* shards = n->shards();
   for (int s = 0; s < shards_per_page_; ++s) {
     const bool resident = (n->resident >> s) & 1;
@@ -1005,8 +1041,11 @@ void RadixIndex::DropCopies(Node* n, std::vector<ReleasedObject>* released) {
     policy_->OnRemove(&n->hook);
     if (sink_ != nullptr) EmitL2(IndexEvent::Kind::kRemoved, n, before, 0);
   }
-  for (uint32_t t = tiers; t != 0; t &= t - 1) {
-    Emit(IndexEvent::Kind::kRemoved, static_cast<int8_t>(LowBit(t)), n);
+  for (size_t g = 0; g < tiers.size(); ++g) {
+    for (uint32_t t = tiers[g]; t != 0; t &= t - 1) {
+      Emit(IndexEvent::Kind::kRemoved, static_cast<int8_t>(LowBit(t)), n,
+           hybrid_ ? static_cast<int16_t>(g) : -1);
+    }
   }
   AfterL2Change(n, held);
 }

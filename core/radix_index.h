@@ -164,7 +164,9 @@ struct MatchResult {
   // which every group has what a hit needs (see GroupKind) committed in L2, every page before it
   // holding committed L2 data; only those objects are what a Load may copy (NeededObjects).
   uint32_t l2_pages = 0;
-  // Per tier: pages after the L2 hit with every needed shard in that tier.
+  // Per tier: pages after the L2 hit with every needed shard in that tier. With groups: how
+  // many pages further the boundary reaches over L2 and that tier together (each page's objects
+  // a hit there needs, NeededObjects, in one or the other).
   std::array<uint32_t, kMaxL3Tiers> l3_pages{};
   // The best tier (the longest run; the earlier tier on a tie) and its length; -1 and 0 if none.
   int best_l3_tier = -1;
@@ -282,8 +284,8 @@ class RadixIndex {
   // shard set or a shard beyond shards_per_page.
   //
   // With groups, options.shards names the needed objects of every group (the same ranks in each)
-  // and the L2 hit is the longest boundary every group serves (GroupKind). L3 runs are not
-  // counted for such an index yet (zero): a hybrid hit is served from L2 only.
+  // and the L2 hit is the longest boundary every group serves (GroupKind); each tier's count is
+  // how far that boundary reaches when the tier's objects join L2's.
   absl::StatusOr<MatchResult> Match(absl::Span<const PageKey> keys, const MatchOptions& options)
       ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -523,8 +525,18 @@ class RadixIndex {
   // or with groups one per group whose objects went from none to some (or some to none).
   void EmitL2(IndexEvent::Kind kind, const Node* n, ShardMask before, ShardMask after)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Bit t: some shard of n has a copy in L3 tier t.
-  uint8_t PageTiers(const Node* n) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Bit t: some shard of n in `shards` has a copy in L3 tier t.
+  uint8_t PageTiers(const Node* n, ShardMask shards = ~ShardMask{0}) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The KV group object `shard` belongs to (0 without groups).
+  size_t GroupOf(uint16_t shard) const {
+    return shard / (shards_per_page_ / static_cast<int>(groups_.size()));
+  }
+  // The L3 event of tier `tier` gaining its first copy of n or losing its last: the page's, or
+  // with groups the group of `shard`'s. Called before a copy is added and after one is dropped:
+  // emits only when no other copy of that scope is in the tier.
+  void EmitL3(IndexEvent::Kind kind, const Node* n, uint16_t shard, uint8_t tier)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t MemoryBytesLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status CheckShardSet(ShardMask shards) const;
   // Match for an index with groups: the walk, the boundary rule, the access and the pin.

@@ -531,8 +531,7 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Backup(
   completion->blocks = std::move(batch.used_blocks);
   completion->ready_timeout_ms = batch.ready_timeout_ms;
   completion->l2 = l2_;
-  // L3 keeps no hybrid pages yet: nothing would read them back (docs/api.md "Groups").
-  completion->writer = batch.plan.hybrid ? nullptr : writer_;
+  completion->writer = writer_;
   completion->write_policy = request.write_policy();
   completion->metrics = metrics_;
   completion->bytes = batch.moved_bytes;

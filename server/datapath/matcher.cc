@@ -225,7 +225,12 @@ void Matcher::MatchL3(Call& call, const v1::MatchSequence& seq,
   in.index_runs = hit.index.l3_pages;
   if (first > 0) in.parent0 = keys[first - 1];
   in.parent0_known = seq.token_ids_size() > 0 || seq.num_computed_pages() == 0;
-  in.budget = std::max(absl::ZeroDuration(), call.lookup_deadline - absl::Now());
+  // A backend's Exists answers for every object of a page; a hybrid page holds only some (a
+  // window's last pages, a state at a boundary): such a namespace's L3 hits are what the index
+  // knows (its copies, the startup scan, a Redis tier's index readback).
+  in.budget = call.ns.spec().Hybrid()
+                  ? absl::ZeroDuration()
+                  : std::max(absl::ZeroDuration(), call.lookup_deadline - absl::Now());
   const TierRuns runs = l3_lookup_->Runs(call.ns, in);
 
   std::array<uint32_t, core::kMaxL3Tiers> by_tier{};

@@ -1,12 +1,13 @@
 #include "server/l3/l3_prefetcher.h"
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "platform/log.h"
 #include "gpu/device_backend.h"
+#include "platform/log.h"
 
 namespace kvcellar::server {
 namespace {
@@ -58,7 +59,8 @@ struct L3Prefetcher::Fetch {
     uint32_t flat = 0;      // Index in the op's statuses.
     int tier = -1;          // -1: another op is writing it; we only watch.
     uint64_t pin_id = 0;
-    std::vector<core::SlotRef> slots;  // Per shard.
+    core::ShardMask need = 0;          // The objects the chain's boundary needs of it.
+    std::vector<core::SlotRef> slots;  // Per shard: valid for those this op reads.
     uint8_t result = v1::PAGE_STATUS_OK;
   };
   std::shared_ptr<Namespace> ns;
@@ -155,14 +157,32 @@ absl::Duration L3Prefetcher::Deadline(v1::PrefetchPolicy policy, uint32_t timeou
 // One Start's plan: per page its status, and per tier the reads to make.
 struct L3Prefetcher::Plan {
   Plan(Namespace& n, size_t num_tiers)
-      : ns(n), index(n.index()), shards(n.shards()), group(n.group_shards()),
-        page_bytes(n.object_bytes() * n.shards()), items(num_tiers), item_page(num_tiers) {}
+      : ns(n),
+        index(n.index()),
+        shards(n.shards()),
+        group(n.group_shards()),
+        items(num_tiers),
+        item_page(num_tiers) {}
+
+  // The objects of page `i` of a chain of `pages` a hit at the chain's end needs: every shard,
+  // or of a hybrid model's groups what the boundary rule names (the rule depends only on the
+  // page's distance to the boundary, so chain positions serve as page numbers).
+  core::ShardMask Need(size_t pages, size_t i) const {
+    return index->NeededObjects(group, static_cast<uint32_t>(pages), static_cast<uint32_t>(i));
+  }
+  // Bytes of the objects in `shards`: what reading them reserves of max_pending_bytes.
+  uint64_t Bytes(core::ShardMask shards) const {
+    uint64_t bytes = 0;
+    for (core::ShardMask m = shards; m != 0; m &= m - 1) {
+      bytes += ns.shard_object_bytes(static_cast<uint16_t>(std::countr_zero(m)));
+    }
+    return bytes;
+  }
 
   Namespace& ns;
   core::RadixIndex* const index;
   const int shards;
   const core::ShardMask group;
-  const uint64_t page_bytes;  // Every shard of a page: what it reserves of max_pending_bytes.
 
   std::vector<uint8_t> statuses;  // Per page, flat over the chains.
   std::vector<uint32_t> seq_begin;
@@ -172,13 +192,20 @@ struct L3Prefetcher::Plan {
   std::vector<std::pair<uint64_t, core::PageKey>> present_pins;  // (pin, key) to extend.
 };
 
-// What the index says of a page for the group: shards committed, shards being written, and the
-// tiers holding every shard.
+// What the index says of a page: shards committed, shards being written.
 struct L3Prefetcher::PageState {
   std::optional<core::PageInfo> info;
   core::ShardMask committed = 0;
   core::ShardMask writing = 0;
-  uint8_t tiers_all = 0;
+  // The tiers holding every shard of `shards` (all tiers for none).
+  uint8_t Tiers(core::ShardMask shards) const {
+    uint8_t tiers = 0xff;
+    for (core::ShardMask m = shards; m != 0; m &= m - 1) {
+      const size_t s = static_cast<size_t>(std::countr_zero(m));
+      tiers &= info.has_value() && s < info->shards.size() ? info->shards[s].l3_tiers : 0;
+    }
+    return tiers;
+  }
 };
 
 L3Prefetcher::Started L3Prefetcher::Start(const SessionInfo& session,
@@ -232,34 +259,37 @@ uint32_t L3Prefetcher::PlanChain(const PrefetchChain& chain, Plan& plan, Fetch& 
       }
       parent = state.info->parent;
     }
-    if ((state.committed & plan.group) == plan.group) {
+    const core::ShardMask need = plan.Need(chain.keys.size(), i);
+    if ((state.committed & need) == need) {
       plan.statuses[flat] = v1::PAGE_STATUS_ALREADY_PRESENT;
       if (chain.pin_id != 0) plan.present_pins.emplace_back(chain.pin_id, key);
       parent = key;
       continue;
     }
-    if (state.writing != 0) {
+    if ((state.writing & need) != 0) {
       // Another op brings it (or some of its shards): watch, do not read it twice.
       plan.statuses[flat] = v1::PAGE_STATUS_PENDING;
-      fetch.pages.push_back({key, flat, -1, chain.pin_id, {}, v1::PAGE_STATUS_OK});
+      fetch.pages.push_back({key, flat, -1, chain.pin_id, need, {}, v1::PAGE_STATUS_OK});
       parent = key;
       continue;
     }
-    const int tier = ReadTier(i < chain.tiers.size() ? chain.tiers[i] : -1, state.tiers_all);
+    const core::ShardMask read = need & ~state.committed;
+    const int tier = ReadTier(i < chain.tiers.size() ? chain.tiers[i] : -1, state.Tiers(read));
     if (tier < 0) {
       plan.statuses[flat] = v1::PAGE_STATUS_MISS;
       stopped = true;
       continue;
     }
-    if (!ReservePending(plan.page_bytes)) {
+    const uint64_t page_bytes = plan.Bytes(read);
+    if (!ReservePending(page_bytes)) {
       plan.statuses[flat] = v1::PAGE_STATUS_THROTTLED;
       stopped = true;
       continue;
     }
-    Fetch::Page page{key, flat, tier, chain.pin_id, {}, v1::PAGE_STATUS_OK};
-    const v1::PageStatus failed = BeginPage(plan, key, parent, state.committed, &page.slots);
+    Fetch::Page page{key, flat, tier, chain.pin_id, need, {}, v1::PAGE_STATUS_OK};
+    const v1::PageStatus failed = BeginPage(plan, key, parent, read, &page.slots);
     if (failed != v1::PAGE_STATUS_UNSPECIFIED) {
-      pending_bytes_.fetch_sub(plan.page_bytes, std::memory_order_relaxed);
+      pending_bytes_.fetch_sub(page_bytes, std::memory_order_relaxed);
       plan.statuses[flat] = static_cast<uint8_t>(failed);
       stopped = true;
       continue;
@@ -267,11 +297,12 @@ uint32_t L3Prefetcher::PlanChain(const PrefetchChain& chain, Plan& plan, Fetch& 
     const uint32_t page_index = static_cast<uint32_t>(fetch.pages.size());
     for (int s = 0; s < plan.shards; ++s) {
       if (!page.slots[s].valid()) continue;
-      plan.items[tier].push_back({key, static_cast<uint32_t>(s),
-                                  l2_->pool()->Address(page.slots[s]), plan.ns.object_bytes()});
-      plan.item_page[tier].emplace_back(page_index, static_cast<uint16_t>(s));
+      const auto shard = static_cast<uint16_t>(s);
+      plan.items[tier].push_back(
+          {key, shard, l2_->pool()->Address(page.slots[s]), plan.ns.shard_object_bytes(shard)});
+      plan.item_page[tier].emplace_back(page_index, shard);
     }
-    fetch.bytes += plan.page_bytes;
+    fetch.bytes += page_bytes;
     fetch.pages.push_back(std::move(page));
     plan.statuses[flat] = v1::PAGE_STATUS_PENDING;
     ++fetching;
@@ -284,21 +315,19 @@ L3Prefetcher::PageState L3Prefetcher::Inspect(const Plan& plan, const core::Page
   PageState state;
   state.info = plan.index->Inspect(key);
   if (!state.info.has_value()) return state;
-  state.tiers_all = 0xff;
   const auto& shards = state.info->shards;
   for (int s = 0; s < plan.shards && s < static_cast<int>(shards.size()); ++s) {
     const core::ShardInfo& si = shards[s];
     if (si.l2 == core::L2State::kResident) state.committed |= core::ShardMask{1} << s;
     if (si.l2 == core::L2State::kWriting) state.writing |= core::ShardMask{1} << s;
-    state.tiers_all &= si.l3_tiers;
   }
   return state;
 }
 
-int L3Prefetcher::ReadTier(int matched_tier, uint8_t tiers_all) const {
+int L3Prefetcher::ReadTier(int matched_tier, uint8_t tiers_holding) const {
   if (matched_tier >= 0) return matched_tier;
   for (size_t t = 0; t < tiers_->size(); ++t) {
-    if ((tiers_all >> t & 1) != 0) return static_cast<int>(t);
+    if ((tiers_holding >> t & 1) != 0) return static_cast<int>(t);
   }
   return -1;
 }
@@ -314,15 +343,14 @@ bool L3Prefetcher::ReservePending(uint64_t bytes) {
 }
 
 v1::PageStatus L3Prefetcher::BeginPage(Plan& plan, const core::PageKey& key,
-                                       std::optional<core::PageKey> parent,
-                                       core::ShardMask committed,
+                                       std::optional<core::PageKey> parent, core::ShardMask read,
                                        std::vector<core::SlotRef>* slots) {
-  // Every shard of the page: a slot, then an in-flight entry in the index.
+  // Every shard read: a slot, then an in-flight entry in the index.
   v1::PageStatus failed = v1::PAGE_STATUS_UNSPECIFIED;
   std::vector<core::ObjectId> begun;
   for (int s = 0; s < plan.shards; ++s) {
-    if ((committed >> s & 1) != 0) {
-      slots->push_back(core::SlotRef{});  // This shard is already in L2.
+    if ((read >> s & 1) == 0) {
+      slots->push_back(core::SlotRef{});  // In L2 already, or not needed.
       continue;
     }
     absl::StatusOr<core::SlotRef> slot =
@@ -439,7 +467,6 @@ void L3Prefetcher::Land(Fetch& fetch) {
   Namespace& ns = *fetch.ns;
   core::RadixIndex* index = ns.index();
   const int shards = ns.shards();
-  const core::ShardMask group = ns.group_shards();
   std::vector<core::ObjectId> commit;
   std::vector<core::ObjectId> abort;
   std::vector<core::L3Update> gone;
@@ -453,7 +480,7 @@ void L3Prefetcher::Land(Fetch& fetch) {
       (page.result == v1::PAGE_STATUS_OK ? commit : abort).push_back({page.key,
                                                                      static_cast<uint16_t>(s)});
       if (page.result == v1::PAGE_STATUS_OK) {
-        landed_bytes += ns.object_bytes();
+        landed_bytes += ns.shard_object_bytes(static_cast<uint16_t>(s));
         l2_->JournalCommitted(ns, page.slots[s]);  // Checked already; recorded before visible.
       }
       if (page.result == v1::PAGE_STATUS_MISS || page.result == v1::PAGE_STATUS_CHECKSUM_ERROR) {
@@ -497,7 +524,7 @@ void L3Prefetcher::Land(Fetch& fetch) {
           if (info->shards[s].l2 == core::L2State::kResident) committed |= core::ShardMask{1} << s;
         }
       }
-      finals[p] = (committed & group) == group ? v1::PAGE_STATUS_OK : v1::PAGE_STATUS_MISS;
+      finals[p] = (committed & page.need) == page.need ? v1::PAGE_STATUS_OK : v1::PAGE_STATUS_MISS;
     }
     if (finals[p] == v1::PAGE_STATUS_OK && page.pin_id != 0) {
       pin_keys[page.pin_id].push_back(page.key);

@@ -1,10 +1,14 @@
 // L3Prefetcher: L3 -> L2 prefetch ops (proto PrefetchPolicy; DESIGN.md "Engine data path" step 2).
 //
-// An op fetches chains of pages (consecutive pages of one sequence). Per chain, in order:
-//   - a page whose whole group is committed in L2 is ALREADY_PRESENT;
+// An op fetches chains of pages (consecutive pages of one sequence). A page's objects are every
+// shard of it; of a hybrid model's page, those a hit at the end of the chain needs
+// (RadixIndex::NeededObjects: a window's last pages, the state at the boundary only). Per chain,
+// in order:
+//   - a page whose objects are all committed in L2 is ALREADY_PRESENT;
 //   - one being written into L2 by another op is PENDING: this op reports what became of it
 //     (OK if it landed by the time this op's own reads end, else MISS);
-//   - otherwise each shard gets an L2 slot (NO_SPACE when none can be had), enters the index as an
+//   - otherwise each object not in L2 gets an L2 slot (NO_SPACE when none can be had), enters the
+//   index as an
 //     in-flight prefetch write (invisible to Match; PARENT_MISSING when its parent is not indexed)
 //     and is read from the first tier the index says holds it (MISS when none does). Past
 //     storage.max_pending_prefetch_bytes a page is THROTTLED.
@@ -113,15 +117,15 @@ class L3Prefetcher {
   uint32_t PlanChain(const PrefetchChain& chain, Plan& plan, Fetch& fetch);
   PageState Inspect(const Plan& plan, const core::PageKey& key) const;
   // The tier a page is read from: the one the Match attributed, else the first tier holding
-  // every shard; -1 when none does.
-  int ReadTier(int matched_tier, uint8_t tiers_all) const;
+  // every shard read (`tiers_holding`); -1 when none does.
+  int ReadTier(int matched_tier, uint8_t tiers_holding) const;
   // Reserves `bytes` of max_pending_bytes; false when they do not fit (THROTTLED).
   bool ReservePending(uint64_t bytes);
-  // A slot (appended to `slots`, per shard; invalid for a committed shard) and an in-flight write
-  // for each shard of `key` not committed yet; on failure undoes them and returns the page's
-  // status (UNSPECIFIED on success).
+  // A slot (appended to `slots`, per shard; invalid for a shard not read) and an in-flight write
+  // for each shard of `key` in `read`; on failure undoes them and returns the page's status
+  // (UNSPECIFIED on success).
   v1::PageStatus BeginPage(Plan& plan, const core::PageKey& key,
-                           std::optional<core::PageKey> parent, core::ShardMask committed,
+                           std::optional<core::PageKey> parent, core::ShardMask read,
                            std::vector<core::SlotRef>* slots);
   // The op's record (it takes the plan's seq_begin), registered as in flight.
   std::unique_ptr<OpRecord> NewRecord(const SessionInfo& session,

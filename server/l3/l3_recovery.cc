@@ -171,8 +171,9 @@ void L3Recovery::InsertTier(Namespace& ns, uint8_t tier, const std::vector<Pendi
     auto [it, inserted] = page_of.try_emplace(f.id.key, pages.size());
     if (inserted) pages.push_back({f.id.key, f.parent, {}, false});
     ScannedPage& page = pages[it->second];
-    if (f.payload_bytes != ns.object_bytes() || f.id.shard >= static_cast<uint32_t>(ns.shards())) {
-      continue;  // Another geometry's object: a Get would refuse it as foreign.
+    if (f.id.shard >= static_cast<uint32_t>(ns.shards()) ||
+        f.payload_bytes != ns.shard_object_bytes(static_cast<uint16_t>(f.id.shard))) {
+      continue;  // Another geometry's object (its group's size): a Get would refuse it.
     }
     page.shards.push_back(static_cast<uint16_t>(f.id.shard));
   }

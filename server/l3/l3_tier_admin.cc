@@ -46,10 +46,13 @@ absl::StatusOr<std::vector<L3BackendUsage>> L3TierAdmin::Usage(const L3Scope& sc
     if (!info.has_value()) continue;
     for (size_t i = 0; i < tiers.size(); ++i) {
       uint64_t objects = 0;
-      for (const core::ShardInfo& s : info->shards) objects += (s.l3_tiers >> tiers[i]) & 1;
+      for (size_t s = 0; s < info->shards.size(); ++s) {
+        if (((info->shards[s].l3_tiers >> tiers[i]) & 1) == 0) continue;
+        ++objects;
+        out[i].bytes += ns->shard_object_bytes(static_cast<uint16_t>(s));
+      }
       out[i].objects += objects;
       out[i].pages += objects > 0 ? 1 : 0;
-      out[i].bytes += objects * ns->object_bytes();
     }
   }
   return out;
@@ -93,8 +96,8 @@ absl::StatusOr<std::vector<L3BackendUsage>> L3TierAdmin::Remove(const L3Scope& s
         cleared.push_back({key, std::nullopt, static_cast<uint16_t>(s),
                            static_cast<uint8_t>(tiers[i]), false});
         ++out[i].objects;
-        out[i].bytes += ns->object_bytes();
-        bytes += ns->object_bytes();
+        out[i].bytes += ns->shard_object_bytes(static_cast<uint16_t>(s));
+        bytes += ns->shard_object_bytes(static_cast<uint16_t>(s));
         page = true;
       }
       out[i].pages += page ? 1 : 0;

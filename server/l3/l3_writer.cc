@@ -259,7 +259,9 @@ void L3Writer::WriteResident(Namespace& ns, std::vector<core::ObjectId> objects,
     core::SlotRef slot;
     index->GetL2Slots(absl::MakeConstSpan(&o.key, 1), o.shard, absl::MakeSpan(&slot, 1));
     if (!slot.valid()) {
-      ++missing;
+      // A hybrid page holds only the objects a hit can use (a window's last pages, a state at
+      // a boundary): its other objects were never there.
+      missing += ns.spec().Hybrid() ? 0 : 1;
       continue;
     }
     job->objects.push_back(o);
@@ -287,12 +289,13 @@ void L3Writer::Submit(std::shared_ptr<Job> job) {
     ++inflight_jobs_;
   }
   Namespace& ns = *job->ns;
-  const uint64_t object_bytes = ns.object_bytes();
   std::vector<storage::PutItem> items;
   items.reserve(job->objects.size());
   for (size_t i = 0; i < job->objects.size(); ++i) {
-    items.push_back({job->objects[i].key, job->objects[i].shard,
-                     l2_->pool()->Address(job->slots[i]), object_bytes, job->parents[i]});
+    // A hybrid model's object is its group's size (the slot holds the largest group's).
+    const core::ObjectId& o = job->objects[i];
+    items.push_back({o.key, o.shard, l2_->pool()->Address(job->slots[i]),
+                     ns.shard_object_bytes(o.shard), job->parents[i]});
   }
   job->tiers_left.store(std::popcount(job->tiers), std::memory_order_relaxed);
   for (size_t t = 0; t < tiers_->size(); ++t) {

@@ -96,6 +96,10 @@ class Namespace {
                ? group_object_bytes_[group].load(std::memory_order_acquire)
                : 0;
   }
+  // Bytes of index shard `shard`'s object: its group's (object_bytes() without groups).
+  uint64_t shard_object_bytes(uint16_t shard) const {
+    return group_object_bytes(shard / spec_.ShardsPerPage());
+  }
   uint64_t slot_bytes() const { return slot_bytes_.load(std::memory_order_acquire); }
 
   // Fixes the geometry from `layout` (the first worker, or the first once nothing holds the old

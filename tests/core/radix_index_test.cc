@@ -1,6 +1,8 @@
 // Unit tests for core/radix_index.h: every operation and invariant, under both policies.
 #include "core/radix_index.h"
 
+#include <algorithm>
+#include <bit>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -424,47 +426,124 @@ TEST_P(RadixIndexTest, HybridMatchAgreesWithTheRuleOnRandomPages) {
                                         GroupRule{GroupKind::kWindow, 1}};
   const int tp = 2;
   int hits = 0;
+  int l3_hits = 0;
   for (int round = 0; round < 300; ++round) {
     auto index = MakeHybrid(rules, tp, GetParam());
     const int n = static_cast<int>(rng() % 10);
     const auto keys = Chain(1000 * round, n);
     std::vector<ShardMask> have(n);
+    std::vector<ShardMask> l3(n);  // Copies in tier 0: half the objects, on pages of 2 in 3.
     std::optional<PageKey> parent;
     for (int i = 0; i < n; ++i) {
+      l3[i] = 0;
+      const bool copied = rng() % 3 != 0;
+      for (int b = 0; b < 8 && copied; ++b) l3[i] |= rng() % 2 != 0 ? ShardMask{1} << b : 0;
       // Each object present 7 times in 8; one page in 10 with none in L2.
       have[i] = 0;
       for (int b = 0; b < 8; ++b) have[i] |= rng() % 8 != 0 ? ShardMask{1} << b : 0;
       if (rng() % 10 == 0) have[i] = 0;
       if (have[i] == 0) {
         // Indexed without L2 (a copy in L3 only): such a page ends every hit.
-        L3Update u{keys[i], parent, 0, 0, true};
-        absl::Status st;
-        ASSERT_EQ(index->UpdateL3({&u, 1}, {&st, 1}), 1u) << st;
+        l3[i] |= 1;
       } else {
         Put(*index, {keys[i]}, parent, have[i]);
       }
+      for (ShardMask m = l3[i]; m != 0; m &= m - 1) {
+        L3Update u{keys[i], parent, static_cast<uint16_t>(std::countr_zero(m)), 0, true};
+        absl::Status st;
+        ASSERT_EQ(index->UpdateL3({&u, 1}, {&st, 1}), 1u) << st;
+      }
       parent = keys[i];
     }
-    for (const ShardMask ask : {AllShards(8), ShardMask{0b01010101}}) {
-      uint32_t want = 0;
-      for (int b = n; b >= 1 && want == 0; --b) {
+    // The longest boundary over the objects in `in`.
+    auto rule = [&](ShardMask ask, const std::vector<ShardMask>& in) {
+      for (int b = n; b >= 1; --b) {
         bool ok = true;
-        for (int i = 0; i < b; ++i) ok = ok && have[i] != 0;
+        for (int i = 0; i < b; ++i) ok = ok && in[i] != 0;
         for (size_t g = 0; g < rules.size(); ++g) {
           const ShardMask need = ask & (AllShards(tp) << (g * tp));
           int from = 0, to = b;  // Pages [from, to) need the group's objects.
           if (rules[g].kind == GroupKind::kWindow)
             from = std::max(0, b - int(rules[g].window_pages));
           if (rules[g].kind == GroupKind::kState) from = b - 1;
-          for (int i = from; i < to; ++i) ok = ok && (have[i] & need) == need;
+          for (int i = from; i < to; ++i) ok = ok && (in[i] & need) == need;
         }
-        if (ok) want = static_cast<uint32_t>(b);
+        if (ok) return static_cast<uint32_t>(b);
       }
-      EXPECT_EQ(MatchOk(*index, keys, ask).l2_pages, want) << "round " << round;
+      return 0u;
+    };
+    std::vector<ShardMask> either(n);
+    for (int i = 0; i < n; ++i) either[i] = have[i] | l3[i];
+    for (const ShardMask ask : {AllShards(8), ShardMask{0b01010101}}) {
+      const uint32_t want = rule(ask, have);
+      const uint32_t reach = std::max(want, rule(ask, either));
+      const MatchResult m = MatchOk(*index, keys, ask);
+      EXPECT_EQ(m.l2_pages, want) << "round " << round;
+      // L3 extends the boundary over L2 and the tier's copies together.
+      EXPECT_EQ(m.l3_pages[0], reach - want) << "round " << round;
+      EXPECT_EQ(m.best_l3_pages, reach - want) << "round " << round;
+      EXPECT_EQ(m.best_l3_tier, reach > want ? 0 : -1) << "round " << round;
       hits += want > 0;
+      l3_hits += reach > want;
     }
   }
   EXPECT_GE(hits, 150);  // The rule is exercised, not only its misses.
+  EXPECT_GE(l3_hits, 50);
+}
+
+TEST_P(RadixIndexTest, HybridL3ReachesPastTheL2BoundaryWithTheObjectsItLacks) {
+  // Full attention (object 0), a window of 2 pages (1), a recurrent state (2); two tiers.
+  RadixIndexOptions o;
+  o.shards_per_page = 3;
+  o.l3_tiers = 2;
+  o.groups = {GroupRule{}, GroupRule{GroupKind::kWindow, 2}, GroupRule{GroupKind::kState}};
+  o.object_bytes = 1000;
+  o.policy = GetParam();
+  auto created = RadixIndex::Create(o);
+  ASSERT_TRUE(created.ok()) << created.status();
+  RadixIndex& index = **created;
+  RecordedEvents events;
+  index.SetEventSink(&events);
+  const auto keys = Chain(500, 6);
+  // L2: full pages 0-3, the window on 2-3, the state at page 3 (a hit at boundary 4).
+  Put(index, {keys[0], keys[1]}, std::nullopt, 0b001);
+  Put(index, {keys[2]}, keys[1], 0b011);
+  Put(index, {keys[3]}, keys[2], 0b111);
+  auto copy = [&](int page, uint16_t shard, uint8_t tier, bool present = true) {
+    L3Update u{keys[page], page > 0 ? std::optional(keys[page - 1]) : std::nullopt, shard, tier,
+               present};
+    absl::Status st;
+    ASSERT_EQ(index.UpdateL3({&u, 1}, {&st, 1}), 1u) << st;
+  };
+  // Tier 0 (a written-through copy): every full page, the window on 4-5, the state at page 5.
+  for (int p = 0; p < 6; ++p) copy(p, 0, 0);
+  copy(4, 1, 0);
+  copy(5, 1, 0);
+  copy(5, 2, 0);
+  // Tier 1: full pages 4 and 5 and the state at page 4, but the window only on page 4.
+  copy(4, 0, 1);
+  copy(5, 0, 1);
+  copy(4, 1, 1);
+  copy(4, 2, 1);
+  MatchResult m = MatchOk(index, keys, 0b111);
+  EXPECT_EQ(m.l2_pages, 4u);
+  EXPECT_EQ(m.l3_pages[0], 2u);  // Boundary 6: L2's full pages 0-3, the tier's 4-5.
+  EXPECT_EQ(m.l3_pages[1], 1u);  // Boundary 5: window pages 3 (L2) and 4, state at 4.
+  EXPECT_EQ(m.best_l3_tier, 0);
+  EXPECT_EQ(m.best_l3_pages, 2u);
+  // What a prefetch of pages 4-5 for boundary 6 reads: the full group, window and state of 5.
+  EXPECT_EQ(index.NeededObjects(0b111, 6, 4), 0b011u);
+  EXPECT_EQ(index.NeededObjects(0b111, 6, 5), 0b111u);
+  EXPECT_EQ(index.NeededObjects(0b111, 2, 0), 0b011u);  // The same rule on a chain of 2.
+  // The tier's state at page 5 gone: boundary 6 has no state; tier 0 reaches no further.
+  copy(5, 2, 0, false);
+  m = MatchOk(index, keys, 0b111);
+  EXPECT_EQ(m.l3_pages[0], 0u);
+  EXPECT_EQ(m.best_l3_tier, 1);
+  // Events name the group: tier 0 stored groups 0, 1 and 2 of page 5, then lost group 2's.
+  using E = std::pair<char, int16_t>;
+  EXPECT_EQ(std::count(events.seen.begin(), events.seen.end(), E{'R', 2}), 1);
+  EXPECT_EQ(events.seen.back(), (E{'R', 2}));
 }
 
 TEST_P(RadixIndexTest, MlaSingleShard) {

@@ -185,6 +185,121 @@ def test_bad_input_in_the_step_is_a_miss_not_an_exception(daemon):
         assert s.match([np.arange(P)]).ok  # nothing changed
 
 
+def metric(d, name, **labels):
+    """The sum of a counter or gauge's series (those with `labels`) on the daemon's /metrics."""
+    import urllib.request
+    with urllib.request.urlopen(f"http://{d.http}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.split("{")[0].split(" ")[0] == name and all(w in line for w in want))
+
+
+def test_hybrid_groups_reach_a_file_tier_at_their_own_sizes_and_come_back(
+        tmp_path, daemon_factory):
+    """A hybrid model whose groups' objects differ in size (full attention 2048 B, a window of
+    two pages 1024 B, a recurrent state 3072 B) written through to a file tier. Out of L2, Match
+    reports the boundary the tier serves, its prefetch reads only the objects a hit there needs
+    (not the tier's other window pages and states), and the Load is bit-exact. A daemon restarted
+    on an empty pool finds every group's objects by its startup scan, at their own sizes."""
+    tier = ("--set", f"storage.tiers=file:{tmp_path}/l3?name=nvme",
+            "--set", "storage.write_policy=write_through")
+    d = daemon_factory(args=tier, subdir="a")
+    dev = SimDevice()
+    heads = (2, 1, 3)  # per group: bytes per object 1024 x heads
+    raws = [dev.empty((2, BLOCKS, P, h, DIM), torch.float32) for h in heads]
+    caches = {f"model.layers.{i}.self_attn": raws[i] for i in range(LAYERS)}
+    layout = KvLayout.from_vllm(caches, device=dev, groups=[0, 1, 2])
+    layout.group_num_blocks = [BLOCKS] * 3  # three allocations: a block pool per group
+    ns = make_ns(groups=(KvGroup("full"), KvGroup("window", 2 * P + 1), KvGroup("state")))
+    NO = N.NO_BLOCK
+    try:
+        client = Client(d.socket, rpc_timeout_ms=2000)
+        s = client.register("eng-hybrid-l3", ns, layout=layout)
+        assert s.wait_active(5000)
+        assert s.info().page_object_bytes == 3072  # the largest group's: a slot each
+        tokens = np.arange(6 * P, dtype=np.uint32)
+        keys = s.match([tokens]).results[0].keys
+        for raw in raws:
+            raw.copy_(torch.randn(raw.shape, generator=torch.Generator().manual_seed(5)))
+        expect = [raw.clone() for raw in raws]
+        # Every full page, the window on pages 1-5, states at boundaries 3 and 6 (pages 2, 5).
+        stored = np.array([[0, NO, NO], [1, 1, NO], [2, 2, 2], [3, 3, NO], [4, 4, NO],
+                           [5, 5, 5]], dtype=np.uint32)
+        op = s.backup(keys, stored.ravel(), ready=True)
+        assert op.ok, op.reason
+        st = op.wait()
+        assert st.done and st.leading_ok_pages == [6]
+        objects = 6 + 5 + 2
+        in_tier = 6 * 2048 + 5 * 1024 + 2 * 3072
+        deadline = time.monotonic() + 20
+        while metric(d, "kvcellar_l3_writes_total", result="ok") < objects:
+            assert time.monotonic() < deadline, "no L3 writes:\n" + d.log()
+            time.sleep(0.05)
+        assert metric(d, "kvcellar_moved_bytes_total", direction="l2_to_l3") == in_tier
+        files = [f for f in (tmp_path / "l3").rglob("*") if f.is_file()]
+        assert len(files) >= objects
+
+        def evict_l2(daemon):
+            import subprocess
+            from conftest import bin_path
+            r = subprocess.run([bin_path("kvcellarctl"), "--addr", daemon.admin_socket, "evict",
+                                "--tier", "l2"], capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr
+
+        def from_tier(daemon, session):
+            m = session.match([tokens], prefetch="none")
+            assert (m.results[0].l2_hit_pages, m.results[0].l3_hit_pages) == (0, 6), daemon.log()
+            # Boundary 3 alone: the tier has the window's pages 1-2 and the state at page 2.
+            m = session.match([tokens[:3 * P]], prefetch="none")
+            assert (m.results[0].l2_hit_pages, m.results[0].l3_hit_pages) == (0, 3)
+            before = metric(daemon, "kvcellar_moved_bytes_total", direction="l3_to_l2")
+            m = session.match([tokens], pin=True, prefetch="wait_complete")
+            r = m.results[0]
+            assert (r.l2_hit_pages, r.l3_hit_pages) == (0, 6) and m.prefetch_op is not None
+            st = m.prefetch_op.wait(10000)
+            assert st.done and st.leading_ok_pages == [6], st
+            # What boundary 6 needs: every full page, the window's pages 4-5, the state at 5.
+            read = metric(daemon, "kvcellar_moved_bytes_total", direction="l3_to_l2") - before
+            assert read == 6 * 2048 + 2 * 1024 + 3072 < in_tier
+            m = session.match([tokens], pin=True)
+            assert m.results[0].l2_hit_pages == 6
+            for raw in raws:
+                raw[:, 10:20].fill_(-1.0)
+            target = np.array([[10, NO, NO], [11, NO, NO], [12, NO, NO], [13, NO, NO],
+                               [14, 14, NO], [15, 15, 15]], dtype=np.uint32)
+            st = session.load(keys, target.ravel(), pin_id=m.results[0].pin_id,
+                              release_pin=True).wait()
+            assert st.done and st.leading_ok_pages == [6], st
+            for src, dst in zip(stored, target):
+                for g in range(3):
+                    if dst[g] != NO:
+                        assert torch.equal(raws[g][:, dst[g]], expect[g][:, src[g]]), (g, src, dst)
+            assert torch.equal(raws[1][:, 13], torch.full_like(raws[1][:, 13], -1.0))
+
+        evict_l2(d)
+        from_tier(d, s)
+        epoch = s.info().daemon_epoch
+        d.stop(signal.SIGKILL)
+        d = daemon_factory(args=tier, subdir="a")  # an empty pool, the same tier
+        deadline = time.monotonic() + 10
+        while s.info().daemon_epoch == epoch and time.monotonic() < deadline:
+            s.match([tokens])  # a miss that notices the restart
+            time.sleep(0.05)
+        assert s.wait_active(10000) and s.info().daemon_epoch != epoch
+        # Every group's objects back in the index at their own sizes: none refused as another
+        # geometry's.
+        while metric(d, "kvcellar_l3_scan_pages_total", result="inserted") < 6:
+            assert time.monotonic() < deadline + 10, d.log()
+            time.sleep(0.05)
+        assert metric(d, "kvcellar_l3_scan_objects_total", result="found") == objects
+        assert metric(d, "kvcellar_l3_scan_pages_total", result="mismatched") == 0
+        from_tier(d, s)
+        client.close()
+    finally:
+        dev.close()
+
+
 def test_hybrid_groups_hit_at_a_boundary_every_group_serves_and_survive_a_kill(
         tmp_path, daemon_factory):
     """A hybrid model (full attention, a window of two pages, a recurrent state) as vLLM's hybrid
