@@ -24,7 +24,9 @@ unified_cache/components/mamba.py L917-941, swa.py L1207-1233).
 import json
 import re
 import signal
+import subprocess
 import threading
+import time
 import urllib.request
 
 import numpy as np
@@ -280,6 +282,45 @@ def test_mamba_pages_and_the_state_at_their_end_round_trip_byte_exact(daemon, en
     assert moved(daemon, "h2d") - before == 6 * kv_obj + state_obj
     assert all(torch.equal(x, y) for x, y in zip(a.kv_pages(kv), b.kv_pages(kv_b)))
     assert torch.equal(a.side_pages(state)[0], b.side_pages(state_b)[0])
+
+
+def test_mamba_pages_and_the_last_state_come_back_from_a_file_tier(daemon_factory, engines,
+                                                                   tmp_path):
+    """Two nodes, each stored with its state, written through to a file tier at their own sizes
+    (KV pages and state slots differ) and dropped from L2: a prefetch of both restores all 8
+    pages and reads only the state at their end, not node 1's."""
+    from conftest import bin_path
+    from kvcellar.integrations.sglang import _keys_array
+    d = daemon_factory(args=("--set", f"storage.tiers=file:{tmp_path}/l3?name=disk",
+                             "--set", "storage.write_policy=write_through"))
+    a, b = engines("mamba", d.socket), engines("mamba", d.socket)
+    assert a.active() and b.active()
+    kv_obj, state_obj = object_bytes(a)
+    assert kv_obj != state_obj
+    tokens = tokens_for(9, 8)
+    kv1, state1 = a.write(tokens[:4 * PAGE], seed=9)
+    saved, hashes = a.backup(tokens[:4 * PAGE], kv1, state1)
+    assert saved == 4 * PAGE
+    kv2, state2 = a.write(tokens[4 * PAGE:], seed=10)
+    assert a.backup(tokens[4 * PAGE:], kv2, state2, prefix_keys=hashes)[0] == 4 * PAGE
+    written = 8 * kv_obj + 2 * state_obj
+    deadline = time.monotonic() + 20
+    while moved(d, "l2_to_l3") < written:
+        assert time.monotonic() < deadline, "no L3 writes:\n" + d.log()
+        time.sleep(0.05)
+    r = subprocess.run([bin_path("kvcellarctl"), "--addr", d.admin_socket, "evict", "--tier",
+                        "l2"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    keys = get_hash_str(tokens, prior_hash=None, page_size=PAGE)
+    m = b.backend._session().match([_keys_array(keys)], by_keys=True, prefetch="none")
+    assert (m.results[0].l2_hit_pages, m.results[0].l3_hit_pages) == (0, 8)
+    before = moved(d, "l3_to_l2")
+    completed, side_hits, kv_b, state_b = b.prefetch(tokens, trailing=1)
+    assert (completed, side_hits) == (len(tokens), 1)
+    assert moved(d, "l3_to_l2") - before == 8 * kv_obj + state_obj, "8 KV pages, one state"
+    assert all(torch.equal(x, y) for x, y in zip(a.kv_pages(kv1) + a.kv_pages(kv2),
+                                                 b.kv_pages(kv_b)))
+    assert torch.equal(a.side_pages(state2)[0], b.side_pages(state_b)[0])
 
 
 def test_a_hit_whose_trailing_state_is_missing_ends_at_the_last_state(daemon, engines):

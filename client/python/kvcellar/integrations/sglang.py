@@ -467,7 +467,12 @@ class KvcellarStorage(HiCacheStorage):
             hit = r.l2_hit_pages
             if reply.prefetch_op is not None and r.l3_hit_pages > 0:
                 st = reply.prefetch_op.wait(o.prefetch_timeout_ms)
-                if st.done and st.leading_ok_pages:
+                if st.done and st.leading_ok_pages and self.groups:
+                    # A hybrid prefetch reads the objects the boundary needs: what landed is a
+                    # hit only at a boundary every group serves, which L2 now says.
+                    hit = s.match([_keys_array(keys)], by_keys=True,
+                                  prefetch="none").results[0].l2_hit_pages
+                elif st.done and st.leading_ok_pages:
                     hit += st.leading_ok_pages[0]
             return hit
         except Exception as e:  # a miss, never an engine error
