@@ -24,6 +24,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -132,18 +133,31 @@ class EvictionPolicy {
   virtual absl::Status CheckConsistency() const = 0;
 };
 
-enum class EvictionPolicyKind { kLru, kS3Fifo };
+enum class EvictionPolicyKind { kLru, kS3Fifo, kAdaptive };
 
 inline absl::string_view EvictionPolicyKindName(EvictionPolicyKind kind) {
-  return kind == EvictionPolicyKind::kLru ? "lru" : "s3fifo";
+  switch (kind) {
+    case EvictionPolicyKind::kLru:
+      return "lru";
+    case EvictionPolicyKind::kS3Fifo:
+      return "s3fifo";
+    case EvictionPolicyKind::kAdaptive:
+      return "adaptive";
+  }
+  return "s3fifo";
 }
 
 inline absl::StatusOr<EvictionPolicyKind> ParseEvictionPolicyKind(absl::string_view name) {
-  if (name == "lru") return EvictionPolicyKind::kLru;
-  if (name == "s3fifo") return EvictionPolicyKind::kS3Fifo;
+  for (EvictionPolicyKind kind :
+       {EvictionPolicyKind::kLru, EvictionPolicyKind::kS3Fifo, EvictionPolicyKind::kAdaptive}) {
+    if (name == EvictionPolicyKindName(kind)) return kind;
+  }
   return absl::InvalidArgumentError(
-      absl::StrCat("eviction policy: unknown name '", name, "' (want lru or s3fifo)"));
+      absl::StrCat("eviction policy: unknown name '", name, "' (want lru, s3fifo or adaptive)"));
 }
+
+// A new policy of `kind` (lru_policy.h, s3fifo_policy.h, adaptive_policy.h).
+std::unique_ptr<EvictionPolicy> MakeEvictionPolicy(EvictionPolicyKind kind);
 
 }  // namespace kvcellar::core
 

@@ -10,9 +10,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
-#include "core/lru_policy.h"
 #include "core/radix_index.h"
-#include "core/s3fifo_policy.h"
 #include "core/splitmix.h"
 
 namespace kvcellar::core {
@@ -47,12 +45,7 @@ PageKey SimPageKey(uint64_t id) {
 absl::StatusOr<SimResult> SimulateIndex(const Trace& trace, EvictionPolicyKind policy,
                                         SimCapacity capacity) {
   return SimulateIndex(
-      trace,
-      [policy]() -> std::unique_ptr<EvictionPolicy> {
-        if (policy == EvictionPolicyKind::kLru) return std::make_unique<LruPolicy>();
-        return std::make_unique<S3FifoPolicy>();
-      },
-      capacity);
+      trace, [policy] { return MakeEvictionPolicy(policy); }, capacity);
 }
 
 absl::StatusOr<SimResult> SimulateIndex(

@@ -10,8 +10,6 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "core/lru_policy.h"
-#include "core/s3fifo_policy.h"
 
 // Under AddressSanitizer, slab memory not handed out is poisoned, so a stale node pointer is
 // reported like a use after free of malloc'ed memory would be.
@@ -182,13 +180,7 @@ inline bool RadixIndex::NodeEq::operator()(const Node* a, const PageKey& b) cons
 // --- Construction ------------------------------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<RadixIndex>> RadixIndex::Create(const RadixIndexOptions& options) {
-  std::unique_ptr<EvictionPolicy> policy;
-  if (options.policy == EvictionPolicyKind::kLru) {
-    policy = std::make_unique<LruPolicy>();
-  } else {
-    policy = std::make_unique<S3FifoPolicy>();
-  }
-  return Create(options, std::move(policy));
+  return Create(options, MakeEvictionPolicy(options.policy));
 }
 
 absl::StatusOr<std::unique_ptr<RadixIndex>> RadixIndex::Create(

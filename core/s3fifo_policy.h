@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "core/eviction_policy.h"
+#include "core/ghost_fifo.h"
 
 namespace kvcellar::core {
 
@@ -60,7 +61,7 @@ class S3FifoPolicy final : public EvictionPolicy {
   size_t small_size() const { return small_.size(); }
   size_t main_size() const { return main_.size(); }
   // Entries still young enough to count (O(table); for tests).
-  size_t ghost_size() const;
+  size_t ghost_size() const { return ghost_.Size(); }
 
  private:
   // EvictionHook::queue values.
@@ -70,28 +71,12 @@ class S3FifoPolicy final : public EvictionPolicy {
   static constexpr uint8_t kParkedMain = 4;
 
   void Park(EvictionHook* h, HookList& from, uint8_t parked_queue);
-  void GhostAdd(uint64_t fingerprint);
-  // Removes the fingerprint from the ghost; true when it was there.
-  bool GhostTake(uint64_t fingerprint);
-  void GhostResize(size_t capacity);
-  uint64_t* GhostBucket(uint64_t mixed);
 
   HookList small_;
   HookList main_;
   size_t parked_ = 0;
   size_t peak_tracked_ = 0;
-
-  // The ghost FIFO, as the paper suggests implementing it: a bucketed hash table of
-  // (32-bit fingerprint, 32-bit eviction sequence number) entries. An entry is in the FIFO while
-  // fewer than ghost_capacity_ evictions followed it, so aging needs no queue; a full bucket
-  // drops its oldest entry (a ghost is a hint: losing one early costs a little hit rate, never
-  // correctness). One cache line per operation. Sequence numbers are 32-bit: an entry would have
-  // to sit in an untouched bucket through 2^32 evictions to look young again.
-  static constexpr size_t kGhostBucket = 8;  // Entries per bucket: one 64-byte line.
-  std::vector<uint64_t> ghost_;              // 0: empty; else fingerprint << 32 | sequence.
-  size_t ghost_capacity_ = 0;                // Entries the FIFO holds (90% of peak tracked).
-  uint32_t ghost_seq_ = 1;
-  size_t ghost_live_ = 0;  // Entries added and neither taken nor replaced.
+  GhostFifo ghost_;  // Pages evicted from S; holds 90% of peak tracked (kGhostPercent).
 };
 
 }  // namespace kvcellar::core

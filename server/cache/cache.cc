@@ -21,8 +21,15 @@ namespace {
 constexpr absl::Duration kCancelledOpWait = absl::Seconds(10);
 
 core::EvictionPolicyKind PolicyOf(const Config& config) {
-  return config.eviction.policy == EvictionPolicy::kLru ? core::EvictionPolicyKind::kLru
-                                                        : core::EvictionPolicyKind::kS3Fifo;
+  switch (config.eviction.policy) {
+    case EvictionPolicy::kLru:
+      return core::EvictionPolicyKind::kLru;
+    case EvictionPolicy::kAdaptive:
+      return core::EvictionPolicyKind::kAdaptive;
+    case EvictionPolicy::kS3Fifo:
+      break;
+  }
+  return core::EvictionPolicyKind::kS3Fifo;
 }
 
 // tenants.quotas in bytes of the pool actually mapped. LoadConfig checked them against

@@ -37,7 +37,7 @@ namespace kvcellar::server {
 enum class LogFormat { kKv };
 enum class TlsMode { kPlaintext, kTls, kMtls };
 enum class HugePages { kAuto, kOn, kOff };
-enum class EvictionPolicy { kS3Fifo, kLru };
+enum class EvictionPolicy { kS3Fifo, kLru, kAdaptive };
 enum class DeviceKind { kAuto, kCuda, kSim };
 enum class CudaCopyPath { kCopyEngine, kKernel, kAuto };
 enum class L3WritePolicy { kWriteThrough, kWriteThroughSelective, kWriteBack, kL2Only };

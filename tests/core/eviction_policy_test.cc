@@ -186,12 +186,7 @@ TEST(S3FifoPolicyTest, ParkedPagesReturnToTheTailOfTheirQueue) {
 class ChainCostTest : public ::testing::TestWithParam<EvictionPolicyKind> {};
 
 TEST_P(ChainCostTest, EvictingAChainLeafFirstIsLinear) {
-  std::unique_ptr<EvictionPolicy> p;
-  if (GetParam() == EvictionPolicyKind::kLru) {
-    p = std::make_unique<LruPolicy>();
-  } else {
-    p = std::make_unique<S3FifoPolicy>();
-  }
+  std::unique_ptr<EvictionPolicy> p = MakeEvictionPolicy(GetParam());
   constexpr size_t kN = 10'000;
   FakePages pages(kN);
   for (size_t i = 0; i < kN; ++i) {
@@ -212,7 +207,8 @@ TEST_P(ChainCostTest, EvictingAChainLeafFirstIsLinear) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, ChainCostTest,
-                         ::testing::Values(EvictionPolicyKind::kLru, EvictionPolicyKind::kS3Fifo),
+                         ::testing::Values(EvictionPolicyKind::kLru, EvictionPolicyKind::kS3Fifo,
+                                           EvictionPolicyKind::kAdaptive),
                          [](const auto& info) {
                            return std::string(EvictionPolicyKindName(info.param));
                          });
@@ -276,8 +272,11 @@ double HotSetKeptAfterScan(EvictionPolicyKind kind) {
 TEST(ScanResistanceTest, S3FifoKeepsTheHotSetAndLruLosesIt) {
   const double s3fifo = HotSetKeptAfterScan(EvictionPolicyKind::kS3Fifo);
   const double lru = HotSetKeptAfterScan(EvictionPolicyKind::kLru);
-  std::printf("hot set kept after a 3x scan: s3fifo=%.3f lru=%.3f\n", s3fifo, lru);
+  const double adaptive = HotSetKeptAfterScan(EvictionPolicyKind::kAdaptive);
+  std::printf("hot set kept after a 3x scan: s3fifo=%.3f lru=%.3f adaptive=%.3f\n", s3fifo, lru,
+              adaptive);
   EXPECT_GE(s3fifo, 0.9) << "S3-FIFO lost the hot set to a one-pass scan";
+  EXPECT_GE(adaptive, 0.9) << "the adaptive policy lost the hot set to a one-pass scan";
   EXPECT_LE(lru, 0.1) << "LRU unexpectedly kept the hot set through a scan 3x the cache";
 }
 

@@ -338,8 +338,9 @@ class ModelRun {
     o.object_bytes = kObjectBytes;
     o.high_watermark = 0.9;
     o.low_watermark = 0.6;
-    o.policy =
-        (seed_ + rng_() % 2) % 2 == 0 ? EvictionPolicyKind::kS3Fifo : EvictionPolicyKind::kLru;
+    const EvictionPolicyKind kinds[] = {EvictionPolicyKind::kS3Fifo, EvictionPolicyKind::kLru,
+                                        EvictionPolicyKind::kAdaptive};
+    o.policy = kinds[(seed_ + rng_() % 3) % 3];
     auto index = RadixIndex::Create(o);
     if (!index.ok()) return index.status().ToString();
     index_ = std::move(*index);

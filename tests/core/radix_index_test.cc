@@ -95,7 +95,8 @@ class RadixIndexTest : public ::testing::TestWithParam<EvictionPolicyKind> {
 };
 
 INSTANTIATE_TEST_SUITE_P(Policies, RadixIndexTest,
-                         ::testing::Values(EvictionPolicyKind::kLru, EvictionPolicyKind::kS3Fifo),
+                         ::testing::Values(EvictionPolicyKind::kLru, EvictionPolicyKind::kS3Fifo,
+                                           EvictionPolicyKind::kAdaptive),
                          [](const auto& info) {
                            return std::string(EvictionPolicyKindName(info.param));
                          });

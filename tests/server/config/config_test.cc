@@ -281,10 +281,12 @@ TEST_F(ConfigTest, EveryChoiceMapsToItsEnumerator) {
     bool (*check)(const Config&);
   };
   const Case cases[] = {
-      {"log.level=debug", [](const Config& c) { return c.log.level == platform::LogLevel::kDebug; }},
+      {"log.level=debug",
+       [](const Config& c) { return c.log.level == platform::LogLevel::kDebug; }},
       {"log.level=info", [](const Config& c) { return c.log.level == platform::LogLevel::kInfo; }},
       {"log.level=warn", [](const Config& c) { return c.log.level == platform::LogLevel::kWarn; }},
-      {"log.level=error", [](const Config& c) { return c.log.level == platform::LogLevel::kError; }},
+      {"log.level=error",
+       [](const Config& c) { return c.log.level == platform::LogLevel::kError; }},
       {"log.format=kv", [](const Config& c) { return c.log.format == LogFormat::kKv; }},
       {"tls.mode=plaintext", [](const Config& c) { return c.tls.mode == TlsMode::kPlaintext; }},
       {"pool.huge_pages=auto",
@@ -295,6 +297,8 @@ TEST_F(ConfigTest, EveryChoiceMapsToItsEnumerator) {
        [](const Config& c) { return c.eviction.policy == EvictionPolicy::kS3Fifo; }},
       {"eviction.policy=lru",
        [](const Config& c) { return c.eviction.policy == EvictionPolicy::kLru; }},
+      {"eviction.policy=adaptive",
+       [](const Config& c) { return c.eviction.policy == EvictionPolicy::kAdaptive; }},
       {"device.kind=auto", [](const Config& c) { return c.device.kind == DeviceKind::kAuto; }},
       {"device.kind=cuda", [](const Config& c) { return c.device.kind == DeviceKind::kCuda; }},
       {"device.kind=sim", [](const Config& c) { return c.device.kind == DeviceKind::kSim; }},

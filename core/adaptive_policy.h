@@ -1,0 +1,107 @@
+// AdaptivePolicy: S3-FIFO's two queues, and a learner that picks each victim from one of two
+// experts: the queues' own choice, or the most recently used evictable page (MRU). The learner is
+// LeCaR's (Vietri et al., "Driving Cache Replacement with ML-based LeCaR", HotStorage 2018): each
+// expert has a weight; a page that comes back while its fingerprint is in the ghost was a mistake
+// of the expert that evicted it, which loses weight by exp(-rate x d^age) (age: evictions since;
+// d^N = 0.005 for N the peak page count), so recent mistakes count most.
+//
+// Why MRU: multi-turn traffic is a cycle (every conversation comes back once per round), and
+// there the page used farthest ahead, Belady's choice, is the one just used: the conversation just
+// served. Recency and frequency keep everything a little and hit little (LRU 0.28, S3-FIFO 0.55 of
+// 0.73 possible on kvcellar-bench's workload). Where popularity is skewed (shared system prompts)
+// the queues' choice is right and MRU's is not; the weights follow whichever errs less.
+//
+// The queues: new pages enter S, a page evicted from S comes back into M; a hit counts (2-bit,
+// capped at 3) and moves the page to the head of its queue. The queues' victim is S3-FIFO's: from
+// S while it holds at least 10% of the queued pages (a page hit twice moves to M instead), else
+// from M (a page with hits left goes back to the head, one hit spent). The MRU expert takes the
+// newest evictable page of S, else of M, within kMruScan pages of each head; when it finds none,
+// the queues choose. Ineligible pages met by the queues' expert are parked as in S3-FIFO; the MRU
+// expert skips them.
+//
+// Measured on core/eviction_sim.h's shapes (tests/bench/eviction, README "Eviction against the
+// optimum"). Deterministic: its random draws come from a fixed seed.
+//
+// Threads: called only under the owning RadixIndex's mutex (see eviction_policy.h).
+#ifndef KVCELLAR_CORE_ADAPTIVE_POLICY_H_
+#define KVCELLAR_CORE_ADAPTIVE_POLICY_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/eviction_policy.h"
+#include "core/ghost_fifo.h"
+
+namespace kvcellar::core {
+
+class AdaptivePolicy final : public EvictionPolicy {
+ public:
+  // S3-FIFO's small-queue share, frequency cap and promotion threshold (s3fifo_policy.h).
+  static constexpr size_t kSmallPercent = 10;
+  static constexpr uint8_t kMaxFreq = 3;
+  static constexpr uint8_t kPromoteFreq = 2;
+  // LeCaR's learning rate: 0.45 in the paper; 0.03 does better on every shape of
+  // tests/bench/eviction (multi-turn at history / 1.56: 0.652 against 0.634).
+  static constexpr double kLearningRate = 0.03;
+  // The discount: a mistake N evictions old (N the peak page count) weighs 0.005 of a fresh one.
+  static constexpr double kDiscountAtN = 0.005;
+  // Neither expert's share falls below this, so the learner can still change its mind.
+  static constexpr double kMinWeight = 0.01;
+  // Pages the MRU expert looks at from each queue's head: bounded, so that eviction stays O(1).
+  static constexpr size_t kMruScan = 256;
+
+  AdaptivePolicy() = default;
+  AdaptivePolicy(const AdaptivePolicy&) = delete;
+  AdaptivePolicy& operator=(const AdaptivePolicy&) = delete;
+
+  absl::string_view Name() const override { return "adaptive"; }
+  void OnInsert(EvictionHook* hook, uint64_t fingerprint) override;
+  void OnAccess(EvictionHook* hook) override;
+  void OnEligible(EvictionHook* hook) override;
+  void OnRemove(EvictionHook* hook) override;
+  EvictionHook* PickVictim(const EvictionCandidates& candidates) override;
+
+  size_t Tracked() const override { return small_.size() + main_.size() + parked_; }
+  bool Parked(const EvictionHook& hook) const override {
+    return hook.queue == kParkedSmall || hook.queue == kParkedMain;
+  }
+  size_t MemoryBytes() const override { return ghost_.MemoryBytes(); }
+  absl::Status CheckConsistency() const override;
+
+  // For tests: the MRU expert's share of the draws, and the queue sizes.
+  double mru_weight() const { return mru_weight_; }
+  size_t small_size() const { return small_.size(); }
+  size_t main_size() const { return main_.size(); }
+
+ private:
+  // EvictionHook::queue values.
+  static constexpr uint8_t kSmall = 1;
+  static constexpr uint8_t kMain = 2;
+  static constexpr uint8_t kParkedSmall = 3;
+  static constexpr uint8_t kParkedMain = 4;
+  // Ghost payload bits: which expert evicted the page, and whether it left from S.
+  static constexpr uint8_t kByMru = 1;
+  static constexpr uint8_t kFromSmall = 2;
+
+  // The MRU expert's victim, or nullptr.
+  EvictionHook* NewestEvictable(const EvictionCandidates& candidates);
+  // The queues' victim (S3-FIFO), or nullptr; parks what it cannot take.
+  EvictionHook* QueuesVictim(const EvictionCandidates& candidates, bool* from_small);
+  // A mistake of the expert that evicted a page `age` evictions ago.
+  void Regret(bool by_mru, uint32_t age);
+  void Park(EvictionHook* h, HookList& from, uint8_t parked_queue);
+  // A uniform draw in [0, 1) from the policy's own sequence.
+  double Draw();
+
+  HookList small_;
+  HookList main_;
+  size_t parked_ = 0;
+  size_t peak_tracked_ = 0;
+  GhostFifo ghost_;          // Every eviction, for peak_tracked_ evictions.
+  double mru_weight_ = 0.5;  // The queues' weight is 1 - mru_weight_.
+  uint64_t draws_ = 0;
+};
+
+}  // namespace kvcellar::core
+
+#endif  // KVCELLAR_CORE_ADAPTIVE_POLICY_H_
