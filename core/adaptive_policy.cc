@@ -16,8 +16,7 @@ void AdaptivePolicy::OnInsert(EvictionHook* hook, uint64_t fingerprint) {
     Regret((back->payload & kByMru) != 0, back->age);
     to_main = (back->payload & kFromSmall) != 0;  // S3-FIFO: back from S's ghost into M.
   }
-  hook->queue = to_main ? kMain : kSmall;
-  (to_main ? main_ : small_).PushHead(hook);
+  queues_.Insert(hook, to_main);
   peak_tracked_ = std::max(peak_tracked_, Tracked());
 }
 
@@ -32,49 +31,11 @@ void AdaptivePolicy::Regret(bool by_mru, uint32_t age) {
 
 void AdaptivePolicy::OnAccess(EvictionHook* hook) {
   if (hook->freq < kMaxFreq) ++hook->freq;
-  HookList* queue = hook->queue == kSmall ? &small_ : hook->queue == kMain ? &main_ : nullptr;
+  HookList* queue = queues_.QueueOf(*hook);
   if (queue != nullptr && queue->head() != hook) {
     queue->Remove(hook);
     queue->PushHead(hook);
   }
-}
-
-void AdaptivePolicy::OnEligible(EvictionHook* hook) {
-  // A parked page was its queue's candidate: back to that tail, where its hits decide.
-  if (hook->queue == kParkedSmall) {
-    --parked_;
-    hook->queue = kSmall;
-    small_.PushTail(hook);
-  } else if (hook->queue == kParkedMain) {
-    --parked_;
-    hook->queue = kMain;
-    main_.PushTail(hook);
-  }
-}
-
-void AdaptivePolicy::OnRemove(EvictionHook* hook) {
-  switch (hook->queue) {
-    case kSmall:
-      small_.Remove(hook);
-      break;
-    case kMain:
-      main_.Remove(hook);
-      break;
-    case kParkedSmall:
-    case kParkedMain:
-      --parked_;
-      break;
-    default:
-      break;
-  }
-  hook->queue = 0;
-  hook->freq = 0;
-}
-
-void AdaptivePolicy::Park(EvictionHook* h, HookList& from, uint8_t parked_queue) {
-  from.Remove(h);
-  h->queue = parked_queue;
-  ++parked_;
 }
 
 double AdaptivePolicy::Draw() {
@@ -82,7 +43,7 @@ double AdaptivePolicy::Draw() {
 }
 
 EvictionHook* AdaptivePolicy::NewestEvictable(const EvictionCandidates& candidates) {
-  for (HookList* queue : {&small_, &main_}) {
+  for (HookList* queue : {&queues_.small(), &queues_.main()}) {
     size_t seen = 0;
     for (EvictionHook* h = queue->head(); h != nullptr && seen < kMruScan; h = h->next, ++seen) {
       if (!candidates.Evictable(*h)) continue;
@@ -93,56 +54,18 @@ EvictionHook* AdaptivePolicy::NewestEvictable(const EvictionCandidates& candidat
   return nullptr;
 }
 
-EvictionHook* AdaptivePolicy::QueuesVictim(const EvictionCandidates& candidates, bool* from_small) {
-  // Each iteration moves a page S->M (once per insertion), spends one hit of a page in M, parks
-  // a page, or returns: the loop is bounded by insertions + hits + parks.
-  for (;;) {
-    const size_t queued = small_.size() + main_.size();
-    *from_small =
-        !small_.empty() && (main_.empty() || small_.size() * 100 >= queued * kSmallPercent);
-    if (*from_small) {
-      EvictionHook* h = small_.tail();
-      if (h->freq >= kPromoteFreq) {
-        small_.Remove(h);
-        h->freq = 0;
-        h->queue = kMain;
-        main_.PushHead(h);
-        continue;
-      }
-      if (!candidates.Evictable(*h)) {
-        Park(h, small_, kParkedSmall);
-        continue;
-      }
-      small_.Remove(h);
-      return h;
-    }
-    if (main_.empty()) return nullptr;
-    EvictionHook* h = main_.tail();
-    if (h->freq > 0) {
-      main_.Remove(h);
-      --h->freq;
-      main_.PushHead(h);
-      continue;
-    }
-    if (!candidates.Evictable(*h)) {
-      Park(h, main_, kParkedMain);
-      continue;
-    }
-    main_.Remove(h);
-    return h;
-  }
-}
-
 EvictionHook* AdaptivePolicy::PickVictim(const EvictionCandidates& candidates) {
   EvictionHook* victim = nullptr;
   uint8_t payload = 0;
   if (Draw() < mru_weight_) {
     victim = NewestEvictable(candidates);
-    if (victim != nullptr) payload = kByMru | (victim->queue == kSmall ? kFromSmall : 0);
+    if (victim != nullptr) {
+      payload = kByMru | (victim->queue == S3FifoQueues::kSmall ? kFromSmall : 0);
+    }
   }
   if (victim == nullptr) {
     bool from_small = false;
-    victim = QueuesVictim(candidates, &from_small);
+    victim = queues_.Victim(candidates, &from_small);
     if (victim == nullptr) return nullptr;
     payload = from_small ? kFromSmall : 0;
   }
@@ -153,8 +76,7 @@ EvictionHook* AdaptivePolicy::PickVictim(const EvictionCandidates& candidates) {
 }
 
 absl::Status AdaptivePolicy::CheckConsistency() const {
-  if (absl::Status s = small_.Check(kSmall, "adaptive small"); !s.ok()) return s;
-  if (absl::Status s = main_.Check(kMain, "adaptive main"); !s.ok()) return s;
+  if (absl::Status s = queues_.Check("adaptive", kMaxFreq); !s.ok()) return s;
   if (!(mru_weight_ >= kMinWeight && mru_weight_ <= 1.0 - kMinWeight)) {
     return absl::InternalError(absl::StrCat("adaptive: MRU weight ", mru_weight_, " out of range"));
   }

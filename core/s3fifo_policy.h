@@ -24,20 +24,18 @@
 
 #include "core/eviction_policy.h"
 #include "core/ghost_fifo.h"
+#include "core/s3fifo_queues.h"
 
 namespace kvcellar::core {
 
 class S3FifoPolicy final : public EvictionPolicy {
  public:
-  // The paper's small-queue share: S holds 10% of the pages.
-  static constexpr size_t kSmallPercent = 10;
+  static constexpr size_t kSmallPercent = S3FifoQueues::kSmallPercent;
   // The paper's ghost size: as many entries as M, i.e. 90% of the pages.
   static constexpr size_t kGhostPercent = 90;
   // Frequency cap: a 2-bit counter in the paper.
   static constexpr uint8_t kMaxFreq = 3;
-  // Hits needed at the tail of S to move to M ("freq > 1" in the paper's Algorithm 1,
-  // move-to-main-threshold=2 in libCacheSim).
-  static constexpr uint8_t kPromoteFreq = 2;
+  static constexpr uint8_t kPromoteFreq = S3FifoQueues::kPromoteFreq;
 
   S3FifoPolicy() = default;
   S3FifoPolicy(const S3FifoPolicy&) = delete;
@@ -46,35 +44,23 @@ class S3FifoPolicy final : public EvictionPolicy {
   absl::string_view Name() const override { return "s3fifo"; }
   void OnInsert(EvictionHook* hook, uint64_t fingerprint) override;
   void OnAccess(EvictionHook* hook) override;
-  void OnEligible(EvictionHook* hook) override;
-  void OnRemove(EvictionHook* hook) override;
+  void OnEligible(EvictionHook* hook) override { queues_.OnEligible(hook); }
+  void OnRemove(EvictionHook* hook) override { queues_.OnRemove(hook); }
   EvictionHook* PickVictim(const EvictionCandidates& candidates) override;
 
-  size_t Tracked() const override { return small_.size() + main_.size() + parked_; }
-  bool Parked(const EvictionHook& hook) const override {
-    return hook.queue == kParkedSmall || hook.queue == kParkedMain;
-  }
-  size_t MemoryBytes() const override;
+  size_t Tracked() const override { return queues_.Tracked(); }
+  bool Parked(const EvictionHook& hook) const override { return S3FifoQueues::Parked(hook); }
+  size_t MemoryBytes() const override { return ghost_.MemoryBytes(); }
   absl::Status CheckConsistency() const override;
 
   // For tests: queue sizes and ghost size.
-  size_t small_size() const { return small_.size(); }
-  size_t main_size() const { return main_.size(); }
+  size_t small_size() const { return queues_.small().size(); }
+  size_t main_size() const { return queues_.main().size(); }
   // Entries still young enough to count (O(table); for tests).
   size_t ghost_size() const { return ghost_.Size(); }
 
  private:
-  // EvictionHook::queue values.
-  static constexpr uint8_t kSmall = 1;
-  static constexpr uint8_t kMain = 2;
-  static constexpr uint8_t kParkedSmall = 3;
-  static constexpr uint8_t kParkedMain = 4;
-
-  void Park(EvictionHook* h, HookList& from, uint8_t parked_queue);
-
-  HookList small_;
-  HookList main_;
-  size_t parked_ = 0;
+  S3FifoQueues queues_;
   size_t peak_tracked_ = 0;
   GhostFifo ghost_;  // Pages evicted from S; holds 90% of peak tracked (kGhostPercent).
 };
