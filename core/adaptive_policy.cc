@@ -30,7 +30,7 @@ void AdaptivePolicy::Regret(bool by_mru, uint32_t age) {
 }
 
 void AdaptivePolicy::OnAccess(EvictionHook* hook) {
-  if (hook->freq < kMaxFreq) ++hook->freq;
+  S3FifoQueues::CountHit(hook);
   HookList* queue = queues_.QueueOf(*hook);
   if (queue != nullptr && queue->head() != hook) {
     queue->Remove(hook);
@@ -76,7 +76,7 @@ EvictionHook* AdaptivePolicy::PickVictim(const EvictionCandidates& candidates) {
 }
 
 absl::Status AdaptivePolicy::CheckConsistency() const {
-  if (absl::Status s = queues_.Check("adaptive", kMaxFreq); !s.ok()) return s;
+  if (absl::Status s = queues_.Check("adaptive"); !s.ok()) return s;
   if (!(mru_weight_ >= kMinWeight && mru_weight_ <= 1.0 - kMinWeight)) {
     return absl::InternalError(absl::StrCat("adaptive: MRU weight ", mru_weight_, " out of range"));
   }

@@ -37,8 +37,6 @@ namespace kvcellar::core {
 
 class AdaptivePolicy final : public EvictionPolicy {
  public:
-  // S3-FIFO's frequency cap (s3fifo_policy.h).
-  static constexpr uint8_t kMaxFreq = 3;
   // LeCaR's learning rate: 0.45 in the paper; of 0.01, 0.03 and 0.1 on tests/bench/eviction's
   // shapes, 0.03 did best overall (multi-turn at history / 2: 0.578 against 0.559 and 0.556).
   static constexpr double kLearningRate = 0.03;

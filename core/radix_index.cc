@@ -978,8 +978,8 @@ uint8_t RadixIndex::PageTiers(const Node* n, ShardMask mask) const {
 
 void RadixIndex::EmitL3(IndexEvent::Kind kind, const Node* n, uint16_t shard, uint8_t tier) {
   if (sink_ == nullptr) return;
-  const ShardMask scope = hybrid_ ? GroupMask(GroupOf(shard)) : ~ShardMask{0};
-  if ((PageTiers(n, scope) >> tier & 1) != 0) return;  // Another copy there still speaks for it.
+  if ((PageTiers(n, GroupMask(GroupOf(shard))) >> tier & 1) != 0)
+    return;  // Another copy there still speaks for it.
   Emit(kind, static_cast<int8_t>(tier), n, hybrid_ ? static_cast<int16_t>(GroupOf(shard)) : -1);
 }
 
@@ -1013,7 +1013,7 @@ void RadixIndex::DropCopies(Node* n, std::vector<ReleasedObject>* released) {
   // Per group (the page as a whole without groups): the tiers whose copies go.
   absl::InlinedVector<uint8_t, 4> tiers(groups_.size(), 0);
   for (size_t g = 0; sink_ != nullptr && g < groups_.size(); ++g) {
-    tiers[g] = PageTiers(n, hybrid_ ? GroupMask(g) : ~ShardMask{0});
+    tiers[g] = PageTiers(n, GroupMask(g));
   }
   ShardState* shards = n->shards();
   for (int s = 0; s < shards_per_page_; ++s) {

@@ -526,8 +526,7 @@ class RadixIndex {
   void EmitL2(IndexEvent::Kind kind, const Node* n, ShardMask before, ShardMask after)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Bit t: some shard of n in `shards` has a copy in L3 tier t.
-  uint8_t PageTiers(const Node* n, ShardMask shards = ~ShardMask{0}) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  uint8_t PageTiers(const Node* n, ShardMask shards) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The KV group object `shard` belongs to (0 without groups).
   size_t GroupOf(uint16_t shard) const {
     return shard / (shards_per_page_ / static_cast<int>(groups_.size()));
@@ -542,7 +541,7 @@ class RadixIndex {
   // Match for an index with groups: the walk, the boundary rule, the access and the pin.
   MatchResult MatchGroupsLocked(absl::Span<const PageKey> keys, const MatchOptions& options)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The objects of group g.
+  // The objects of group g (every object of a page without groups).
   ShardMask GroupMask(size_t g) const;
   // The end of every Match: scratch_ holds the L2 hit's pages (result->l2_pages of them); counts
   // them as an access for the policy and pins them under options.pin when given.

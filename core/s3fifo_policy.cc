@@ -11,9 +11,7 @@ void S3FifoPolicy::OnInsert(EvictionHook* hook, uint64_t fingerprint) {
   peak_tracked_ = std::max(peak_tracked_, Tracked());
 }
 
-void S3FifoPolicy::OnAccess(EvictionHook* hook) {
-  if (hook->freq < kMaxFreq) ++hook->freq;
-}
+void S3FifoPolicy::OnAccess(EvictionHook* hook) { S3FifoQueues::CountHit(hook); }
 
 EvictionHook* S3FifoPolicy::PickVictim(const EvictionCandidates& candidates) {
   bool from_small = false;
@@ -29,7 +27,7 @@ EvictionHook* S3FifoPolicy::PickVictim(const EvictionCandidates& candidates) {
 }
 
 absl::Status S3FifoPolicy::CheckConsistency() const {
-  if (absl::Status s = queues_.Check("s3fifo", kMaxFreq); !s.ok()) return s;
+  if (absl::Status s = queues_.Check("s3fifo"); !s.ok()) return s;
   return ghost_.Check();
 }
 

@@ -33,8 +33,7 @@ class S3FifoPolicy final : public EvictionPolicy {
   static constexpr size_t kSmallPercent = S3FifoQueues::kSmallPercent;
   // The paper's ghost size: as many entries as M, i.e. 90% of the pages.
   static constexpr size_t kGhostPercent = 90;
-  // Frequency cap: a 2-bit counter in the paper.
-  static constexpr uint8_t kMaxFreq = 3;
+  static constexpr uint8_t kMaxFreq = S3FifoQueues::kMaxFreq;
   static constexpr uint8_t kPromoteFreq = S3FifoQueues::kPromoteFreq;
 
   S3FifoPolicy() = default;

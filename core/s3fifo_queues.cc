@@ -85,12 +85,12 @@ EvictionHook* S3FifoQueues::Victim(const EvictionCandidates& candidates, bool* f
   }
 }
 
-absl::Status S3FifoQueues::Check(absl::string_view name, uint8_t max_freq) const {
+absl::Status S3FifoQueues::Check(absl::string_view name) const {
   if (absl::Status s = small_.Check(kSmall, absl::StrCat(name, " small")); !s.ok()) return s;
   if (absl::Status s = main_.Check(kMain, absl::StrCat(name, " main")); !s.ok()) return s;
   for (const HookList* q : {&small_, &main_}) {
     for (const EvictionHook* h = q->head(); h != nullptr; h = h->next) {
-      if (h->freq > max_freq) return absl::InternalError(absl::StrCat(name, ": freq above cap"));
+      if (h->freq > kMaxFreq) return absl::InternalError(absl::StrCat(name, ": freq above cap"));
     }
   }
   return absl::OkStatus();

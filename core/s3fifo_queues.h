@@ -3,7 +3,8 @@
 // adds the ghost that sends returning pages to M) and AdaptivePolicy (which adds recency order and
 // an MRU expert).
 //
-// A hook's `queue` is one of the values below; `freq` counts hits (capped by the owner at 3).
+// A hook's `queue` is one of the values below; `freq` counts hits, capped at kMaxFreq by the owner
+// (CountHit).
 // The victim: from S while it holds at least 10% of the queued pages, else from M. At the tail of
 // S, a page hit at least kPromoteFreq times moves to M, else it is the victim; at the tail of M, a
 // page with freq > 0 goes back to the head with freq - 1, else it is the victim. An ineligible
@@ -26,6 +27,8 @@ class S3FifoQueues {
  public:
   // The paper's small-queue share: S holds 10% of the pages.
   static constexpr size_t kSmallPercent = 10;
+  // Frequency cap: a 2-bit counter in the paper.
+  static constexpr uint8_t kMaxFreq = 3;
   // Hits needed at the tail of S to move to M ("freq > 1" in the paper's Algorithm 1,
   // move-to-main-threshold=2 in libCacheSim).
   static constexpr uint8_t kPromoteFreq = 2;
@@ -55,8 +58,12 @@ class S3FifoQueues {
   static bool Parked(const EvictionHook& hook) {
     return hook.queue == kParkedSmall || hook.queue == kParkedMain;
   }
-  // Checks both queues' links, counts and frequencies (at most `max_freq`).
-  absl::Status Check(absl::string_view name, uint8_t max_freq) const;
+  // A hit on `hook`: its count, up to kMaxFreq.
+  static void CountHit(EvictionHook* hook) {
+    if (hook->freq < kMaxFreq) ++hook->freq;
+  }
+  // Checks both queues' links, counts and frequencies (at most kMaxFreq).
+  absl::Status Check(absl::string_view name) const;
 
  private:
   void Park(EvictionHook* h, HookList& from, uint8_t parked_queue);

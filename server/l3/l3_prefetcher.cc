@@ -250,7 +250,7 @@ uint32_t L3Prefetcher::PlanChain(const PrefetchChain& chain, Plan& plan, Fetch& 
     plan.statuses.push_back(v1::PAGE_STATUS_SKIPPED);
     if (stopped) continue;
     const core::PageKey& key = chain.keys[i];
-    const PageState state = Inspect(plan, key);
+    const PageState state = Inspect(*plan.index, plan.shards, key);
     if (i == 0 && !chain.parent_known) {
       if (!state.info.has_value()) {
         plan.statuses[flat] = v1::PAGE_STATUS_MISS;
@@ -311,13 +311,13 @@ uint32_t L3Prefetcher::PlanChain(const PrefetchChain& chain, Plan& plan, Fetch& 
   return fetching;
 }
 
-L3Prefetcher::PageState L3Prefetcher::Inspect(const Plan& plan, const core::PageKey& key) const {
+L3Prefetcher::PageState L3Prefetcher::Inspect(const core::RadixIndex& index, int shards,
+                                              const core::PageKey& key) {
   PageState state;
-  state.info = plan.index->Inspect(key);
+  state.info = index.Inspect(key);
   if (!state.info.has_value()) return state;
-  const auto& shards = state.info->shards;
-  for (int s = 0; s < plan.shards && s < static_cast<int>(shards.size()); ++s) {
-    const core::ShardInfo& si = shards[s];
+  for (int s = 0; s < shards && s < static_cast<int>(state.info->shards.size()); ++s) {
+    const core::ShardInfo& si = state.info->shards[s];
     if (si.l2 == core::L2State::kResident) state.committed |= core::ShardMask{1} << s;
     if (si.l2 == core::L2State::kWriting) state.writing |= core::ShardMask{1} << s;
   }
@@ -517,13 +517,7 @@ void L3Prefetcher::Land(Fetch& fetch) {
   for (size_t p = 0; p < fetch.pages.size(); ++p) {
     Fetch::Page& page = fetch.pages[p];
     if (page.tier < 0) {
-      std::optional<core::PageInfo> info = index->Inspect(page.key);
-      core::ShardMask committed = 0;
-      if (info.has_value()) {
-        for (int s = 0; s < shards && s < static_cast<int>(info->shards.size()); ++s) {
-          if (info->shards[s].l2 == core::L2State::kResident) committed |= core::ShardMask{1} << s;
-        }
-      }
+      const core::ShardMask committed = Inspect(*index, shards, page.key).committed;
       finals[p] = (committed & page.need) == page.need ? v1::PAGE_STATUS_OK : v1::PAGE_STATUS_MISS;
     }
     if (finals[p] == v1::PAGE_STATUS_OK && page.pin_id != 0) {

@@ -8,10 +8,9 @@
 //   - one being written into L2 by another op is PENDING: this op reports what became of it
 //     (OK if it landed by the time this op's own reads end, else MISS);
 //   - otherwise each object not in L2 gets an L2 slot (NO_SPACE when none can be had), enters the
-//   index as an
-//     in-flight prefetch write (invisible to Match; PARENT_MISSING when its parent is not indexed)
-//     and is read from the first tier the index says holds it (MISS when none does). Past
-//     storage.max_pending_prefetch_bytes a page is THROTTLED.
+//     index as an in-flight prefetch write (invisible to Match; PARENT_MISSING when its parent is
+//     not indexed) and is read from the first tier the index says holds it (MISS when none
+//     does). Past storage.max_pending_prefetch_bytes a page is THROTTLED.
 // The first page that cannot be fetched ends its chain: the rest are SKIPPED.
 //
 // Reads are checked by the backend (header, key, namespace, CRC32C) before a page is committed,
@@ -115,7 +114,8 @@ class L3Prefetcher {
   // Plans one chain's pages: each page's status, and for those to read a slot per shard, an
   // in-flight entry in the index and a read from its tier. Returns how many pages it fetches.
   uint32_t PlanChain(const PrefetchChain& chain, Plan& plan, Fetch& fetch);
-  PageState Inspect(const Plan& plan, const core::PageKey& key) const;
+  // What `index` says of `key`'s first `shards` shards.
+  static PageState Inspect(const core::RadixIndex& index, int shards, const core::PageKey& key);
   // The tier a page is read from: the one the Match attributed, else the first tier holding
   // every shard read (`tiers_holding`); -1 when none does.
   int ReadTier(int matched_tier, uint8_t tiers_holding) const;

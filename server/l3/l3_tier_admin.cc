@@ -95,9 +95,10 @@ absl::StatusOr<std::vector<L3BackendUsage>> L3TierAdmin::Remove(const L3Scope& s
         refs[i].push_back({key, static_cast<uint32_t>(s)});
         cleared.push_back({key, std::nullopt, static_cast<uint16_t>(s),
                            static_cast<uint8_t>(tiers[i]), false});
+        const uint64_t object_bytes = ns->shard_object_bytes(static_cast<uint16_t>(s));
         ++out[i].objects;
-        out[i].bytes += ns->shard_object_bytes(static_cast<uint16_t>(s));
-        bytes += ns->shard_object_bytes(static_cast<uint16_t>(s));
+        out[i].bytes += object_bytes;
+        bytes += object_bytes;
         page = true;
       }
       out[i].pages += page ? 1 : 0;
