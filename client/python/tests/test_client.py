@@ -20,6 +20,10 @@ BLOCKS = 32
 HEADS, DIM = 2, 8
 
 
+# A hybrid model's groups: full attention, a window of two pages, a recurrent state.
+HYBRID_GROUPS = (KvGroup("full"), KvGroup("window", 2 * P + 1), KvGroup("state"))
+
+
 def make_ns(tp_size=1, layout="mha", **kw):
     return Namespace("test-model", "rev1", "fp32", P, layout=layout, tp_size=tp_size, **kw)
 
@@ -223,7 +227,7 @@ def test_hybrid_groups_reach_an_l3_tier_at_their_own_sizes_and_come_back(
     caches = {f"model.layers.{i}.self_attn": raws[i] for i in range(LAYERS)}
     layout = KvLayout.from_vllm(caches, device=dev, groups=[0, 1, 2])
     layout.group_num_blocks = [BLOCKS] * 3  # three allocations: a block pool per group
-    ns = make_ns(groups=(KvGroup("full"), KvGroup("window", 2 * P + 1), KvGroup("state")))
+    ns = make_ns(groups=HYBRID_GROUPS)
     NO = N.NO_BLOCK
     try:
         client = Client(d.socket, rpc_timeout_ms=2000)
@@ -323,7 +327,7 @@ def test_hybrid_groups_hit_at_a_boundary_every_group_serves_and_survive_a_kill(
     raw = dev.empty((2, BLOCKS, P, HEADS, DIM), torch.float32)
     caches = {f"model.layers.{i}.self_attn": raw for i in range(LAYERS)}
     layout = KvLayout.from_vllm(caches, device=dev, groups=[0, 1, 2])
-    ns = make_ns(groups=(KvGroup("full"), KvGroup("window", 2 * P + 1), KvGroup("state")))
+    ns = make_ns(groups=HYBRID_GROUPS)
     NO = N.NO_BLOCK
     try:
         client = Client(d.socket, rpc_timeout_ms=2000)

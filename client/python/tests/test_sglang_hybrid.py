@@ -256,6 +256,18 @@ def object_bytes(engine):
     return per[0], per[1]
 
 
+def two_nodes(engine, tokens, seed, second_state):
+    """Backs up ``tokens`` as two nodes of 4 pages: the first with its state, the second with its
+    own (``second_state``) or none. Returns (kv1, state1, kv2, state2) slots."""
+    kv1, state1 = engine.write(tokens[:4 * PAGE], seed=seed)
+    saved, hashes = engine.backup(tokens[:4 * PAGE], kv1, state1)
+    assert saved == 4 * PAGE
+    kv2, state2 = engine.write(tokens[4 * PAGE:], seed=seed + 1)
+    side = state2 if second_state else None
+    assert engine.backup(tokens[4 * PAGE:], kv2, side, prefix_keys=hashes)[0] == 4 * PAGE
+    return kv1, state1, kv2, state2
+
+
 # ---- Mamba: the state at the boundary -----------------------------------------------------------
 
 
@@ -298,11 +310,7 @@ def test_mamba_pages_and_the_last_state_come_back_from_a_file_tier(daemon_factor
     kv_obj, state_obj = object_bytes(a)
     assert kv_obj != state_obj
     tokens = tokens_for(9, 8)
-    kv1, state1 = a.write(tokens[:4 * PAGE], seed=9)
-    saved, hashes = a.backup(tokens[:4 * PAGE], kv1, state1)
-    assert saved == 4 * PAGE
-    kv2, state2 = a.write(tokens[4 * PAGE:], seed=10)
-    assert a.backup(tokens[4 * PAGE:], kv2, state2, prefix_keys=hashes)[0] == 4 * PAGE
+    kv1, state1, kv2, state2 = two_nodes(a, tokens, seed=9, second_state=True)
     written = 8 * kv_obj + 2 * state_obj
     deadline = time.monotonic() + 20
     while moved(d, "l2_to_l3") < written:
@@ -330,11 +338,7 @@ def test_a_hit_whose_trailing_state_is_missing_ends_at_the_last_state(daemon, en
     a, b = engines("mamba", daemon.socket), engines("mamba", daemon.socket)
     assert a.active() and b.active()
     tokens = tokens_for(2, 8)
-    kv1, state1 = a.write(tokens[:4 * PAGE], seed=2)
-    saved, hashes = a.backup(tokens[:4 * PAGE], kv1, state1)
-    assert saved == 4 * PAGE
-    kv2, _ = a.write(tokens[4 * PAGE:], seed=3)
-    assert a.backup(tokens[4 * PAGE:], kv2, None, prefix_keys=hashes)[0] == 4 * PAGE
+    kv1, state1, kv2, _ = two_nodes(a, tokens, seed=2, second_state=False)
     # All 8 KV pages are in the daemon; only the boundary after page 4 has a state.
     keys = get_hash_str(tokens, prior_hash=None, page_size=PAGE)
     res = b.backend.batch_exists_v2(keys, [PoolTransfer(PoolName.MAMBA, keys=["x"],
