@@ -103,6 +103,8 @@ struct SessionInfo {
   uint32_t max_batch_pages = 0;
   uint32_t max_batch_sequences = 0;
   uint32_t max_wait_ms = 0;
+  // The daemon's KV events carry each page's tokens: send them in BackupSequence::tokens.
+  bool page_tokens = false;
   std::string daemon_version;
   // The daemon's L3 tiers in lookup order; MatchResult::l3_hit_pages_by_tier is indexed alike.
   std::vector<std::string> l3_tier_names;
@@ -279,6 +281,10 @@ struct BackupSequence {
   absl::Span<const core::PageKey> keys;
   absl::Span<const uint32_t> blocks;  // As LoadSequence::blocks.
   std::string request_id;
+  // The pages' tokens, page_size each, page 0 first; or empty. Sent only to a daemon that wants
+  // them for its KV events (SessionInfo::page_tokens); in a chained namespace they must hash to
+  // `keys`, else the daemon refuses the Backup (INVALID_ARGUMENT).
+  absl::Span<const uint32_t> tokens;
 };
 
 struct BackupOptions {

@@ -25,6 +25,7 @@ struct kvc_client {
 struct kvc_session {
   std::unique_ptr<Session> session;
   size_t blocks_per_page = 1;  // The namespace's KV groups, or 1.
+  size_t page_size = 0;        // Tokens per page.
 };
 
 struct kvc_sim_memory {
@@ -297,9 +298,10 @@ int kvc_register(kvc_client* client, const kvc_registration* r, kvc_session** ou
   reg.replace_existing = r->replace_existing != 0;
   reg.engine_name = Str(r->engine_name);
   const size_t blocks_per_page = reg.ns.NumGroups();
+  const size_t page_size = reg.ns.page_size;
   absl::StatusOr<std::unique_ptr<Session>> s = client->client->Register(std::move(reg));
   if (!s.ok()) return Code(s.status());
-  *out = new kvc_session{*std::move(s), blocks_per_page};
+  *out = new kvc_session{*std::move(s), blocks_per_page, page_size};
   return KVC_OK;
 }
 
@@ -417,6 +419,9 @@ int kvc_backup(kvc_session* session, kvc_backup_seq* seqs, size_t num_seqs,
     if (seqs[i].parent_key != nullptr) {
       in[i].has_parent = true;
       std::memcpy(in[i].parent.bytes.data(), seqs[i].parent_key, KVC_KEY_BYTES);
+    }
+    if (seqs[i].tokens != nullptr) {
+      in[i].tokens = absl::MakeConstSpan(seqs[i].tokens, seqs[i].num_pages * session->page_size);
     }
   }
   kc::BackupOptions bo;

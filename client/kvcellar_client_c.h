@@ -246,6 +246,10 @@ typedef struct {
   /* Out: at submission. */
   uint32_t leading_ok_pages;
   uint8_t* page_status; /* optional */
+  /* In, optional (NULL): the pages' tokens, num_pages * page_size, for the daemon's KV events; sent
+   * only when the daemon wants them (api revision 6). In a chained namespace they must hash to
+   * `keys`, else the Backup fails INVALID_ARGUMENT. */
+  const uint32_t* tokens;
 } kvc_backup_seq;
 
 typedef struct {

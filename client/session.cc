@@ -227,6 +227,8 @@ absl::Status SessionImpl::TryRegister(bool first) {
       info_.max_batch_pages = resp.limits().max_batch_pages();
       info_.max_batch_sequences = resp.limits().max_batch_sequences();
       info_.max_wait_ms = resp.limits().max_wait_ms();
+      info_.page_tokens = resp.limits().page_tokens();
+      page_tokens_.store(info_.page_tokens, std::memory_order_relaxed);
       info_.daemon_version = resp.daemon_version();
       info_.l3_tier_names.assign(resp.l3_tier_names().begin(), resp.l3_tier_names().end());
       last_renewal_ = now;
@@ -717,6 +719,9 @@ OpResult SessionImpl::Backup(absl::Span<const BackupSequence> sequences,
     (reg_.ns.Hybrid() ? ps->mutable_group_blocks() : ps->mutable_device_blocks())
         ->Add(seq.blocks.begin(), seq.blocks.end());
     ps->set_request_id(seq.request_id);
+    if (!seq.tokens.empty() && page_tokens_.load(std::memory_order_relaxed)) {
+      ps->mutable_token_ids()->Add(seq.tokens.begin(), seq.tokens.end());
+    }
   }
   std::optional<Call> call = BeginCall();
   if (!call.has_value()) {

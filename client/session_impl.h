@@ -18,6 +18,7 @@
 #ifndef KVCELLAR_CLIENT_SESSION_IMPL_H_
 #define KVCELLAR_CLIENT_SESSION_IMPL_H_
 
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <string>
@@ -29,9 +30,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/backoff.h"
-#include "client/key_chain_cache.h"
 #include "client/client_core.h"
 #include "client/client_types.h"
+#include "client/key_chain_cache.h"
 #include "client/sim_signals.h"
 #include "kvcellar/v1/cache_service.pb.h"
 
@@ -117,6 +118,8 @@ class SessionImpl {
   mutable absl::CondVar cv_;  // Signalled on every state or generation change.
   SessionState state_ ABSL_GUARDED_BY(mu_) = SessionState::kConnecting;
   SessionInfo info_ ABSL_GUARDED_BY(mu_);
+  // info_.page_tokens, read by Backup without mu_.
+  std::atomic<bool> page_tokens_{false};
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   // Generations <= this have ended. Mutable: a const observer may learn that the lease ran out.
   mutable uint64_t ended_through_ ABSL_GUARDED_BY(mu_) = 0;

@@ -14,6 +14,8 @@
 #define KVCELLAR_CORE_INDEX_EVENTS_H_
 
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "core/page_key.h"
 
@@ -21,6 +23,28 @@ namespace kvcellar::core {
 
 // IndexEvent::medium of L2; 0..kMaxL3Tiers-1 name an L3 tier by its index.
 inline constexpr int8_t kMediumL2 = -1;
+
+// What events say of a page beyond its key (RadixIndex::Label): the tokens it holds, and the
+// engine's own hash of it where the engine keys pages itself (an opaque-key namespace). Immutable
+// once attached, shared by every event of the page.
+struct PageLabel {
+  // vLLM's integer form of the engine's block hash (ExternalBlockHash: the hash's last 8 bytes,
+  // big-endian); meaningful when has_engine_hash.
+  uint64_t engine_hash = 0;
+  bool has_engine_hash = false;
+  std::vector<uint32_t> tokens;  // The page's tokens; empty: not known.
+
+  // Heap bytes of one label, what the index accounts for it.
+  uint64_t MemoryBytes() const { return sizeof(PageLabel) + tokens.capacity() * sizeof(uint32_t); }
+};
+
+// vLLM's integer form of a 32-byte block hash: its last 8 bytes, big-endian
+// (vllm/v1/core/kv_cache_utils.py maybe_convert_block_hash, vLLM 0.33.0).
+inline uint64_t IntBlockHash(const PageKey& key) {
+  uint64_t v = 0;
+  for (size_t i = kPageKeyBytes - 8; i < kPageKeyBytes; ++i) v = v << 8 | key.bytes[i];
+  return v;
+}
 
 struct IndexEvent {
   enum class Kind : uint8_t { kStored, kRemoved };
@@ -30,6 +54,11 @@ struct IndexEvent {
   bool has_parent = false;
   PageKey key;
   PageKey parent;  // Meaningful when has_parent.
+  // kStored: the page's label (nullptr: none), and the integer block hashes of the page and of its
+  // parent (when has_parent): the engine's own where its label has one, else IntBlockHash(key).
+  std::shared_ptr<const PageLabel> label;
+  uint64_t hash = 0;
+  uint64_t parent_hash = 0;
   // The KV group whose objects of the page entered or left the medium, in a namespace of a
   // hybrid model (one event per group); -1 otherwise (the page as a whole).
   int16_t group = -1;

@@ -337,6 +337,12 @@ void RadixIndex::FreeNode(Node* n) {
     if (n->next_sibling != nullptr) n->next_sibling->prev_sibling = n->prev_sibling;
   }
   nodes_.erase(n);
+  if (!labels_.empty()) {
+    if (auto it = labels_.find(n); it != labels_.end()) {
+      label_bytes_ -= LabelBytes(*it->second);
+      labels_.erase(it);
+    }
+  }
   n->~Node();
   slab_->Free(n);
   --counters_.pages;
@@ -960,11 +966,56 @@ void RadixIndex::Emit(IndexEvent::Kind kind, int8_t medium, const Node* n, int16
   event.medium = medium;
   event.group = group;
   event.key = n->key;
+  event.hash = HashOf(n, labels_.empty() ? nullptr : &event.label);
   if (kind == IndexEvent::Kind::kStored && n->parent != nullptr) {
     event.has_parent = true;
     event.parent = n->parent->key;
+    event.parent_hash = HashOf(n->parent, nullptr);
   }
   sink_->OnIndexEvent(event);
+}
+
+uint64_t RadixIndex::HashOf(const Node* n, std::shared_ptr<const PageLabel>* label) const {
+  if (!labels_.empty()) {
+    if (auto it = labels_.find(n); it != labels_.end()) {
+      if (label != nullptr) *label = it->second;
+      if (it->second->has_engine_hash) return it->second->engine_hash;
+    }
+  }
+  return IntBlockHash(n->key);
+}
+
+uint64_t RadixIndex::LabelBytes(const PageLabel& label) {
+  // The map's slot (key and shared_ptr) and the shared_ptr's control block beside the label.
+  return label.MemoryBytes() + sizeof(const Node*) + sizeof(std::shared_ptr<const PageLabel>) + 16;
+}
+
+size_t RadixIndex::Label(absl::Span<const PageKey> keys,
+                         absl::Span<const std::shared_ptr<const PageLabel>> labels,
+                         uint64_t max_label_bytes) {
+  size_t attached = 0;
+  absl::MutexLock lock(&mu_);
+  Cursor cursor;
+  for (size_t i = 0; i < keys.size() && i < labels.size(); ++i) {
+    if (labels[i] == nullptr) continue;
+    Node* n = Seek(cursor, keys[i]);
+    if (n == nullptr) continue;
+    const uint64_t bytes = LabelBytes(*labels[i]);
+    if (max_label_bytes != 0 && label_bytes_ + bytes > max_label_bytes) break;
+    if (labels_.try_emplace(n, labels[i]).second) {
+      label_bytes_ += bytes;
+      ++attached;
+    }
+  }
+  return attached;
+}
+
+std::shared_ptr<const PageLabel> RadixIndex::LabelOf(const PageKey& key) const {
+  absl::ReaderMutexLock lock(&mu_);
+  const Node* n = Find(key);
+  if (n == nullptr) return nullptr;
+  auto it = labels_.find(n);
+  return it == labels_.end() ? nullptr : it->second;
 }
 
 uint8_t RadixIndex::PageTiers(const Node* n, ShardMask mask) const {
@@ -1372,7 +1423,7 @@ std::optional<PageInfo> RadixIndex::Inspect(const PageKey& key) const {
 uint64_t RadixIndex::MemoryBytesLocked() const {
   return sizeof(*this) + slab_->MemoryBytes() + nodes_.capacity() * (sizeof(Node*) + 1) +
          pinned_.capacity() * sizeof(PinRecord) + scratch_.capacity() * sizeof(Node*) +
-         policy_->MemoryBytes();
+         policy_->MemoryBytes() + label_bytes_;
 }
 
 RadixIndexStats RadixIndex::Stats() const {
@@ -1381,6 +1432,8 @@ RadixIndexStats RadixIndex::Stats() const {
   stats.l2_bytes = L2BytesLocked();
   stats.l2_inflight_bytes = counters_.l2_inflight_objects * object_bytes();
   stats.memory_bytes = MemoryBytesLocked();
+  stats.labelled_pages = labels_.size();
+  stats.label_bytes = label_bytes_;
   // pinned_ is dense: O(pinned pages), not O(index).
   for (const PinRecord& r : pinned_) {
     stats.pinned_bytes += std::popcount(r.node->resident | r.node->writing) * object_bytes();

@@ -57,6 +57,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
@@ -254,7 +255,9 @@ struct RadixIndexStats {
   // eviction. Computed by Stats() over the pinned pages.
   uint64_t pinned_bytes = 0;
   uint64_t pins = 0;          // Sum of pin counts over pages and owners.
-  uint64_t memory_bytes = 0;  // Heap memory of the index: nodes, hash set, pins, policy.
+  uint64_t memory_bytes = 0;  // Heap memory of the index: nodes, hash set, pins, policy, labels.
+  uint64_t labelled_pages = 0;  // Pages with a label (RadixIndex::Label).
+  uint64_t label_bytes = 0;     // Their labels' heap bytes, part of memory_bytes.
   // Cumulative.
   uint64_t evicted_pages = 0;
   uint64_t evicted_objects = 0;
@@ -434,6 +437,16 @@ class RadixIndex {
   // (core/index_events.h); nullptr stops. `sink` outlives the index or is reset first.
   void SetEventSink(IndexEventSink* sink) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Attaches labels[i] to the page keys[i] when it is indexed and has none yet (a label is never
+  // replaced: events already sent named it). A label lives as long as its page is indexed, in any
+  // medium. Not attached once the labels' heap bytes would pass `max_label_bytes` (0: no limit);
+  // returns how many were attached.
+  size_t Label(absl::Span<const PageKey> keys,
+               absl::Span<const std::shared_ptr<const PageLabel>> labels, uint64_t max_label_bytes)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The label of `key`, or nullptr.
+  std::shared_ptr<const PageLabel> LabelOf(const PageKey& key) const ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   struct Node;
   struct ShardState;
@@ -521,6 +534,11 @@ class RadixIndex {
   // The sink's events for n: stored (with n's parent) or removed, in `medium`.
   void Emit(IndexEvent::Kind kind, int8_t medium, const Node* n, int16_t group = -1)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // n's integer block hash for events (IndexEvent::hash), and its label into *label if given.
+  uint64_t HashOf(const Node* n, std::shared_ptr<const PageLabel>* label) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // What one label costs the index, in heap bytes.
+  static uint64_t LabelBytes(const PageLabel& label);
   // The L2 events of a change of n's committed objects from `before` to `after`: the page's,
   // or with groups one per group whose objects went from none to some (or some to none).
   void EmitL2(IndexEvent::Kind kind, const Node* n, ShardMask before, ShardMask after)
@@ -575,6 +593,10 @@ class RadixIndex {
   // Counters behind Stats.
   RadixIndexStats counters_ ABSL_GUARDED_BY(mu_);
   IndexEventSink* sink_ ABSL_GUARDED_BY(mu_) = nullptr;
+  // Labels of the pages that have one, and their heap bytes (PageLabel::MemoryBytes plus the
+  // map's share): only where engines send what events say of their pages.
+  absl::flat_hash_map<const Node*, std::shared_ptr<const PageLabel>> labels_ ABSL_GUARDED_BY(mu_);
+  uint64_t label_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kvcellar::core

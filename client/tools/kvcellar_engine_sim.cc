@@ -302,9 +302,11 @@ struct Engine {
   // pattern of `seed`. ready: "late" fills after the Backup call and then publishes the ready
   // token (the daemon must wait for it), "early" fills and publishes first, "none" fills and
   // sends no ready signal.
+  // `tokens`: the sequence's tokens from page 0 (sent for the daemon's events when it wants
+  // them), or empty.
   kc::OpResult Backup(const std::vector<core::PageKey>& keys, size_t from,
                       const std::vector<uint32_t>& blocks, uint64_t seed, const std::string& ready,
-                      kc::OpResult* submitted) {
+                      kc::OpResult* submitted, absl::Span<const uint32_t> tokens = {}) {
     const uint32_t sh = shard();
     auto fill = [&] {
       for (size_t i = from; i < keys.size(); ++i)
@@ -317,6 +319,7 @@ struct Engine {
     }
     seq.keys = absl::MakeConstSpan(keys).subspan(from);
     seq.blocks = blocks;
+    if (!tokens.empty()) seq.tokens = tokens.subspan(from * page_size, seq.keys.size() * page_size);
     kc::BackupOptions opts;
     opts.write_policy = write_policy;
     const bool signals = sim->has_signals() && sim->signals().num_ready_slots() > 0;
@@ -429,10 +432,10 @@ int CmdBackup(Engine& e, Flags& f) {
     std::fprintf(stderr, "blocks [%u, %lu) exceed --blocks\n", first, first + pages);
     return kExitUsage;
   }
-  const std::vector<core::PageKey> keys =
-      e.session->ComputeKeys(Tokens(tseed, 0, pages * e.page_size));
+  const std::vector<uint32_t> tokens = Tokens(tseed, 0, pages * e.page_size);
+  const std::vector<core::PageKey> keys = e.session->ComputeKeys(tokens);
   kc::OpResult submitted;
-  kc::OpResult r = e.Backup(keys, 0, Range(first, pages), seed, ready, &submitted);
+  kc::OpResult r = e.Backup(keys, 0, Range(first, pages), seed, ready, &submitted, tokens);
   const uint32_t stored = r.usable_pages(0);
   Json j;
   j.Str("cmd", "backup")
@@ -756,7 +759,8 @@ int CmdRandom(Engine& e, Flags& f) {
       // "Compute" the rest and back it up, as the engine does after the forward pass.
       const std::vector<uint32_t> bblocks(blocks.begin() + have, blocks.end());
       static const char* kReady[] = {"late", "early", "none"};
-      kc::OpResult r = e.Backup(keys, have, bblocks, seed, kReady[(*choose)() % 3], nullptr);
+      kc::OpResult r =
+          e.Backup(keys, have, bblocks, seed, kReady[(*choose)() % 3], nullptr, tokens);
       backup_pages += n - have;
       stored_pages += r.usable_pages(0);
       if (gen > 1) stored_after_reconnect += r.usable_pages(0);

@@ -18,6 +18,9 @@ CacheLimits CacheLimits::FromConfig(const Config& config) {
   l.max_regions = core::kMaxRegions;
   l.lease_ms = static_cast<uint32_t>(config.sessions.lease_ms);
   l.heartbeat_interval_ms = std::max<uint32_t>(1, l.lease_ms / kHeartbeatsPerLease);
+  l.page_tokens = config.events.page_tokens && !config.events.endpoint.empty();
+  l.max_token_bytes = config.events.max_token_bytes;
+  l.label_pages = !config.events.endpoint.empty();
   return l;
 }
 
@@ -35,6 +38,7 @@ void CacheLimits::ToProto(v1::ServerLimits* out) const {
   out->set_max_layers(max_layers);
   out->set_max_regions(max_regions);
   out->set_group_match_window_ms(group_match_window_ms);
+  out->set_page_tokens(page_tokens);
 }
 
 uint32_t CacheLimits::PinLeaseMs(uint32_t requested) const {

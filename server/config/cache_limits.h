@@ -53,6 +53,13 @@ struct CacheLimits {
   uint32_t max_layers = 0;
   uint32_t max_regions = 0;
   uint32_t group_match_window_ms = kGroupMatchWindowMs;
+  // Backup's token_ids are kept for the events (events.endpoint set and events.page_tokens), up
+  // to max_token_bytes per namespace.
+  bool page_tokens = false;
+  uint64_t max_token_bytes = 0;
+  // Events publish (events.endpoint set): a Backup labels its pages with what events say of
+  // them (core::PageLabel: tokens, an opaque-key engine's own hash).
+  bool label_pages = false;
 
   // Session lease and heartbeat interval (sessions.lease_ms).
   uint32_t lease_ms = 0;

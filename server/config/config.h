@@ -154,6 +154,14 @@ struct EventsConfig {
   int64_t hwm = 0;              // ZMQ send high-water mark of the PUB socket.
   int64_t max_queue_size = 0;   // Events waiting for the publisher; more are dropped.
   int64_t batch_interval_ms = 0;
+  // Block hashes as vLLM publishes them by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1), or
+  // as 32-byte keys.
+  enum class BlockHashes : uint8_t { kInt, kBytes };
+  BlockHashes block_hashes = BlockHashes::kInt;
+  // Whether engines are asked for each page's tokens (BackupSequence.token_ids) while events
+  // publish, and the most bytes the index of one namespace keeps for them.
+  bool page_tokens = true;
+  uint64_t max_token_bytes = 0;
   bool operator==(const EventsConfig&) const = default;
 };
 

@@ -580,6 +580,18 @@ std::vector<KeySpec> SchemaTable() {
              "the next batch's sequence number skips one)."),
       DurationKey(KVC_FIELD(events, batch_interval_ms), "10", 1, 10'000,
                   "How often queued events are published as batches."),
+      ChoiceKey(KVC_ENUM(events, block_hashes), "int", {"int", "bytes"},
+                "Block hashes in events: int, vLLM's default (the hash's last 8 bytes, "
+                "big-endian; an engine's own hash where it keys pages itself), or bytes (the "
+                "32-byte page keys)."),
+      BoolKey(KVC_FIELD(events, page_tokens), "true",
+              "While events publish (events.endpoint), engines send each backed-up page's "
+              "tokens and BlockStored events carry them (token_ids), as routers that hash "
+              "tokens need."),
+      SizeKey(KVC_FIELD(events, max_token_bytes), "1GiB", {.min = 0, .max = 1 * kTiB},
+              "Memory one namespace's index keeps for its pages' tokens at most (about 100 B "
+              "plus 4 B per token per page); pages past it are announced without tokens. 0 = no "
+              "limit."),
   };
 }
 

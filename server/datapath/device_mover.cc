@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
+#include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -517,6 +519,7 @@ absl::StatusOr<std::shared_ptr<OpRecord>> DeviceMover::Backup(
   std::vector<absl::Status> begun(batch.requests.size());
   if (!batch.requests.empty()) batch.index->BeginWrite(batch.requests, absl::MakeSpan(begun));
   SettlePages(batch, begun);
+  if (limits_->label_pages) LabelPages(batch, request);
 
   const auto copy_start = std::chrono::steady_clock::now();
   if (absl::Status submitted = SubmitBackupCopy(batch, request); !submitted.ok()) {
@@ -552,6 +555,37 @@ void DeviceMover::BackupKeys(BackupBatch& batch, const v1::BackupRequest& reques
             ? std::nullopt
             : std::optional<core::PageKey>(batch.ns.IndexKey(seq.parent_key().data())));
   }
+}
+
+void DeviceMover::LabelPages(BackupBatch& batch, const v1::BackupRequest& request) {
+  // Before the copies are submitted: a page's first L2 event (at its commit) already has them.
+  const bool opaque = batch.ns.spec().opaque_keys;
+  const uint32_t page_size = batch.ns.spec().page_size;
+  std::vector<std::shared_ptr<const core::PageLabel>> labels(batch.n);
+  bool any = false;
+  uint32_t p = 0;
+  for (const v1::BackupSequence& seq : request.sequences()) {
+    const uint32_t pages = static_cast<uint32_t>(seq.page_keys().size() / core::kPageKeyBytes);
+    const bool tokens = seq.token_ids_size() > 0;
+    for (uint32_t i = 0; i < pages && (tokens || opaque); ++i, ++p) {
+      auto label = std::make_shared<core::PageLabel>();
+      if (tokens) {
+        const auto* first = seq.token_ids().data() + size_t{i} * page_size;
+        label->tokens.assign(first, first + page_size);
+      }
+      if (opaque) {
+        core::PageKey engine_key;
+        std::memcpy(engine_key.bytes.data(),
+                    seq.page_keys().data() + size_t{i} * core::kPageKeyBytes, core::kPageKeyBytes);
+        label->engine_hash = core::IntBlockHash(engine_key);
+        label->has_engine_hash = true;
+      }
+      labels[p] = std::move(label);
+      any = true;
+    }
+    if (!tokens && !opaque) p += pages;
+  }
+  if (any) batch.index->Label(batch.keys, labels, limits_->max_token_bytes);
 }
 
 void DeviceMover::FindPresent(BackupBatch& batch) {

@@ -73,6 +73,9 @@ class DeviceMover {
   void BackupKeys(BackupBatch& batch, const v1::BackupRequest& request);
   // The objects committed already: not copied again.
   void FindPresent(BackupBatch& batch);
+  // While events publish: each page's label (its tokens, an opaque-key engine's own hash), kept
+  // by the index for the page's events (limits_->max_token_bytes per namespace).
+  void LabelPages(BackupBatch& batch, const v1::BackupRequest& request);
   // An L2 slot for each object to store, evicting if need be; a sequence stops at its first
   // object without one.
   void AllocateSlots(BackupBatch& batch);

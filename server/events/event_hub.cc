@@ -295,9 +295,13 @@ void EventHub::Flush() {
                                    : KvEvent::Kind::kBlockRemoved;
     const std::string& medium = media_[static_cast<size_t>(e.medium + 1)];
     KvEvent* last = events.empty() ? nullptr : &events.back();
+    // A stored event's token_ids cover all its pages or none.
+    const bool tokens =
+        kind == KvEvent::Kind::kBlockStored && e.label != nullptr && !e.label->tokens.empty();
     const bool extends =
         last != nullptr && last->kind == kind && last->medium == medium && last->group == e.group &&
-        (kind == KvEvent::Kind::kBlockRemoved || (e.has_parent && last->keys.back() == e.parent));
+        (kind == KvEvent::Kind::kBlockRemoved ||
+         (e.has_parent && last->keys.back() == e.parent && last->token_ids.empty() != tokens));
     if (!extends) {
       KvEvent ev;
       ev.kind = kind;
@@ -305,7 +309,10 @@ void EventHub::Flush() {
       ev.locality = locality_[static_cast<size_t>(e.medium + 1)];
       ev.group = e.group;
       if (kind == KvEvent::Kind::kBlockStored) {
-        if (e.has_parent) ev.parent = e.parent;
+        if (e.has_parent) {
+          ev.parent = e.parent;
+          ev.parent_hash = e.parent_hash;
+        }
         ev.block_size = sink->block_size();
         if (e.group >= 0 && static_cast<size_t>(e.group) < sink->groups().size()) {
           ev.group_kind = sink->groups()[e.group].kind;
@@ -316,11 +323,15 @@ void EventHub::Flush() {
       last = &events.back();
     }
     last->keys.push_back(e.key);
+    last->hashes.push_back(e.hash);
+    if (tokens) {
+      last->token_ids.insert(last->token_ids.end(), e.label->tokens.begin(), e.label->tokens.end());
+    }
     ++builder.keys;
   }
   for (const NamespaceSink* sink : order) {
     for (std::shared_ptr<KvEventBatch>& b : batches[sink].list) {
-      b->payload = EncodeKvEventBatch(b->ts, b->events);
+      b->payload = EncodeKvEventBatch(b->ts, b->events, options_.int_hashes);
       Publish(std::move(b));
     }
   }

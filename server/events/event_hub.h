@@ -56,6 +56,7 @@ struct EventHubOptions {
   int64_t hwm = 100'000;
   int64_t max_queue_size = 100'000;
   absl::Duration batch_interval = absl::Milliseconds(10);
+  bool int_hashes = true;  // Block hashes as vLLM's integers (events.block_hashes).
   // The L3 tiers, in lookup order.
   struct L3Tier {
     std::string name;

@@ -3,6 +3,8 @@
 // msgpack-cxx 4.1 (Debian 12's libmsgpack-cxx-dev), packer only; no Boost-dependent adaptors.
 #include <msgpack.hpp>
 
+#include "core/index_events.h"
+
 namespace kvcellar::server {
 namespace {
 
@@ -18,9 +20,15 @@ void PackKey(Packer& p, const core::PageKey& key) {
   p.pack_bin_body(reinterpret_cast<const char*>(key.bytes.data()), core::kPageKeyBytes);
 }
 
-void PackKeys(Packer& p, const std::vector<core::PageKey>& keys) {
-  p.pack_array(static_cast<uint32_t>(keys.size()));
-  for (const core::PageKey& k : keys) PackKey(p, k);
+void PackHashes(Packer& p, const KvEvent& e, bool int_hashes) {
+  p.pack_array(static_cast<uint32_t>(e.keys.size()));
+  for (size_t i = 0; i < e.keys.size(); ++i) {
+    if (int_hashes) {
+      p.pack_uint64(i < e.hashes.size() ? e.hashes[i] : core::IntBlockHash(e.keys[i]));
+    } else {
+      PackKey(p, e.keys[i]);
+    }
+  }
 }
 
 // vLLM 0.33's KVCacheSpecKind values (vllm/v1/kv_cache_interface.py) for our group kinds.
@@ -36,7 +44,7 @@ std::string_view SpecKind(core::GroupKind kind) {
   return "full_attention";
 }
 
-void PackEvent(Packer& p, const KvEvent& e) {
+void PackEvent(Packer& p, const KvEvent& e, bool int_hashes) {
   const bool locality = !e.locality.empty();
   // A hybrid model's events name their group (vLLM 0.32/0.33 KVCacheEvent fields group_idx,
   // kv_cache_spec_kind, kv_cache_spec_sliding_window; omitted when None, as msgspec does with
@@ -49,15 +57,18 @@ void PackEvent(Packer& p, const KvEvent& e) {
       PackStr(p, "type");
       PackStr(p, "BlockStored");
       PackStr(p, "block_hashes");
-      PackKeys(p, e.keys);
+      PackHashes(p, e, int_hashes);
       PackStr(p, "parent_block_hash");
-      if (e.parent.has_value()) {
-        PackKey(p, *e.parent);
-      } else {
+      if (!e.parent.has_value()) {
         p.pack_nil();
+      } else if (int_hashes) {
+        p.pack_uint64(e.parent_hash);
+      } else {
+        PackKey(p, *e.parent);
       }
       PackStr(p, "token_ids");
-      p.pack_array(0);
+      p.pack_array(static_cast<uint32_t>(e.token_ids.size()));
+      for (uint32_t t : e.token_ids) p.pack_uint32(t);
       PackStr(p, "block_size");
       p.pack_uint32(e.block_size);
       PackStr(p, "lora_id");
@@ -82,7 +93,7 @@ void PackEvent(Packer& p, const KvEvent& e) {
       PackStr(p, "type");
       PackStr(p, "BlockRemoved");
       PackStr(p, "block_hashes");
-      PackKeys(p, e.keys);
+      PackHashes(p, e, int_hashes);
       PackStr(p, "medium");
       PackStr(p, e.medium);
       if (group) {
@@ -104,13 +115,13 @@ void PackEvent(Packer& p, const KvEvent& e) {
 
 }  // namespace
 
-std::string EncodeKvEventBatch(double ts, const std::vector<KvEvent>& events) {
+std::string EncodeKvEventBatch(double ts, const std::vector<KvEvent>& events, bool int_hashes) {
   msgpack::sbuffer buffer;
   Packer p(buffer);
   p.pack_array(3);
   p.pack_double(ts);
   p.pack_array(static_cast<uint32_t>(events.size()));
-  for (const KvEvent& e : events) PackEvent(p, e);
+  for (const KvEvent& e : events) PackEvent(p, e, int_hashes);
   p.pack_nil();  // data_parallel_rank: a daemon serves every rank.
   return std::string(buffer.data(), buffer.size());
 }

@@ -4,13 +4,16 @@
 // release on PyPI on 2026-11-26; docs/events.md): a batch is a msgpack array
 // [ts: float64, events: array, data_parallel_rank: nil] (msgspec `EventBatch`, array_like), and
 // each event a msgpack map tagged by "type" (msgspec tag=True, omit_defaults):
-//   {"type": "BlockStored", "block_hashes": [bin32...], "parent_block_hash": bin32 | nil,
-//    "token_ids": [], "block_size": uint, "lora_id": nil, "medium": str, "lora_name": nil,
-//    "locality": "LOCAL" | "REMOTE"}
-//   {"type": "BlockRemoved", "block_hashes": [bin32...], "medium": str, "locality": ...}
+//   {"type": "BlockStored", "block_hashes": [hash...], "parent_block_hash": hash | nil,
+//    "token_ids": [uint...], "block_size": uint, "lora_id": nil, "medium": str,
+//    "lora_name": nil, "locality": "LOCAL" | "REMOTE"}
+//   {"type": "BlockRemoved", "block_hashes": [hash...], "medium": str, "locality": ...}
 //   {"type": "AllBlocksCleared"}
-// Block hashes are the 32-byte page keys (vLLM's ExternalBlockHash as bytes). token_ids is empty:
-// only keys reach the daemon (DESIGN.md), and the format lets an indexer key by block hash alone.
+// A hash is vLLM's ExternalBlockHash: by default an integer, as vLLM publishes it
+// (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1: the block hash's last 8 bytes, big-endian), here the
+// engine's own hash of the page where it keys pages itself, else the page key's; or, with
+// `int_hashes` false, the 32-byte page key. token_ids are the pages' tokens, block_size per page
+// (vLLM's self-describing events), when every page of the event has them; else empty.
 //
 // Threads: plain values and a pure function.
 #ifndef KVCELLAR_SERVER_EVENTS_KV_EVENT_BATCH_H_
@@ -33,6 +36,9 @@ struct KvEvent {
   std::string locality;  // "LOCAL" or "REMOTE" (a tier other nodes share); empty: omitted.
   std::vector<core::PageKey> keys;      // A chain (stored) or any pages (removed), in order.
   std::optional<core::PageKey> parent;  // kBlockStored: the parent of keys[0].
+  std::vector<uint64_t> hashes;         // The integer block hash of each of keys.
+  uint64_t parent_hash = 0;             // Of parent, when it has one.
+  std::vector<uint32_t> token_ids;      // kBlockStored: every page's tokens, or empty.
   uint32_t block_size = 0;              // kBlockStored: tokens per page.
   // A hybrid model's KV group the event is about (vLLM's group_idx), -1: none (omitted). Stored
   // events also say the group's kind and window (kv_cache_spec_kind, _sliding_window).
@@ -55,7 +61,9 @@ struct KvEventBatch {
 };
 
 // The msgpack encoding of a batch, as vLLM's ZmqEventPublisher sends it.
-std::string EncodeKvEventBatch(double ts, const std::vector<KvEvent>& events);
+// `int_hashes`: block hashes as integers (KvEvent::hashes), else as 32-byte keys.
+std::string EncodeKvEventBatch(double ts, const std::vector<KvEvent>& events,
+                               bool int_hashes = true);
 
 }  // namespace kvcellar::server
 

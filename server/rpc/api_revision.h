@@ -10,6 +10,8 @@
 //      (docs/api.md "Groups").
 //   5: KvLayout.group_num_blocks: each KV group of a hybrid layout with a block pool of its own
 //      (SGLang's host pools per KV kind).
+//   6: self-describing KV events: BackupSequence.token_ids, ServerLimits.page_tokens; block hashes
+//      in events are vLLM's integers by default (events.block_hashes).
 #ifndef KVCELLAR_SERVER_RPC_API_REVISION_H_
 #define KVCELLAR_SERVER_RPC_API_REVISION_H_
 
@@ -17,7 +19,7 @@
 
 namespace kvcellar::server {
 
-inline constexpr uint32_t kApiRevision = 5;
+inline constexpr uint32_t kApiRevision = 6;
 
 }  // namespace kvcellar::server
 

@@ -36,6 +36,9 @@ void ToProto(const KvEventBatch& b, uint64_t missed, v1::WatchEventsResponse* ou
       pe->set_parent_block_hash(e.parent->bytes.data(), e.parent->bytes.size());
     }
     pe->set_block_size(e.block_size);
+    for (uint64_t h : e.hashes) pe->add_block_hash_ints(h);
+    if (e.parent.has_value()) pe->set_parent_block_hash_int(e.parent_hash);
+    pe->mutable_token_ids()->Add(e.token_ids.begin(), e.token_ids.end());
   }
 }
 

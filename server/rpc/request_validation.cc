@@ -1,6 +1,7 @@
 #include "server/rpc/request_validation.h"
 
 #include <algorithm>
+#include <cstring>
 #include <tuple>
 
 #include "absl/strings/match.h"
@@ -645,7 +646,43 @@ absl::Status ValidateBackup(const v1::BackupRequest& request, const SessionInfo&
                                               " bytes; 32 required, or empty for page 0"));
     }
   }
-  return CheckKeysAndBlocks(request.sequences(), session, limits, /*backup=*/true);
+  if (absl::Status s = CheckKeysAndBlocks(request.sequences(), session, limits, /*backup=*/true);
+      !s.ok()) {
+    return s;
+  }
+  for (int i = 0; i < request.sequences_size(); ++i) {
+    if (absl::Status s = CheckBackupTokens(request.sequences(i), i, *session.ns); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckBackupTokens(const v1::BackupSequence& seq, int i, const Namespace& ns) {
+  if (seq.token_ids_size() == 0) return absl::OkStatus();
+  const std::string field = absl::StrCat("sequences[", i, "].token_ids");
+  const size_t pages = seq.page_keys().size() / kKeyBytes;
+  const uint32_t page_size = ns.spec().page_size;
+  if (static_cast<size_t>(seq.token_ids_size()) != pages * page_size) {
+    return InvalidField(
+        field, absl::StrCat(field, ": ", seq.token_ids_size(), " tokens for ", pages, " pages of ",
+                            page_size, " tokens (page_size_tokens per page, or none)"));
+  }
+  if (ns.spec().opaque_keys) return absl::OkStatus();  // The engine's keys: nothing to hash.
+  // An event must never name tokens a page does not hold: they must hash to its key.
+  core::PageKey parent = ns.digest();
+  if (!seq.parent_key().empty())
+    std::memcpy(parent.bytes.data(), seq.parent_key().data(), kKeyBytes);
+  const absl::Span<const uint32_t> tokens(seq.token_ids().data(), seq.token_ids_size());
+  for (size_t p = 0; p < pages; ++p) {
+    parent = core::ChainPageKey(parent, tokens.subspan(p * page_size, page_size));
+    if (std::memcmp(parent.bytes.data(), seq.page_keys().data() + p * kKeyBytes, kKeyBytes) != 0) {
+      return InvalidField(field, absl::StrCat(field, ": page ", p,
+                                              "'s tokens do not hash to "
+                                              "page_keys[",
+                                              p, "] (docs/keys.md) from ",
+                                              p == 0 ? "parent_key" : "the previous page's key"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ValidatePrefetch(const v1::PrefetchRequest& request, const CacheLimits& limits) {

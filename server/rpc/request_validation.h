@@ -77,6 +77,9 @@ absl::Status ValidateLoad(const v1::LoadRequest& request, const SessionInfo& ses
                           const CacheLimits& limits);
 absl::Status ValidateBackup(const v1::BackupRequest& request, const SessionInfo& session,
                             const CacheLimits& limits);
+// Backup sequence i's token_ids (part of ValidateBackup): none, or page_size_tokens per page,
+// which in a chained namespace hash to its page keys from its parent.
+absl::Status CheckBackupTokens(const v1::BackupSequence& seq, int i, const Namespace& ns);
 
 }  // namespace kvcellar::server
 

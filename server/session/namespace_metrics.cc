@@ -15,6 +15,7 @@ struct Sums {
   uint64_t l3_hit_tokens = 0;
   uint64_t evicted_objects = 0;
   uint64_t l2_bytes = 0;
+  uint64_t token_bytes = 0;
 };
 
 }  // namespace
@@ -44,7 +45,11 @@ void CollectNamespaceMetrics(absl::Span<const std::shared_ptr<Namespace>> in_cre
     s.l2_hit_tokens += NamespaceCounters::Get(c.l2_hit_pages) * page_size;
     s.l3_hit_tokens += NamespaceCounters::Get(c.l3_hit_pages) * page_size;
     s.evicted_objects += NamespaceCounters::Get(c.evicted_objects);
-    if (ns->index() != nullptr) s.l2_bytes += ns->index()->Stats().l2_bytes;
+    if (ns->index() != nullptr) {
+      const core::RadixIndexStats stats = ns->index()->Stats();
+      s.l2_bytes += stats.l2_bytes;
+      s.token_bytes += stats.label_bytes;
+    }
   }
   for (const auto& [pair, s] : sums) {
     const MetricWriter::Label labels[] = {{"tenant", pair.first}, {"model", pair.second}};
@@ -67,6 +72,10 @@ void CollectNamespaceMetrics(absl::Span<const std::shared_ptr<Namespace>> in_cre
                    static_cast<double>(s.evicted_objects), labels);
     out.AddGauge("kvcellar_namespace_l2_bytes", "Pool slot bytes held in L2, by tenant and model.",
                  static_cast<double>(s.l2_bytes), labels);
+    out.AddGauge("kvcellar_namespace_event_token_bytes",
+                 "Memory the index keeps for the KV events' page tokens and engine hashes "
+                 "(events.max_token_bytes per namespace), by tenant and model.",
+                 static_cast<double>(s.token_bytes), labels);
   }
 }
 

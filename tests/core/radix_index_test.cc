@@ -417,6 +417,88 @@ TEST_P(RadixIndexTest, HybridEventsNameTheGroup) {
   EXPECT_THAT(plain_events.seen, ::testing::ElementsAre(E{'S', -1}));
 }
 
+// Labels: a page's tokens and engine hash reach its events in every medium, and live exactly as
+// long as the page is indexed.
+class LabelledEvents : public IndexEventSink {
+ public:
+  void OnIndexEvent(const IndexEvent& e) override { seen.push_back(e); }
+  std::vector<IndexEvent> seen;
+};
+
+TEST_P(RadixIndexTest, LabelsReachEveryEventOfTheirPageAndGoWithIt) {
+  auto index = Make(1, 1);
+  LabelledEvents events;
+  index->SetEventSink(&events);
+  const auto keys = Chain(500, 3);
+  // Pages 0 and 1 begin their writes, get labels (1: with an engine hash), then commit.
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(
+        index->BeginWrite(Write(keys[i], i == 0 ? std::nullopt : std::optional(keys[0]), 0)).ok());
+  }
+  auto with_tokens = std::make_shared<PageLabel>();
+  with_tokens->tokens = {1, 2, 3};
+  auto with_hash = std::make_shared<PageLabel>();
+  with_hash->tokens = {4, 5, 6};
+  with_hash->engine_hash = 0xabcdef;
+  with_hash->has_engine_hash = true;
+  const std::vector<std::shared_ptr<const PageLabel>> labels = {with_tokens, with_hash, nullptr};
+  // keys[2] is not indexed: not labelled.
+  EXPECT_EQ(index->Label(keys, labels, 0), 2u);
+  EXPECT_EQ(index->Stats().labelled_pages, 2u);
+  EXPECT_GT(index->Stats().label_bytes, 2 * 3 * sizeof(uint32_t));
+  // A label is never replaced.
+  auto other = std::make_shared<PageLabel>();
+  other->tokens = {9, 9, 9};
+  EXPECT_EQ(index->Label({keys[0]}, {other}, 0), 0u);
+  EXPECT_EQ(index->LabelOf(keys[0])->tokens, (std::vector<uint32_t>{1, 2, 3}));
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE(index->Commit({keys[i], 0}).ok());
+  ASSERT_EQ(events.seen.size(), 2u);
+  EXPECT_EQ(events.seen[0].label, with_tokens);
+  EXPECT_EQ(events.seen[0].hash, IntBlockHash(keys[0]));
+  EXPECT_EQ(events.seen[1].hash, 0xabcdefu);
+  EXPECT_EQ(events.seen[1].parent_hash, IntBlockHash(keys[0]));
+  // In L3 too; and after L2 eviction the page keeps its label while L3 holds it.
+  MarkL3(*index, {keys[0], keys[1]}, 0);
+  ASSERT_EQ(events.seen.size(), 4u);
+  EXPECT_EQ(events.seen[3].label, with_hash);
+  std::vector<ReleasedObject> evicted;
+  EXPECT_EQ(index->EvictPages(2, &evicted), 2u);
+  EXPECT_EQ(index->Stats().labelled_pages, 2u);
+  // Removed from L2 under its engine hash.
+  const auto removed = std::find_if(events.seen.begin(), events.seen.end(), [&](const auto& e) {
+    return e.kind == IndexEvent::Kind::kRemoved && e.key == keys[1];
+  });
+  ASSERT_NE(removed, events.seen.end());
+  EXPECT_EQ(removed->hash, 0xabcdefu);
+  // Gone from every medium: the label goes with the node.
+  MarkL3(*index, {keys[1]}, 0, 1, /*present=*/false);
+  EXPECT_EQ(index->Stats().labelled_pages, 1u);
+  EXPECT_EQ(index->LabelOf(keys[1]), nullptr);
+  std::vector<ReleasedObject> released;
+  index->Clear(&released);
+  EXPECT_EQ(index->Stats().labelled_pages, 0u);
+  EXPECT_EQ(index->Stats().label_bytes, 0u);
+  EXPECT_TRUE(index->CheckInvariants().ok());
+}
+
+TEST_P(RadixIndexTest, LabelsStopAtTheirMemoryLimit) {
+  auto index = Make();
+  const auto keys = Chain(600, 4);
+  Put(*index, keys);
+  std::vector<std::shared_ptr<const PageLabel>> labels;
+  for (int i = 0; i < 4; ++i) {
+    auto l = std::make_shared<PageLabel>();
+    l->tokens.assign(16, static_cast<uint32_t>(i));
+    labels.push_back(l);
+  }
+  ASSERT_EQ(index->Label({keys[0]}, {labels[0]}, 0), 1u);
+  const uint64_t one = index->Stats().label_bytes;
+  // Room for two more labels: the third is not kept.
+  EXPECT_EQ(index->Label(keys, labels, 3 * one), 2u);
+  EXPECT_EQ(index->Stats().label_bytes, 3 * one);
+  EXPECT_EQ(index->LabelOf(keys[3]), nullptr);
+}
+
 TEST_P(RadixIndexTest, HybridMatchAgreesWithTheRuleOnRandomPages) {
   // Against the definition, on random object sets: boundary b is a hit when pages [0, b) are
   // indexed and hold L2 data, every full group holds [0, b), every window group its last

@@ -12,8 +12,10 @@ stops the daemon with an error naming events.endpoint.
 
 Runs under Debian's /usr/bin/python3 (python3-grpcio, python3-zmq, python3-msgpack, pytest).
 """
+import hashlib
 import os
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -143,13 +145,15 @@ def test_zmq_subscriber_and_replay_get_vllms_format(daemon_factory):
                 # vLLM's BlockStored fields without defaults are all present.
                 assert set(e) >= {"block_hashes", "parent_block_hash", "token_ids", "block_size",
                                   "lora_id", "medium", "lora_name"}
-                assert e["medium"] == "CPU" and e["token_ids"] == [] and e["block_size"] == 16
-                if stored:
-                    assert e["parent_block_hash"] == stored[-1]
+                # Self-describing: every page's tokens (the engine sent them, as the daemon
+                # publishes events), and vLLM's integer block hashes.
+                assert e["medium"] == "CPU" and e["block_size"] == 16
+                assert len(e["token_ids"]) == 16 * len(e["block_hashes"])
+                assert e["parent_block_hash"] == (stored[-1] if stored else None)
                 stored += e["block_hashes"]
     assert live[0][0] == b"kv@n1@/events-model"
     assert [int.from_bytes(s, "big") for _, s, _ in live] == list(range(len(live)))
-    assert all(len(k) == 32 for k in stored)
+    assert all(isinstance(k, int) and 0 <= k < 2**64 for k in stored)
 
     # Replay, as vLLM's subscribers ask for it: [start seq] from a REQ-like DEALER.
     dealer = ctx.socket(zmq.DEALER)
@@ -167,6 +171,39 @@ def test_zmq_subscriber_and_replay_get_vllms_format(daemon_factory):
     sub.close(0)
     dealer.close(0)
     ctx.term()
+
+
+def test_stored_events_carry_each_pages_tokens_and_vllms_integer_hashes(daemon_factory,
+                                                                         tmp_path):
+    """With events published, engines send each page's tokens with its Backup: every BlockStored
+    (L2 and L3) carries them, and they are the tokens its key hashes (docs/keys.md: k_i =
+    SHA-256(tokens as uint32 LE || k_(i-1))); the integer hashes are each key's last 8 bytes,
+    big-endian, as vLLM converts its own. events.block_hashes=bytes sends the 32-byte keys."""
+    d = daemon_factory(args=(*DAEMON_ARGS, "--set", f"events.endpoint=tcp://*:{free_port()}",
+                             "--set", f"storage.tiers=file:{tmp_path}/l3?name=nvme",
+                             "--set", "storage.write_policy=write_through"))
+    w = Watch(d)
+    time.sleep(0.2)
+    backup(d, tokens_seed=51)
+    w.wait_pages(STORED, "CPU", PAGES)
+    w.wait_pages(STORED, "STORAGE:nvme", PAGES)
+    for medium in ("CPU", "STORAGE:nvme"):
+        stored = [e for _, e in w.events() if e.kind == STORED and e.medium == medium]
+        parent = None
+        for e in stored:
+            assert len(e.token_ids) == 16 * len(e.block_hashes)
+            assert e.parent_block_hash == (parent or b"")
+            assert e.parent_block_hash_int == (int.from_bytes(parent[-8:], "big") if parent else 0)
+            for i, key in enumerate(e.block_hashes):
+                page = e.token_ids[16 * i:16 * (i + 1)]
+                if parent is not None:
+                    digest = hashlib.sha256(struct.pack("<16I", *page) + parent).digest()
+                    assert digest == key, f"page {i} of a {medium} event: tokens not its own"
+                assert e.block_hash_ints[i] == int.from_bytes(key[-8:], "big")
+                parent = key
+    # The index keeps each page's tokens: counted in the index's memory.
+    assert metric(d, "kvcellar_namespace_event_token_bytes") > PAGES * 16 * 4
+    w.close()
 
 
 def test_warm_restart_reannounces_recovered_pages(daemon_factory):

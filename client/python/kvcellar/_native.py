@@ -218,6 +218,7 @@ class BackupSeq(Structure):
         ("num_pages", c_size_t),
         ("leading_ok_pages", c_uint32),
         ("page_status", c_void_p),  # uint8_t*, optional
+        ("tokens", c_void_p),  # const uint32_t*, num_pages * page_size, optional
     ]
 
 

@@ -151,6 +151,9 @@ class BackupSeq:
     keys: KeysLike
     blocks: BlocksLike
     parent: Optional[bytes] = None  # key of the page before keys[0]; None for page 0
+    # The pages' tokens (page_size per page), for the daemon's KV events: sent when it publishes
+    # events that carry them; in a chained namespace they must be the tokens the keys hash.
+    tokens: Optional[Any] = None
 
 
 class Op:
@@ -497,13 +500,16 @@ class Session:
     def backup(self, keys: Union[KeysLike, Sequence[BackupSeq]],
                blocks: Optional[BlocksLike] = None, *, parent: Optional[bytes] = None,
                ready: bool = True, write_policy: Optional[str] = None,
-               ready_timeout_ms: int = 0, page_status: bool = False) -> Op:
+               ready_timeout_ms: int = 0, page_status: bool = False,
+               tokens: Optional[Any] = None) -> Op:
         """Gathers device blocks into host pages under ``keys`` (``parent``: key of the page
         before keys[0], None for page 0). ``ready``: the daemon waits for the writes the engine
         has issued so far (CUDA: an interprocess event recorded on the current stream now, so
         the engine never synchronizes; sim: the host writes are done, a ready token says so).
-        The engine must not reuse the blocks until the op is terminal (``op.wait()``)."""
-        seqs_in = keys if blocks is None else [BackupSeq(keys, blocks, parent)]
+        The engine must not reuse the blocks until the op is terminal (``op.wait()``).
+        ``tokens``: the pages' tokens (``page_size`` each), which the daemon's KV events carry
+        for routers that hash tokens (docs/events.md)."""
+        seqs_in = keys if blocks is None else [BackupSeq(keys, blocks, parent, tokens)]
         try:
             n = len(seqs_in)
             if write_policy not in WRITE_POLICIES:
@@ -519,6 +525,13 @@ class Session:
                     par = (ctypes.c_uint8 * N.KEY_BYTES).from_buffer_copy(bytes(s.parent))
                     arrays.append((par,))
                     seqs[i].parent_key = ctypes.addressof(par)
+                if s.tokens is not None:
+                    tok = np.ascontiguousarray(s.tokens, np.uint32)
+                    if len(tok) != seqs[i].num_pages * self.ns.page_size:
+                        raise ValueError(f"sequence {i}: {len(tok)} tokens for "
+                                         f"{seqs[i].num_pages} pages of {self.ns.page_size}")
+                    arrays.append((tok,))
+                    seqs[i].tokens = N.address(tok)
             opts = N.BackupOptions(0, 0, 0, WRITE_POLICIES[write_policy], ready_timeout_ms)
             if ready and self.num_ready_slots > 0:
                 self._signal_ready(opts)

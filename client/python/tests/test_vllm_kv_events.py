@@ -11,7 +11,8 @@ side is the kvcellar package on the sim device; the page keys the events must ca
 by the test with ``kvcellar.page_keys`` (docs/keys.md).
 
 - test_events_in_vllm_format: one daemon; AllBlocksCleared first, BlockStored "CPU" with the
-  engine's page keys in chain order, parent_block_hash and block_size; nothing for a page already
+  engine's page keys in chain order as vLLM's integer hashes, each page's tokens (the engine sent
+  them with its Backup; none when it did not), parent_block_hash and block_size; nothing for a page already
   stored; BlockRemoved "CPU" after an admin Evict (kvcellarctl) and a Clear; sequence numbers 0,
   1, 2, ...; replay from 0 (and from the middle) byte-for-byte equal to the live batches.
 - test_event_routing_beats_round_robin: three daemons (node0..2), each L2 too small for the whole
@@ -61,6 +62,12 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's ZmqEventPublisher.END_S
 DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
 
 
+def H(key):
+    """A page key as kvcellard's events carry it by default: vLLM's integer block hash
+    (maybe_convert_block_hash: the last 8 bytes, big-endian)."""
+    return int.from_bytes(bytes(key)[-8:], "big")
+
+
 def event_args(node):
     """Events on ephemeral loopback ports (bound: the endpoint has '*'), as vLLM's
     --kv-events-config endpoint / replay_endpoint."""
@@ -107,12 +114,12 @@ class Engine:
         got = self.buf[:, :, first_block:first_block + len(keys)]
         return bool(np.array_equal(got, self.pattern(keys)))
 
-    def backup(self, keys, first_block, parent=None):
-        """Writes the pages' bytes into blocks first_block.., backs them up; the leading pages
-        the daemon stored."""
+    def backup(self, keys, first_block, parent=None, tokens=None):
+        """Writes the pages' bytes into blocks first_block.., backs them up (with the pages'
+        tokens, for the events, when given); the leading pages the daemon stored."""
         self.fill(keys, first_block)
         op = self.session.backup(keys, np.arange(first_block, first_block + len(keys)),
-                                 parent=parent, ready=True)
+                                 parent=parent, ready=True, tokens=tokens)
         assert op.ok, op.reason
         st = op.wait(10000)
         assert st.done, st
@@ -197,12 +204,15 @@ def test_events_in_vllm_format(daemon_factory):
         assert len(a) == 6 and len(b) == 4 and np.array_equal(a[:2], b[:2])
         A, B = [bytes(k) for k in a], [bytes(k) for k in b]
 
-        assert eng.backup(a[:4], 0) == 4
-        assert eng.backup(a[4:], 4, parent=A[3]) == 2
-        assert eng.backup(b[2:], 6, parent=B[1]) == 2
-        expected = A + B[2:]
-        parent_of = {A[0]: None, **{A[i]: A[i - 1] for i in range(1, 6)},
-                     B[2]: A[1], B[3]: B[2]}
+        # Backed up with their tokens: each BlockStored carries them (self-describing events).
+        assert eng.backup(a[:4], 0, tokens=a_tok[:4 * P]) == 4
+        assert eng.backup(a[4:], 4, parent=A[3], tokens=a_tok[4 * P:6 * P]) == 2
+        assert eng.backup(b[2:], 6, parent=B[1], tokens=b_tok[2 * P:4 * P]) == 2
+        expected = [H(k) for k in A + B[2:]]
+        parent_of = {H(A[0]): None, **{H(A[i]): H(A[i - 1]) for i in range(1, 6)},
+                     H(B[2]): H(A[1]), H(B[3]): H(B[2])}
+        tokens_of = {**{H(A[i]): list(a_tok[i * P:(i + 1) * P]) for i in range(6)},
+                     **{H(B[i]): list(b_tok[i * P:(i + 1) * P]) for i in range(2, 4)}}
 
         def stored(evs):
             return [h for e in evs if isinstance(e, BlockStored) for h in e.block_hashes]
@@ -212,7 +222,8 @@ def test_events_in_vllm_format(daemon_factory):
         assert stored(evs) == expected  # every page once, chain order (parent before child)
         for e in evs:
             if isinstance(e, BlockStored):
-                assert e.medium == "CPU" and e.block_size == P and e.token_ids == []
+                assert e.medium == "CPU" and e.block_size == P
+                assert e.token_ids == [t for h in e.block_hashes for t in tokens_of[h]]
                 assert e.lora_id is None and e.lora_name is None
                 assert e.parent_block_hash == parent_of[e.block_hashes[0]]
                 for prev, h in zip(e.block_hashes, e.block_hashes[1:]):
@@ -241,7 +252,7 @@ def test_events_in_vllm_format(daemon_factory):
             return [h for e in evs if isinstance(e, BlockRemoved) for h in e.block_hashes]
 
         evs = events_until(lambda e: len(removed(e)) >= 2, "BlockRemoved of 2 pages")
-        assert sorted(removed(evs)) == sorted([A[4], A[5]])
+        assert sorted(removed(evs)) == sorted([H(A[4]), H(A[5])])
         assert all(e.medium == "CPU" for e in evs if isinstance(e, BlockRemoved))
         assert eng.hit(a) == 4 and eng.hit(b) == 4  # the daemon agrees with the events
 
@@ -253,12 +264,13 @@ def test_events_in_vllm_format(daemon_factory):
         assert sorted(removed(evs)) == sorted(expected)
         assert eng.hit(a) == 0 and eng.hit(b) == 0
         # Stored again after removal: events alternate per page.
-        assert eng.backup(a[:2], 0) == 2
+        assert eng.backup(a[:2], 0) == 2  # Without tokens this time: the events have none.
         evs = events_until(lambda e: len(stored(e)) >= len(expected) + 2, "BlockStored again")
         again = [e for e in evs if isinstance(e, BlockStored)]
-        assert stored(evs)[len(expected):] == A[:2]
-        assert again[-1].block_hashes[-1] == A[1]
-        assert again[-1].parent_block_hash == (None if len(again[-1].block_hashes) == 2 else A[0])
+        assert stored(evs)[len(expected):] == [H(A[0]), H(A[1])]
+        assert again[-1].block_hashes[-1] == H(A[1]) and again[-1].token_ids == []
+        assert again[-1].parent_block_hash == (None if len(again[-1].block_hashes) == 2
+                                               else H(A[0]))
         time.sleep(0.1)
         while sub.poll(0):
             topic, seq, payload = sub.recv_multipart()
@@ -447,7 +459,7 @@ def run_workload(daemon_factory, tag, routed):
         for i in range(CLIENTS * ROUNDS):
             r, c = divmod(i, CLIENTS)
             keys = page_keys(ns, convs[c][r])  # what the engine holds after the round
-            hkeys = [bytes(k) for k in keys]
+            hkeys = [H(k) for k in keys]
             prompt_pages = prompt_tokens(r) // P
             if routed:
                 node = index.route(hkeys[:prompt_pages], names)
@@ -470,7 +482,7 @@ def run_workload(daemon_factory, tag, routed):
                 stats["verified"] += hit
             # "Prefill": the rest of the pages, then Backup below the hit, as an engine does.
             seq0 = index.next_seq[node] - 1
-            stored = eng.backup(keys[hit:], hit, parent=hkeys[hit - 1] if hit else None)
+            stored = eng.backup(keys[hit:], hit, parent=bytes(keys[hit - 1]) if hit else None)
             assert stored == len(keys) - hit, f"request {i}: {stored} of {len(keys) - hit}"
             # Route the next request on an index that has seen this Backup.
             assert index.wait_stored(node, hkeys[-1], seq0), f"request {i}: no BlockStored"
@@ -480,7 +492,7 @@ def run_workload(daemon_factory, tag, routed):
         index.poll(50)
         for n in names:
             for fk in final_keys:
-                assert index.prefix(n, [bytes(k) for k in fk]) == engines[n].hit(fk), n
+                assert index.prefix(n, [H(k) for k in fk]) == engines[n].hit(fk), n
         stats["replays"] = index.replayed
         stats["held"] = {n: len(index.cpu[n]) for n in names}
         return hit_pages, requested, stats
@@ -543,7 +555,7 @@ def test_hybrid_events_name_the_group(daemon_factory):
         no = N.NO_BLOCK
         blocks = np.array([[0, no], [1, no], [2, 4], [3, 5]], dtype=np.uint32)
         assert s.backup(keys, blocks.ravel(), ready=True).wait(10000).done
-        K = [bytes(k) for k in keys]
+        K = [H(k) for k in keys]
         got = []
         deadline = time.monotonic() + 5
         while sum(len(e.block_hashes) for e in got if isinstance(e, BlockStored)) < 6:

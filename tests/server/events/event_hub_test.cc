@@ -259,7 +259,7 @@ TEST(KvEventBatchTest, EncodesVllmsLayout) {
   removed.kind = KvEvent::Kind::kBlockRemoved;
   removed.medium = "STORAGE:nvme";
   removed.keys = {Key(2)};
-  const std::string payload = EncodeKvEventBatch(12.5, {stored, removed});
+  const std::string payload = EncodeKvEventBatch(12.5, {stored, removed}, /*int_hashes=*/false);
 
   msgpack::object_handle oh = msgpack::unpack(payload.data(), payload.size());
   const msgpack::object& batch = oh.get();
@@ -299,6 +299,84 @@ TEST(KvEventBatchTest, EncodesVllmsLayout) {
   EXPECT_EQ(field(r, "type")->as<std::string>(), "BlockRemoved");
   EXPECT_EQ(field(r, "medium")->as<std::string>(), "STORAGE:nvme");
   EXPECT_EQ(field(r, "locality"), nullptr);  // Empty: omitted, as msgspec omits a default.
+}
+
+const msgpack::object* Field(const msgpack::object& map, const std::string& name) {
+  for (uint32_t i = 0; i < map.via.map.size; ++i) {
+    if (map.via.map.ptr[i].key.as<std::string>() == name) return &map.via.map.ptr[i].val;
+  }
+  return nullptr;
+}
+
+TEST(KvEventBatchTest, IntegerHashesAreVllmsAndTokensFollowTheChain) {
+  // vLLM's maybe_convert_block_hash: int.from_bytes(hash, "big") & (2**64 - 1).
+  core::PageKey k;
+  for (size_t i = 0; i < k.bytes.size(); ++i) k.bytes[i] = static_cast<uint8_t>(i);
+  EXPECT_EQ(core::IntBlockHash(k), 0x18191a1b1c1d1e1full);
+
+  KvEvent stored;
+  stored.kind = KvEvent::Kind::kBlockStored;
+  stored.medium = "CPU";
+  stored.keys = {Key(1), Key(2)};
+  stored.hashes = {7, 0xffffffffffffffffull};  // An engine's own hashes: sent as given.
+  stored.parent = Key(0);
+  stored.parent_hash = 5;
+  stored.block_size = 2;
+  stored.token_ids = {10, 11, 12, 4000000000u};
+  KvEvent removed;
+  removed.kind = KvEvent::Kind::kBlockRemoved;
+  removed.medium = "CPU";
+  removed.keys = {Key(3)};  // No hashes given: the key's integer form.
+  const std::string payload = EncodeKvEventBatch(1.0, {stored, removed});
+  msgpack::object_handle oh = msgpack::unpack(payload.data(), payload.size());
+  const msgpack::object& events = oh.get().via.array.ptr[1];
+  const msgpack::object& s = events.via.array.ptr[0];
+  const msgpack::object* hashes = Field(s, "block_hashes");
+  ASSERT_EQ(hashes->via.array.size, 2u);
+  EXPECT_EQ(hashes->via.array.ptr[0].type, msgpack::type::POSITIVE_INTEGER);
+  EXPECT_EQ(hashes->via.array.ptr[0].as<uint64_t>(), 7u);
+  EXPECT_EQ(hashes->via.array.ptr[1].as<uint64_t>(), 0xffffffffffffffffull);
+  EXPECT_EQ(Field(s, "parent_block_hash")->as<uint64_t>(), 5u);
+  EXPECT_EQ(Field(s, "token_ids")->as<std::vector<uint32_t>>(),
+            (std::vector<uint32_t>{10, 11, 12, 4000000000u}));
+  const msgpack::object* gone = Field(events.via.array.ptr[1], "block_hashes");
+  EXPECT_EQ(gone->via.array.ptr[0].as<uint64_t>(), core::IntBlockHash(Key(3)));
+}
+
+TEST(EventHubTest, StoredChainsCarryTheirPagesTokensAndSplitWhereSomeAreUnknown) {
+  auto hub = EventHub::Start(Options());
+  ASSERT_TRUE(hub.ok()) << hub.status();
+  Collector watcher;
+  (*hub)->Watch(&watcher, std::nullopt);
+  core::IndexEventSink* sink = (*hub)->SinkFor(1, Spec());
+  auto labelled = [](core::IndexEvent e, uint32_t token) {
+    auto label = std::make_shared<core::PageLabel>();
+    label->tokens.assign(16, token);
+    e.label = label;
+    e.hash = 100 + token;
+    e.parent_hash = 100 + token - 1;
+    return e;
+  };
+  // Pages 1 and 2 with tokens, 3 without, 4 with: three stored events.
+  for (const core::IndexEvent& e : {labelled(Stored(1, -1), 1), labelled(Stored(2, 1), 2),
+                                    Stored(3, 2), labelled(Stored(4, 3), 4)}) {
+    sink->OnIndexEvent(e);
+  }
+  auto batches = watcher.WaitFor(1);
+  ASSERT_EQ(batches.size(), 1u);
+  const std::vector<KvEvent>& ev = batches[0]->events;
+  ASSERT_EQ(ev.size(), 4u);  // AllBlocksCleared first.
+  EXPECT_EQ(ev[1].keys, (std::vector<core::PageKey>{Key(1), Key(2)}));
+  EXPECT_EQ(ev[1].hashes, (std::vector<uint64_t>{101, 102}));
+  ASSERT_EQ(ev[1].token_ids.size(), 32u);
+  EXPECT_EQ(ev[1].token_ids[0], 1u);
+  EXPECT_EQ(ev[1].token_ids[16], 2u);
+  EXPECT_EQ(ev[2].keys, (std::vector<core::PageKey>{Key(3)}));
+  EXPECT_TRUE(ev[2].token_ids.empty());
+  EXPECT_EQ(ev[3].keys, (std::vector<core::PageKey>{Key(4)}));
+  EXPECT_EQ(ev[3].parent_hash, 103u);
+  EXPECT_EQ(ev[3].token_ids, std::vector<uint32_t>(16, 4));
+  (*hub)->Unwatch(&watcher);
 }
 
 }  // namespace

@@ -402,6 +402,42 @@ TEST(RequestValidationTest, GroupsWithPoolsOfTheirOwnAreParsedAndChecked) {
   EXPECT_TRUE(InvalidAt(Register(bad), "layout.group_num_blocks"));
 }
 
+TEST_F(DataOpValidationTest, BackupTokensMustBeThePagesOwn) {
+  // Sequence 0: prompt 1's pages 0..2 (AddSequence numbers prompts from 1); its tokens pass.
+  v1::BackupRequest backup;
+  AddSequence(&backup, {0, 1, 2});
+  const std::vector<uint32_t> tokens = Tokens(1, 3);
+  backup.mutable_sequences(0)->mutable_token_ids()->Add(tokens.begin(), tokens.end());
+  EXPECT_TRUE(ValidateBackup(backup, session_, Limits()).ok());
+  // Pages 1..2 after their parent: the same tokens from page 1 on.
+  const std::vector<core::PageKey> keys = PromptKeys(NsSpec(), 1, 3);
+  v1::BackupRequest tail;
+  auto* seq = tail.add_sequences();
+  seq->set_parent_key(KeyBlob(keys, 0, 1));
+  seq->set_page_keys(KeyBlob(keys, 1, 3));
+  seq->add_device_blocks(4);
+  seq->add_device_blocks(5);
+  const uint32_t page = NsSpec().page_size;
+  seq->mutable_token_ids()->Add(tokens.begin() + page, tokens.end());
+  EXPECT_TRUE(ValidateBackup(tail, session_, Limits()).ok());
+
+  v1::BackupRequest short_tokens = backup;
+  short_tokens.mutable_sequences(0)->mutable_token_ids()->RemoveLast();
+  absl::Status s = ValidateBackup(short_tokens, session_, Limits());
+  EXPECT_TRUE(InvalidAt(s, "sequences[0].token_ids"));
+  EXPECT_THAT(s.message(), HasSubstr("for 3 pages of"));
+  // One token changed on page 2: the tokens are not that page's.
+  v1::BackupRequest wrong = backup;
+  wrong.mutable_sequences(0)->set_token_ids(2 * page + 3, tokens[2 * page + 3] + 1);
+  s = ValidateBackup(wrong, session_, Limits());
+  EXPECT_TRUE(InvalidAt(s, "sequences[0].token_ids"));
+  EXPECT_THAT(s.message(), HasSubstr("page 2's tokens do not hash to page_keys[2]"));
+  // Without the parent, page 1's tokens do not continue the namespace's root.
+  v1::BackupRequest orphan = tail;
+  orphan.mutable_sequences(0)->clear_parent_key();
+  EXPECT_TRUE(InvalidAt(ValidateBackup(orphan, session_, Limits()), "sequences[0].token_ids"));
+}
+
 TEST_F(DataOpValidationTest, GroupsWithPoolsOfTheirOwnNameBlocksOfTheirOwnPool) {
   SessionInfo hybrid = session_;  // 16 blocks: group 0 has all of them, group 1 four.
   hybrid.group_kinds = {core::GroupKind::kFull, core::GroupKind::kState};
