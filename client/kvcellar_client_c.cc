@@ -328,6 +328,7 @@ int kvc_session_info_get(kvc_session* session, kvc_session_info* out) {
   out->max_batch_pages = i.max_batch_pages;
   out->max_batch_sequences = i.max_batch_sequences;
   out->num_l3_tiers = static_cast<uint32_t>(i.l3_tier_names.size());
+  out->page_tokens = i.page_tokens ? 1 : 0;
   return KVC_OK;
 }
 

@@ -195,6 +195,8 @@ typedef struct {
   uint32_t max_batch_pages; /* the daemon's limits; 0 while not registered */
   uint32_t max_batch_sequences;
   uint32_t num_l3_tiers;
+  /* The daemon's KV events carry each page's tokens: pass them in kvc_backup_seq.tokens. */
+  int page_tokens;
 } kvc_session_info;
 
 /* Names an op across re-registrations. op_id 0: never accepted, or outcome unknown. */

@@ -162,6 +162,7 @@ class SessionInfo(Structure):
         ("max_batch_pages", c_uint32),
         ("max_batch_sequences", c_uint32),
         ("num_l3_tiers", c_uint32),
+        ("page_tokens", c_int),
     ]
 
 

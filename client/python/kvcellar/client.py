@@ -99,6 +99,8 @@ class SessionInfo:
     max_batch_pages: int
     max_batch_sequences: int
     num_l3_tiers: int
+    # The daemon's KV events carry each page's tokens: pass them to backup(tokens=...).
+    page_tokens: bool = False
 
 
 @dataclass
@@ -395,7 +397,7 @@ class Session:
                            int(i.num_shards), bool(i.is_shard_writer), int(i.page_object_bytes),
                            SESSION_STATES.get(i.state, "closed"), bytes(i.ns_digest),
                            int(i.max_batch_pages), int(i.max_batch_sequences),
-                           int(i.num_l3_tiers))
+                           int(i.num_l3_tiers), bool(i.page_tokens))
 
     @property
     def state(self) -> str:

@@ -294,6 +294,64 @@ def test_save_then_prefix_hit_loads_identical_bytes(daemon):
     eng.close()
 
 
+def test_saves_carry_the_pages_tokens_to_a_daemon_publishing_events(daemon_factory):
+    """With events.endpoint set the daemon asks for page tokens: the scheduler puts each saved
+    page's tokens in its SaveSpec, the worker's Backup sends them, and the daemon's BlockStored
+    carries them under vLLM's integer block hashes (docs/events.md)."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    d = daemon_factory(args=["--set", "events.endpoint=tcp://127.0.0.1:*"])
+    endpoint = re.search(r" endpoint=(\S+)", d.wait_for_line(r'msg="events publishing"')).group(1)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    mon = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    sub.connect(endpoint)
+    assert mon.poll(5000), "no ZMQ handshake"
+    sub.disable_monitor()
+    mon.close(0)
+    time.sleep(0.1)
+    eng = Engine(d.socket)
+    try:
+        eng.wait_active()
+        a = prompt(3, 3 * P + 5)
+        eng.add("a", a)
+        meta = eng.step(new=["a"])
+        assert np.frombuffer(meta.saves[0].tokens, np.uint32).tolist() == a[:3 * P]
+        eng.finish("a")
+        eng.drain()
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        stored = []
+        deadline = time.monotonic() + 5
+        while sum(len(e.block_hashes) for e in stored) < 3:
+            assert sub.poll(max(1, int((deadline - time.monotonic()) * 1000))), stored
+            stored += [e for e in decoder.decode(sub.recv_multipart()[2]).events
+                       if isinstance(e, BlockStored)]
+        assert [t for e in stored for t in e.token_ids] == a[:3 * P]
+        keys = np.frombuffer(meta.saves[0].keys, np.uint8).reshape(-1, 32)
+        assert [h for e in stored for h in e.block_hashes] == [
+            int.from_bytes(bytes(k[-8:]), "big") for k in keys]
+    finally:
+        eng.close()
+        sub.close(0)
+        ctx.term()
+
+    # Without events the daemon wants no tokens: none are shipped to the workers.
+    plain = daemon_factory(name="plain")
+    eng = Engine(plain.socket)
+    try:
+        eng.wait_active()
+        eng.add("b", prompt(4, 2 * P))
+        assert eng.step(new=["b"]).saves[0].tokens is None
+        eng.finish("b")
+        eng.drain()
+    finally:
+        eng.close()
+
+
 def test_sleep_mode_unregisters_then_restores_the_kv_caches(daemon):
     """vLLM 0.33's sleep mode: unregister_kv_caches before the KV memory is freed ends the
     worker's session (its Backups settled first), twice is harmless; restore_kv_caches after

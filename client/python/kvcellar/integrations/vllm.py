@@ -151,6 +151,8 @@ class SaveSpec:
     keys: bytes
     block_ids: list[int]  # as LoadSpec's
     parent: Optional[bytes]  # key of the page before keys[0]; None for page 0
+    # The pages' tokens (uint32), for the daemon's KV events when it wants them; else None.
+    tokens: Optional[bytes] = None
 
 
 @dataclass
@@ -451,6 +453,7 @@ class _SchedulerSide:
         # loading the model, and the first requests can then hit. A daemon that is down is not
         # waited for again: the session registers in the background when it is back.
         self.session.wait_active(self.opts.register_timeout_ms)
+        self.page_tokens = False  # SaveSpecs carry tokens (the daemon's events want them)
         self.reqs: dict[str, _Request] = {}
         # Pins handed to the workers' Loads, by pin id: (the step shipped, its blocks). A Load
         # that a worker could not run (its session not back yet after a daemon restart, or a
@@ -607,6 +610,9 @@ class _SchedulerSide:
             else:
                 self._release(st)
             st.pending_load = None
+        # Whether the daemon's events carry page tokens: once per step (the daemon may restart
+        # with other settings).
+        self.page_tokens = self.session.info().page_tokens
         for rid, n in so.num_scheduled_tokens.items():
             st = self.reqs.get(rid)
             if st is not None and rid in computed:
@@ -655,8 +661,12 @@ class _SchedulerSide:
                 return
         else:
             ids = st.block_ids[s:full]
+        tokens = None
+        if self.page_tokens:
+            tokens = as_tokens(np.asarray(st.request.all_token_ids[s * self.page:full * self.page],
+                                          np.uint32)).tobytes()
         meta.saves.append(SaveSpec(st.request.request_id, st.keys[s:full].tobytes(), ids,
-                                   bytes(st.keys[s - 1]) if s else None))
+                                   bytes(st.keys[s - 1]) if s else None, tokens))
         st.saved_pages = full
         st.had_saves = not self.hybrid  # hybrid Backups are over before the step ends
 
@@ -886,7 +896,9 @@ class _WorkerSide:
         if self.session is None:
             return
         seqs = [BackupSeq(np.frombuffer(s.keys, np.uint8).reshape(-1, 32),
-                          np.asarray(s.block_ids, np.uint32), s.parent) for s in meta.saves]
+                          np.asarray(s.block_ids, np.uint32), s.parent,
+                          None if s.tokens is None else np.frombuffer(s.tokens, np.uint32))
+                for s in meta.saves]
         op = self.session.backup(seqs, ready=True, write_policy=self.opts.write_policy)
         if not op.ok:
             log.debug("kvcellar: backup of %d requests not submitted: %s", len(ids), op.reason)
