@@ -589,7 +589,7 @@ std::vector<KeySpec> SchemaTable() {
               "tokens and BlockStored events carry them (token_ids), as routers that hash "
               "tokens need."),
       SizeKey(KVC_FIELD(events, max_token_bytes), "1GiB", {.min = 0, .max = 1 * kTiB},
-              "Memory one namespace's index keeps for its pages' tokens at most (about 100 B "
+              "Memory one namespace's index keeps for its pages' tokens at most (about 80 B "
               "plus 4 B per token per page); pages past it are announced without tokens. 0 = no "
               "limit."),
   };

@@ -22,6 +22,12 @@
 // BM_BackupEvents: what publishing KV events costs Backup (server/events, docs/events.md). The
 // second kvcellard has events.endpoint set and a ZMQ subscriber in this process receives every
 // batch; the benchmark's own daemon publishes nothing. Same alternation; ratio = events / plain.
+//
+// BM_BackupTokens: what carrying each page's tokens into the events costs Backup (#27: the
+// tokens cross the wire, the daemon keeps them per page and every BlockStored carries them). Two
+// daemons beside the benchmark's, both publishing to a subscriber, one with events.page_tokens
+// false; every Backup passes its pages' tokens (16 per page), which the client sends only to the
+// daemon that wants them. Same alternation; ratio = tokens / no tokens.
 #include <unistd.h>
 #include <zmq.h>
 
@@ -81,10 +87,12 @@ void MemcpyChunks(CopyCase& c, bool to_engine) {
   benchmark::ClobberMemory();
 }
 
-client::OpResult Backup(CopyCase& c, const std::vector<core::PageKey>& keys) {
+client::OpResult Backup(CopyCase& c, const std::vector<core::PageKey>& keys,
+                        absl::Span<const uint32_t> tokens = {}) {
   client::BackupSequence seq;
   seq.keys = keys;
   seq.blocks = c.src;
+  seq.tokens = tokens;
   client::Session& s = *c.rank.session;
   return WaitTerminal(s, s.Backup({seq}), kOpWait);
 }
@@ -270,12 +278,22 @@ struct BesideResult {
   uint32_t items = 0;
 };
 
+// `plain`: the options of a third daemon to compare with instead of the benchmark's; `tokens`:
+// every Backup passes its pages' tokens.
 absl::StatusOr<BesideResult> BackupBeside(benchmark::State& state, DatapathEnv* env,
-                                          const BenchConfig& config, const EnvOptions& beside) {
+                                          const BenchConfig& config, const EnvOptions& beside,
+                                          const EnvOptions* plain = nullptr, bool tokens = false) {
   const uint64_t kib = state.range(0);
   const uint32_t layers = static_cast<uint32_t>(state.range(1));
   absl::StatusOr<std::unique_ptr<DatapathEnv>> other = DatapathEnv::Start(beside);
   if (!other.ok()) return other.status();
+  std::unique_ptr<DatapathEnv> third;
+  if (plain != nullptr) {
+    absl::StatusOr<std::unique_ptr<DatapathEnv>> started = DatapathEnv::Start(*plain);
+    if (!started.ok()) return started.status();
+    third = *std::move(started);
+    env = third.get();
+  }
   struct Side {
     DatapathEnv* env;
     CopyCase c;
@@ -289,6 +307,9 @@ absl::StatusOr<BesideResult> BackupBeside(benchmark::State& state, DatapathEnv* 
     if (failed.ok()) failed = FillPastCapacity(side.env, side.c, &warmup);
     if (!failed.ok()) break;
   }
+  // Tokens of the pages of one Backup (an opaque-key namespace: any tokens are the engine's).
+  std::vector<uint32_t> page_tokens(tokens ? size_t{sides[0].c.items} * EngineSpec().page_size : 0);
+  for (size_t i = 0; i < page_tokens.size(); ++i) page_tokens[i] = static_cast<uint32_t>(i * 7919);
   int64_t op = 0;
   for (auto _ : state) {
     if (!failed.ok()) break;
@@ -298,7 +319,7 @@ absl::StatusOr<BesideResult> BackupBeside(benchmark::State& state, DatapathEnv* 
       std::vector<core::PageKey> keys(side.c.items);
       for (core::PageKey& key : keys) key = side.env->NextKey();
       const absl::Time t0 = absl::Now();
-      client::OpResult r = Backup(side.c, keys);
+      client::OpResult r = Backup(side.c, keys, page_tokens);
       side.time += absl::Now() - t0;
       if (r.usable_pages(0) != side.c.items) {
         failed = absl::InternalError(OpError(r, side.c.items));
@@ -308,8 +329,12 @@ absl::StatusOr<BesideResult> BackupBeside(benchmark::State& state, DatapathEnv* 
     ++op;
     state.SetIterationTime(absl::ToDoubleSeconds(absl::Now() - start));
   }
-  const int daemon_status = (*other)->StopDaemon();
+  int daemon_status = (*other)->StopDaemon();
   other->reset();
+  if (third != nullptr) {
+    daemon_status = daemon_status != 0 ? daemon_status : third->StopDaemon();
+    third.reset();
+  }
   if (!failed.ok()) return failed;
   if (daemon_status != 0) {
     return absl::InternalError(absl::StrCat("second kvcellard exited with ", daemon_status));
@@ -396,6 +421,31 @@ void RunBackupEvents(benchmark::State& state, DatapathEnv* env, Summary* summary
   summary->AddEvents(CaseName(state, r->items), r->beside_gbps, r->plain_gbps);
 }
 
+void RunBackupTokens(benchmark::State& state, DatapathEnv* env, Summary* summary,
+                     const BenchConfig& config) {
+  const std::string with = absl::StrCat("ipc:///tmp/kvc-bench-tokens-", getpid());
+  const std::string without = absl::StrCat("ipc:///tmp/kvc-bench-notokens-", getpid());
+  EnvOptions tokens = env->options();
+  tokens.extra_sets.push_back(absl::StrCat("events.endpoint=", with));
+  EnvOptions plain = env->options();
+  plain.extra_sets.push_back(absl::StrCat("events.endpoint=", without));
+  plain.extra_sets.push_back("events.page_tokens=false");
+  Subscriber sub_with(with);
+  Subscriber sub_without(without);
+  absl::StatusOr<BesideResult> r =
+      BackupBeside(state, env, config, tokens, &plain, /*tokens=*/true);
+  ::unlink(with.substr(6).c_str());
+  ::unlink(without.substr(6).c_str());
+  if (!r.ok()) return state.SkipWithError(r.status().ToString().c_str());
+  if (sub_with.messages() == 0 || sub_without.messages() == 0) {
+    return state.SkipWithError("a subscriber received no event: nothing was measured");
+  }
+  state.counters["plain_GBps"] = r->plain_gbps;
+  state.counters["tokens_GBps"] = r->beside_gbps;
+  state.counters["ratio"] = r->beside_gbps / r->plain_gbps;
+  summary->AddTokens(CaseName(state, r->items), r->beside_gbps, r->plain_gbps);
+}
+
 }  // namespace
 
 void RegisterCopyBenchmarks(DatapathEnv* env, Summary* summary, const BenchConfig& config) {
@@ -415,7 +465,8 @@ void RegisterCopyBenchmarks(DatapathEnv* env, Summary* summary, const BenchConfi
   // and events per byte copied.
   using Beside = void (*)(benchmark::State&, DatapathEnv*, Summary*, const BenchConfig&);
   for (auto [name, run] : {std::pair<const char*, Beside>{"BM_BackupJournal", RunBackupJournal},
-                           std::pair<const char*, Beside>{"BM_BackupEvents", RunBackupEvents}}) {
+                           std::pair<const char*, Beside>{"BM_BackupEvents", RunBackupEvents},
+                           std::pair<const char*, Beside>{"BM_BackupTokens", RunBackupTokens}}) {
     benchmark::RegisterBenchmark(name,
                                  [=](benchmark::State& state) { run(state, env, summary, config); })
         ->Args({64, 32})

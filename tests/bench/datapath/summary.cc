@@ -33,6 +33,12 @@ void Summary::AddEvents(std::string name, double events_gbps, double plain_gbps)
                                     events_gbps / plain_gbps));
 }
 
+void Summary::AddTokens(std::string name, double tokens_gbps, double plain_gbps) {
+  absl::MutexLock lock(&mu_);
+  tokens_.push_back(absl::StrFormat("| %s | %.2f | %.2f | %.3fx |", name, tokens_gbps, plain_gbps,
+                                    tokens_gbps / plain_gbps));
+}
+
 void Summary::AddLatency(std::string name, std::string baseline, double p50_us, double p99_us,
                          double base_p50_us, double base_p99_us) {
   absl::MutexLock lock(&mu_);
@@ -72,6 +78,11 @@ void Summary::Print(std::FILE* out) const {
                      "same run, alternating (goal >= 0.95x)",
                      "| case | events GB/s | no events GB/s | ratio |", "|---|---|---|---|",
                      events_);
+  PrintMarkdownTable(out,
+                     "Backup with each page's tokens sent and kept for the events vs without, "
+                     "both publishing, same run, alternating (goal >= 0.95x)",
+                     "| case | tokens GB/s | no tokens GB/s | ratio |", "|---|---|---|---|",
+                     tokens_);
   PrintMarkdownTable(
       out,
       "Match latency vs no-op gRPC call with the same request bytes + SHA-256 of the same "

@@ -26,6 +26,9 @@ class Summary {
   void AddJournal(std::string name, double journal_gbps, double plain_gbps);
   // Backup bandwidth with KV events published to a live subscriber against without, same run.
   void AddEvents(std::string name, double events_gbps, double plain_gbps);
+  // Backup bandwidth with each page's tokens carried into the events against without, both
+  // publishing, same run.
+  void AddTokens(std::string name, double tokens_gbps, double plain_gbps);
   // Latency percentiles (microseconds) against the baseline's.
   void AddLatency(std::string name, std::string baseline, double p50_us, double p99_us,
                   double base_p50_us, double base_p99_us);
@@ -42,6 +45,7 @@ class Summary {
   std::vector<std::string> copy_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> journal_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> events_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> tokens_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> latency_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> breakdown_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> throughput_ ABSL_GUARDED_BY(mu_);
