@@ -69,6 +69,24 @@ def engine_args(sock, command, bin_dir=None, **flags):
     return args
 
 
+_U64 = (1 << 64) - 1
+VOCAB = 128000  # kvcellar-engine-sim's kVocab
+
+
+def _splitmix64(x):
+    """core/splitmix.h."""
+    x = (x + 0x9E3779B97F4A7C15) & _U64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
+    return x ^ (x >> 31)
+
+
+def engine_tokens(tokens_seed, n, doc=0):
+    """The first n tokens of document `doc` of --tokens-seed (kvcellar-engine-sim's Tokens)."""
+    base = _splitmix64(_splitmix64(tokens_seed) ^ doc)
+    return [_splitmix64((base + i) & _U64) % VOCAB for i in range(n)]
+
+
 def run_engine(sock, command, timeout=60, bin_dir=None, **flags):
     cmd = engine_args(sock, command, bin_dir=bin_dir, **flags)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

@@ -26,7 +26,8 @@ import pytest
 import zmq
 
 from conftest import BIN_DIR
-from engine_sim import DAEMON_ARGS, EXIT_OK, admin, evict_l2, metric, run_engine, wait_until
+from engine_sim import (DAEMON_ARGS, EXIT_OK, admin, engine_tokens, evict_l2, metric, run_engine,
+                        wait_until)
 from kvcellar.v1 import admin_service_pb2
 
 GEOMETRY = dict(layers=2, block_bytes=4096, blocks=64, page_size=16, model="events-model")
@@ -204,6 +205,142 @@ def test_stored_events_carry_each_pages_tokens_and_vllms_integer_hashes(daemon_f
     # The index keeps each page's tokens: counted in the index's memory.
     assert metric(d, "kvcellar_namespace_event_token_bytes") > PAGES * 16 * 4
     w.close()
+
+
+# ---- llm-d's keys ---------------------------------------------------------------------------
+# llm-d's KV-cache indexer (llm-d/llm-d-kv-cache v0.8.1, pkg/kvcache/kvblock/token_processor.go and
+# pkg/kvevents/pool.go) does not index the engine's block hashes: it recomputes its own key of each
+# block from the event's token_ids, chained: key = FNV-1a-64(CBOR([parent, tokens, extra])), the
+# first parent hash(FNV-1a-64(hashSeed), null, model name) with the model name from the topic
+# (kv@<pod>@<model>), and maps each engine hash to its key, so that a later event's
+# parent_block_hash finds its parent (an event whose parent it cannot map is dropped) and a
+# BlockRemoved its keys. Nothing of llm-d installs here (a Go service), so this is its key scheme,
+# written from its documentation and source, checked against a vector from its own tests.
+
+FNV_OFFSET, FNV_PRIME, U64 = 0xCBF29CE484222325, 0x100000001B3, (1 << 64) - 1
+
+
+def fnv1a64(data):
+    h = FNV_OFFSET
+    for byte in data:
+        h = ((h ^ byte) * FNV_PRIME) & U64
+    return h
+
+
+def cbor(x):
+    """Canonical CBOR of what llm-d hashes: unsigned ints, null, text, arrays."""
+    def head(major, n):
+        if n < 24:
+            return bytes([major << 5 | n])
+        for info, fmt, limit in ((24, ">B", 1 << 8), (25, ">H", 1 << 16), (26, ">I", 1 << 32),
+                                 (27, ">Q", 1 << 64)):
+            if n < limit:
+                return bytes([major << 5 | info]) + struct.pack(fmt, n)
+        raise ValueError(n)
+    if x is None:
+        return b"\xf6"
+    if isinstance(x, int):
+        return head(0, x)
+    if isinstance(x, str):
+        return head(3, len(x.encode())) + x.encode()
+    return head(4, len(x)) + b"".join(cbor(v) for v in x)
+
+
+def llmd_keys(tokens, block_size, model, parent=None, hash_seed=""):
+    """llm-d's keys of the full blocks of `tokens` after `parent` (None: the model's root)."""
+    if parent is None:
+        parent = fnv1a64(cbor([fnv1a64(hash_seed.encode()), None, model]))
+    keys = []
+    for i in range(len(tokens) // block_size):
+        parent = fnv1a64(cbor([parent, list(tokens[i * block_size:(i + 1) * block_size]), None]))
+        keys.append(parent)
+    return keys
+
+
+class LlmdIndex:
+    """What llm-d's indexer keeps from a node's events: its own keys per pod and tier, and the
+    engine hash -> key map it resolves parents and removals with."""
+
+    def __init__(self, block_size):
+        self.block_size = block_size
+        self.engine_to_key = {}
+        self.keys = {}  # (pod, tier) -> set of llm-d keys
+        self.dropped = 0
+
+    def apply(self, topic, payload):
+        _, pod, model = topic.decode().split("@", 2)
+        for e in msgpack.unpackb(payload, raw=False)[1]:
+            tier = e.get("medium", "GPU").lower()
+            if e["type"] == "BlockStored":
+                parent = e["parent_block_hash"]
+                if parent is not None and parent not in self.engine_to_key:
+                    self.dropped += 1  # llm-d skips the event
+                    continue
+                keys = llmd_keys(e["token_ids"], self.block_size, model,
+                                 None if parent is None else self.engine_to_key[parent])
+                assert len(keys) == len(e["block_hashes"]), e  # equal block sizes: 1:1
+                self.engine_to_key.update(zip(e["block_hashes"], keys))
+                self.keys.setdefault((pod, tier), set()).update(keys)
+            elif e["type"] == "BlockRemoved":
+                self.keys.get((pod, tier), set()).difference_update(
+                    self.engine_to_key[h] for h in e["block_hashes"])
+            elif e["type"] == "AllBlocksCleared":
+                for k in [k for k in self.keys if k[0] == pod]:
+                    del self.keys[k]
+
+    def score(self, pod, tier, tokens, model):
+        """Leading blocks of a prompt the pod holds in the tier, as llm-d's scorer counts them."""
+        have = self.keys.get((pod, tier), set())
+        n = 0
+        for k in llmd_keys(tokens, self.block_size, model):
+            if k not in have:
+                break
+            n += 1
+        return n
+
+
+def test_llmd_keys_from_the_events_find_every_stored_page(daemon_factory):
+    # llm-d's own vector (tests/e2e/uds_tokenizer/uds_e2e_test.go: blockSizeTokens 4, hashSeed "").
+    assert llmd_keys([8197, 438, 322, 18926, 432, 45600, 49], 4,
+                     "ibm-granite/granite-3.1-8b-instruct") == [1334984470577408192]
+    pub = free_port()
+    d = daemon_factory(args=(*DAEMON_ARGS, "--set", f"events.endpoint=tcp://*:{pub}",
+                             "--set", "events.node=pod-a"))
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{pub}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")  # llm-d's topicFilter
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    time.sleep(0.3)  # ZMQ's slow joiner.
+    index = LlmdIndex(block_size=16)
+
+    def drain(until):
+        deadline = time.monotonic() + 10
+        while not until():
+            assert time.monotonic() < deadline, index.keys
+            topic, _, payload = sub.recv_multipart()
+            index.apply(topic, payload)
+
+    def stored(tier="cpu"):
+        return len(index.keys.get(("pod-a", tier), ()))
+
+    backup(d, tokens_seed=61, pages=6)
+    backup(d, tokens_seed=61, pages=8, instance="writer2")  # pages 6-7 after page 5
+    backup(d, tokens_seed=62, pages=3)
+    drain(lambda: stored() == 11)
+    assert index.dropped == 0
+    model = GEOMETRY["model"]
+    # Every page of each prompt is found under llm-d's own keys, as Match finds it.
+    for seed, pages in ((61, 8), (62, 3)):
+        r = run_engine(d.socket, "load", instance="reader", verify_seed=1, tokens_seed=seed,
+                       pages=pages, first_block=0, **GEOMETRY)
+        assert r.rc == EXIT_OK and r["hits"] == pages, r.describe()
+        assert index.score("pod-a", "cpu", engine_tokens(seed, pages * 16), model) == pages
+    evict_l2(d)  # Every BlockRemoved resolves through the engine hash -> key map.
+    drain(lambda: stored() == 0)
+    assert index.score("pod-a", "cpu", engine_tokens(61, 8 * 16), model) == 0
+    sub.close(0)
+    ctx.term()
 
 
 def test_warm_restart_reannounces_recovered_pages(daemon_factory):
