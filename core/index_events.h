@@ -59,6 +59,9 @@ struct IndexEvent {
   std::shared_ptr<const PageLabel> label;
   uint64_t hash = 0;
   uint64_t parent_hash = 0;
+  // An L3 medium's event: the tiers holding the page (with groups: its group's objects) after
+  // this change, so that a consumer may announce several tiers as one medium.
+  uint8_t l3_tiers = 0;
   // The KV group whose objects of the page entered or left the medium, in a namespace of a
   // hybrid model (one event per group); -1 otherwise (the page as a whole).
   int16_t group = -1;

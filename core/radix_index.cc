@@ -960,11 +960,13 @@ void RadixIndex::EmitL2(IndexEvent::Kind kind, const Node* n, ShardMask before, 
   }
 }
 
-void RadixIndex::Emit(IndexEvent::Kind kind, int8_t medium, const Node* n, int16_t group) {
+void RadixIndex::Emit(IndexEvent::Kind kind, int8_t medium, const Node* n, int16_t group,
+                      uint8_t l3_tiers) {
   IndexEvent event;
   event.kind = kind;
   event.medium = medium;
   event.group = group;
+  event.l3_tiers = l3_tiers;
   event.key = n->key;
   event.hash = HashOf(n, labels_.empty() ? nullptr : &event.label);
   if (kind == IndexEvent::Kind::kStored && n->parent != nullptr) {
@@ -1029,9 +1031,13 @@ uint8_t RadixIndex::PageTiers(const Node* n, ShardMask mask) const {
 
 void RadixIndex::EmitL3(IndexEvent::Kind kind, const Node* n, uint16_t shard, uint8_t tier) {
   if (sink_ == nullptr) return;
-  if ((PageTiers(n, GroupMask(GroupOf(shard))) >> tier & 1) != 0)
-    return;  // Another copy there still speaks for it.
-  Emit(kind, static_cast<int8_t>(tier), n, hybrid_ ? static_cast<int16_t>(GroupOf(shard)) : -1);
+  const uint8_t tiers = PageTiers(n, GroupMask(GroupOf(shard)));
+  if ((tiers >> tier & 1) != 0) return;  // Another copy there still speaks for it.
+  // Stored: called before the copy is added; removed: after the last one went.
+  const uint8_t after =
+      kind == IndexEvent::Kind::kStored ? static_cast<uint8_t>(tiers | 1u << tier) : tiers;
+  Emit(kind, static_cast<int8_t>(tier), n, hybrid_ ? static_cast<int16_t>(GroupOf(shard)) : -1,
+       after);
 }
 
 uint64_t RadixIndex::L2BytesLocked() const {
@@ -1086,8 +1092,9 @@ void RadixIndex::DropCopies(Node* n, std::vector<ReleasedObject>* released) {
   }
   for (size_t g = 0; g < tiers.size(); ++g) {
     for (uint32_t t = tiers[g]; t != 0; t &= t - 1) {
+      // The tiers not announced yet are the ones left.
       Emit(IndexEvent::Kind::kRemoved, static_cast<int8_t>(LowBit(t)), n,
-           hybrid_ ? static_cast<int16_t>(g) : -1);
+           hybrid_ ? static_cast<int16_t>(g) : -1, static_cast<uint8_t>(t & (t - 1)));
     }
   }
   AfterL2Change(n, held);

@@ -532,8 +532,8 @@ class RadixIndex {
   void CollectUpwards(Node* n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t L2BytesLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The sink's events for n: stored (with n's parent) or removed, in `medium`.
-  void Emit(IndexEvent::Kind kind, int8_t medium, const Node* n, int16_t group = -1)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Emit(IndexEvent::Kind kind, int8_t medium, const Node* n, int16_t group = -1,
+            uint8_t l3_tiers = 0) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // n's integer block hash for events (IndexEvent::hash), and its label into *label if given.
   uint64_t HashOf(const Node* n, std::shared_ptr<const PageLabel>* label) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);

@@ -192,6 +192,7 @@ absl::Status Daemon::StartEvents() {
   o.max_queue_size = c.max_queue_size;
   o.batch_interval = absl::Milliseconds(c.batch_interval_ms);
   o.int_hashes = c.block_hashes == EventsConfig::BlockHashes::kInt;
+  o.per_tier_media = c.storage_media == EventsConfig::StorageMedia::kPerTier;
   for (size_t i = 0; i < l3_->size(); ++i) {
     o.l3_tiers.push_back({l3_->tier(i).spec.name, l3_->tier(i).shared});
   }

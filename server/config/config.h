@@ -162,6 +162,10 @@ struct EventsConfig {
   // publish, and the most bytes the index of one namespace keeps for them.
   bool page_tokens = true;
   uint64_t max_token_bytes = 0;
+  // L3 media: vLLM's "STORAGE" for all of the node's tiers (one medium per locality), or
+  // "STORAGE:<tier name>" per tier.
+  enum class StorageMedia : uint8_t { kStorage, kPerTier };
+  StorageMedia storage_media = StorageMedia::kStorage;
   bool operator==(const EventsConfig&) const = default;
 };
 

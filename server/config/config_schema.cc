@@ -584,6 +584,11 @@ std::vector<KeySpec> SchemaTable() {
                 "Block hashes in events: int, vLLM's default (the hash's last 8 bytes, "
                 "big-endian; an engine's own hash where it keys pages itself), or bytes (the "
                 "32-byte page keys)."),
+      ChoiceKey(KVC_ENUM(events, storage_media), "storage", {"storage", "per_tier"},
+                "How L3 pages are announced: storage, as vLLM's MEDIUM_STORAGE (\"STORAGE\", one "
+                "medium for the node's own tiers and one for shared ones: stored when the first "
+                "tier of the kind holds a page, removed when the last lets it go), which routers "
+                "count as the node's disk tier; or per_tier (\"STORAGE:<tier name>\")."),
       BoolKey(KVC_FIELD(events, page_tokens), "true",
               "While events publish (events.endpoint), engines send each backed-up page's "
               "tokens and BlockStored events carry them (token_ids), as routers that hash "

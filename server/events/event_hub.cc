@@ -103,9 +103,11 @@ class EventHub::NamespaceSink : public core::IndexEventSink {
 EventHub::EventHub(EventHubOptions options) : options_(std::move(options)) {
   media_.push_back("CPU");
   locality_.push_back("LOCAL");
-  for (const EventHubOptions::L3Tier& tier : options_.l3_tiers) {
-    media_.push_back(absl::StrCat("STORAGE:", tier.name));
+  for (size_t t = 0; t < options_.l3_tiers.size(); ++t) {
+    const EventHubOptions::L3Tier& tier = options_.l3_tiers[t];
+    media_.push_back(options_.per_tier_media ? absl::StrCat("STORAGE:", tier.name) : "STORAGE");
     locality_.push_back(tier.shared ? "REMOTE" : "LOCAL");
+    (tier.shared ? shared_tiers_ : local_tiers_) |= static_cast<uint8_t>(1u << t);
   }
 }
 
@@ -269,7 +271,10 @@ void EventHub::Flush() {
   std::vector<const NamespaceSink*> order;
   absl::flat_hash_map<const NamespaceSink*, Builder> batches;
   const double ts = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+  size_t published = 0;
   for (const Pending& p : pending) {
+    if (!p.cleared && !Announced(p.event)) continue;
+    ++published;
     const NamespaceSink* sink = p.sink;
     auto [it, fresh] = batches.try_emplace(sink);
     if (fresh) order.push_back(sink);
@@ -335,7 +340,16 @@ void EventHub::Flush() {
       Publish(std::move(b));
     }
   }
-  events_.fetch_add(pending.size(), std::memory_order_relaxed);
+  events_.fetch_add(published, std::memory_order_relaxed);
+}
+
+bool EventHub::Announced(const core::IndexEvent& e) const {
+  if (e.medium < 0 || options_.per_tier_media) return true;
+  // "STORAGE" of a locality: stored when its first tier holds the page, removed when its last
+  // lets it go; what the other tiers of that kind do in between is no news.
+  const uint8_t kind_tiers = (shared_tiers_ >> e.medium & 1) != 0 ? shared_tiers_ : local_tiers_;
+  const uint8_t left = e.l3_tiers & kind_tiers;
+  return e.kind == core::IndexEvent::Kind::kStored ? left == (1u << e.medium) : left == 0;
 }
 
 void EventHub::Publish(std::shared_ptr<KvEventBatch> batch) {

@@ -57,6 +57,8 @@ struct EventHubOptions {
   int64_t max_queue_size = 100'000;
   absl::Duration batch_interval = absl::Milliseconds(10);
   bool int_hashes = true;  // Block hashes as vLLM's integers (events.block_hashes).
+  // L3 tiers as "STORAGE:<name>" each, rather than vLLM's "STORAGE" per locality.
+  bool per_tier_media = false;
   // The L3 tiers, in lookup order.
   struct L3Tier {
     std::string name;
@@ -115,11 +117,16 @@ class EventHub {
   // Publishes what is queued.
   void Flush();
   void Publish(std::shared_ptr<KvEventBatch> batch);
+  // Whether an index event is news for subscribers: always, but for an L3 tier's under "STORAGE"
+  // media, only the first tier of its locality to hold the page or the last to let it go.
+  bool Announced(const core::IndexEvent& e) const;
   void ServeReplay();
 
   const EventHubOptions options_;
   std::vector<std::string> media_;  // [0]: L2, [t + 1]: L3 tier t.
   std::vector<std::string> locality_;
+  uint8_t local_tiers_ = 0;   // L3 tiers of this node alone, as a bit mask.
+  uint8_t shared_tiers_ = 0;  // L3 tiers other nodes share.
 
   void* zmq_ = nullptr;  // Context.
   void* pub_ = nullptr;

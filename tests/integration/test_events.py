@@ -1,7 +1,7 @@
 """KV events through real daemons (docs/events.md): what a router subscribed to kvcellard sees.
 
 A WatchEvents stream and a ZMQ subscriber (python3-zmq) watch a daemon whose engines back pages up
-(kvcellar-engine-sim): every page stored in L2 ("CPU") and in an L3 tier ("STORAGE:<name>") is
+(kvcellar-engine-sim): every page stored in L2 ("CPU") and in L3 ("STORAGE", or "STORAGE:<name>" per tier) is
 announced once, every page evicted or cleared is announced removed (a file tier's own capacity
 evictions too, which also leave the index at once), sequence numbers have no gap,
 the ZMQ payload is vLLM's msgpack layout (decoded here with python3-msgpack against the published
@@ -90,6 +90,7 @@ def clear(d, tier):
 def test_l2_and_l3_pages_are_announced_stored_then_removed(daemon_factory, tmp_path):
     d = daemon_factory(args=(*DAEMON_ARGS, "--set", f"storage.tiers=file:{tmp_path}/l3?name=nvme",
                              "--set", "storage.write_policy=write_through",
+                             "--set", "events.storage_media=per_tier",
                              "--set", "events.node=node-a"))
     w = Watch(d)
     time.sleep(0.2)  # The stream is open before the first page.
@@ -187,8 +188,8 @@ def test_stored_events_carry_each_pages_tokens_and_vllms_integer_hashes(daemon_f
     time.sleep(0.2)
     backup(d, tokens_seed=51)
     w.wait_pages(STORED, "CPU", PAGES)
-    w.wait_pages(STORED, "STORAGE:nvme", PAGES)
-    for medium in ("CPU", "STORAGE:nvme"):
+    w.wait_pages(STORED, "STORAGE", PAGES)
+    for medium in ("CPU", "STORAGE"):
         stored = [e for _, e in w.events() if e.kind == STORED and e.medium == medium]
         parent = None
         for e in stored:
@@ -445,13 +446,13 @@ def test_file_tier_capacity_evictions_are_announced_and_leave_the_index(daemon_f
     w = Watch(d)
     time.sleep(0.2)
     backup(d, tokens_seed=11, pages=4)
-    first = w.wait_pages(STORED, "STORAGE:nvme", 4)
+    first = w.wait_pages(STORED, "STORAGE", 4)
     backup(d, tokens_seed=12, pages=4, instance="writer2")  # 8 objects: 3 of the first go
-    stored = w.wait_pages(STORED, "STORAGE:nvme", 8)
+    stored = w.wait_pages(STORED, "STORAGE", 8)
     wait_until(lambda: metric(d, "kvcellar_l3_evicted_objects_total") >= 3, timeout=10,
                what="3 capacity evictions")
     assert metric(d, "kvcellar_l3_evicted_objects_total") == 3
-    removed = w.wait_pages(REMOVED, "STORAGE:nvme", 3)
+    removed = w.wait_pages(REMOVED, "STORAGE", 3)
     assert len(removed) == 3 and set(removed) <= set(first), (removed, stored)
     evict_l2(d)
     r = run_engine(d.socket, "load", instance="reader", verify_seed=1, tokens_seed=11, pages=4,

@@ -79,6 +79,7 @@ EventHubOptions Options() {
   o.node = "node7";
   o.l3_tiers = {{"nvme", false}, {"cluster", true}};
   o.batch_interval = absl::Milliseconds(5);
+  o.per_tier_media = true;
   return o;
 }
 
@@ -341,6 +342,41 @@ TEST(KvEventBatchTest, IntegerHashesAreVllmsAndTokensFollowTheChain) {
             (std::vector<uint32_t>{10, 11, 12, 4000000000u}));
   const msgpack::object* gone = Field(events.via.array.ptr[1], "block_hashes");
   EXPECT_EQ(gone->via.array.ptr[0].as<uint64_t>(), core::IntBlockHash(Key(3)));
+}
+
+TEST(EventHubTest, StorageMediaAnnounceTheFirstTierInAndTheLastTierOutPerLocality) {
+  EventHubOptions o = Options();
+  o.per_tier_media = false;  // events.storage_media: storage, the default.
+  o.l3_tiers = {{"nvme", false}, {"fs", false}, {"cluster", true}};
+  auto hub = EventHub::Start(o);
+  ASSERT_TRUE(hub.ok()) << hub.status();
+  Collector watcher;
+  (*hub)->Watch(&watcher, std::nullopt);
+  core::IndexEventSink* sink = (*hub)->SinkFor(1, Spec());
+  auto at = [](core::IndexEvent e, uint8_t tiers_after) {
+    e.l3_tiers = tiers_after;
+    return e;
+  };
+  // Page 1 into nvme (announced), into fs too (not), out of nvme (not: fs holds it), out of fs
+  // (announced), into the shared tier (announced as REMOTE).
+  for (const core::IndexEvent& e :
+       {at(Stored(1, -1, 0), 0b001), at(Stored(1, -1, 1), 0b011), at(Removed(1, 0), 0b010),
+        at(Removed(1, 1), 0b000), at(Stored(1, -1, 2), 0b100)}) {
+    sink->OnIndexEvent(e);
+  }
+  auto batches = watcher.WaitFor(1);
+  ASSERT_EQ(batches.size(), 1u);
+  const std::vector<KvEvent>& ev = batches[0]->events;
+  ASSERT_EQ(ev.size(), 4u);  // AllBlocksCleared first.
+  EXPECT_EQ(ev[1].kind, KvEvent::Kind::kBlockStored);
+  EXPECT_EQ(ev[1].medium, "STORAGE");
+  EXPECT_EQ(ev[1].locality, "LOCAL");
+  EXPECT_EQ(ev[2].kind, KvEvent::Kind::kBlockRemoved);
+  EXPECT_EQ(ev[2].medium, "STORAGE");
+  EXPECT_EQ(ev[3].kind, KvEvent::Kind::kBlockStored);
+  EXPECT_EQ(ev[3].medium, "STORAGE");
+  EXPECT_EQ(ev[3].locality, "REMOTE");
+  (*hub)->Unwatch(&watcher);
 }
 
 TEST(EventHubTest, StoredChainsCarryTheirPagesTokensAndSplitWhereSomeAreUnknown) {
