@@ -193,6 +193,7 @@ absl::Status Daemon::StartEvents() {
   o.batch_interval = absl::Milliseconds(c.batch_interval_ms);
   o.int_hashes = c.block_hashes == EventsConfig::BlockHashes::kInt;
   o.per_tier_media = c.storage_media == EventsConfig::StorageMedia::kPerTier;
+  o.heartbeat = absl::Milliseconds(c.heartbeat_ms);
   for (size_t i = 0; i < l3_->size(); ++i) {
     o.l3_tiers.push_back({l3_->tier(i).spec.name, l3_->tier(i).shared});
   }

@@ -166,6 +166,7 @@ struct EventsConfig {
   // "STORAGE:<tier name>" per tier.
   enum class StorageMedia : uint8_t { kStorage, kPerTier };
   StorageMedia storage_media = StorageMedia::kStorage;
+  int64_t heartbeat_ms = 0;  // An empty batch after this long without one (ZMQ); 0: none.
   bool operator==(const EventsConfig&) const = default;
 };
 

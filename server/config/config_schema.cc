@@ -584,6 +584,10 @@ std::vector<KeySpec> SchemaTable() {
                 "Block hashes in events: int, vLLM's default (the hash's last 8 bytes, "
                 "big-endian; an engine's own hash where it keys pages itself), or bytes (the "
                 "32-byte page keys)."),
+      DurationKey(KVC_FIELD(events, heartbeat_ms), "1000", 0, 3'600'000,
+                  "With events.endpoint: after this long without a batch, an empty one, so that "
+                  "a subscriber that lost batches (a restarted daemon's first ones) sees the gap "
+                  "in sequence numbers and asks for a replay; 0 = none."),
       ChoiceKey(KVC_ENUM(events, storage_media), "storage", {"storage", "per_tier"},
                 "How L3 pages are announced: storage, as vLLM's MEDIUM_STORAGE (\"STORAGE\", one "
                 "medium for the node's own tiers and one for shared ones: stored when the first "

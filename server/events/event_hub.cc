@@ -101,6 +101,9 @@ class EventHub::NamespaceSink : public core::IndexEventSink {
 };
 
 EventHub::EventHub(EventHubOptions options) : options_(std::move(options)) {
+  next_seq_ = options_.first_seq.has_value()
+                  ? *options_.first_seq
+                  : static_cast<uint64_t>(absl::ToUnixMicros(absl::Now()));
   media_.push_back("CPU");
   locality_.push_back("LOCAL");
   for (size_t t = 0; t < options_.l3_tiers.size(); ++t) {
@@ -237,7 +240,28 @@ void EventHub::Run() {
     }
     Flush();
     if (stop) return;
+    Heartbeat();
   }
+}
+
+void EventHub::Heartbeat() {
+  if (pub_ == nullptr || options_.heartbeat <= absl::ZeroDuration()) return;
+  std::shared_ptr<KvEventBatch> beat;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (buffer_.empty()) return;  // Nothing published yet: nothing a subscriber could miss.
+    const KvEventBatch& last = *buffer_.back();
+    const double now = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+    if (now - last.ts < absl::ToDoubleSeconds(options_.heartbeat)) return;
+    beat = std::make_shared<KvEventBatch>();
+    beat->ts = now;
+    beat->topic = last.topic;
+    beat->ns_id = last.ns_id;
+    beat->tenant = last.tenant;
+    beat->model_id = last.model_id;
+  }
+  beat->payload = EncodeKvEventBatch(beat->ts, {}, options_.int_hashes);
+  Publish(std::move(beat));
 }
 
 void EventHub::Flush() {

@@ -57,6 +57,16 @@ struct EventHubOptions {
   int64_t max_queue_size = 100'000;
   absl::Duration batch_interval = absl::Milliseconds(10);
   bool int_hashes = true;  // Block hashes as vLLM's integers (events.block_hashes).
+  // The first batch's sequence number; nullopt: microseconds since the Unix epoch at Start, so a
+  // restarted daemon numbers its batches above every earlier run's (fewer than 10^6 batches a
+  // second are ever published: batch_interval_ms >= 1), and a subscriber that ignores numbers
+  // at or below the last it applied (NVIDIA Dynamo's indexer does) does not ignore the restart.
+  std::optional<uint64_t> first_seq;
+  // With a ZMQ publisher: after this long without a batch, an empty one (the last batch's topic),
+  // so that a subscriber that lost batches (a restarted daemon's AllBlocksCleared, sent while it
+  // was reconnecting) sees the gap in sequence numbers within this time and asks for a replay.
+  // Zero: none.
+  absl::Duration heartbeat = absl::ZeroDuration();
   // L3 tiers as "STORAGE:<name>" each, rather than vLLM's "STORAGE" per locality.
   bool per_tier_media = false;
   // The L3 tiers, in lookup order.
@@ -116,6 +126,8 @@ class EventHub {
   void Run();
   // Publishes what is queued.
   void Flush();
+  // An empty batch after options_.heartbeat without one.
+  void Heartbeat();
   void Publish(std::shared_ptr<KvEventBatch> batch);
   // Whether an index event is news for subscribers: always, but for an L3 tier's under "STORAGE"
   // media, only the first tier of its locality to hold the page or the last to let it go.

@@ -80,7 +80,53 @@ EventHubOptions Options() {
   o.l3_tiers = {{"nvme", false}, {"cluster", true}};
   o.batch_interval = absl::Milliseconds(5);
   o.per_tier_media = true;
+  o.first_seq = 0;
   return o;
+}
+
+TEST(EventHubTest, AnIdlePublisherSendsEmptyBatchesSoThatGapsShow) {
+  EventHubOptions o = Options();
+  o.endpoint = "tcp://127.0.0.1:*";
+  o.heartbeat = absl::Milliseconds(50);
+  auto hub = EventHub::Start(o);
+  ASSERT_TRUE(hub.ok()) << hub.status();
+  Collector watcher;
+  (*hub)->Watch(&watcher, std::nullopt);
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  EXPECT_TRUE(watcher.WaitFor(0).empty());  // Nothing published yet: no heartbeat either.
+  (*hub)->SinkFor(1, Spec())->OnIndexEvent(Stored(1, -1));
+  auto batches = watcher.WaitFor(3);
+  ASSERT_GE(batches.size(), 3u);
+  EXPECT_EQ(batches[0]->events.size(), 2u);  // AllBlocksCleared, BlockStored.
+  for (size_t i = 1; i < batches.size(); ++i) {
+    EXPECT_TRUE(batches[i]->events.empty());
+    EXPECT_EQ(batches[i]->seq, batches[i - 1]->seq + 1);
+    EXPECT_EQ(batches[i]->topic, "kv@node7@llama");
+    EXPECT_GE(batches[i]->ts - batches[i - 1]->ts, 0.045);
+    EXPECT_EQ(batches[i]->payload, EncodeKvEventBatch(batches[i]->ts, {}));
+  }
+  (*hub)->Unwatch(&watcher);
+}
+
+TEST(EventHubTest, ARestartedHubNumbersAboveTheLastRun) {
+  // Without first_seq the first number is the start time in microseconds: above whatever an
+  // earlier run published (at most one batch per millisecond), as subscribers that drop old
+  // numbers need.
+  EventHubOptions o = Options();
+  o.first_seq.reset();
+  const auto before = static_cast<uint64_t>(absl::ToUnixMicros(absl::Now()));
+  auto first = EventHub::Start(o);
+  ASSERT_TRUE(first.ok()) << first.status();
+  Collector watcher;
+  const uint64_t seq = (*first)->Watch(&watcher, std::nullopt);
+  EXPECT_GE(seq, before);
+  (*first)->Unwatch(&watcher);
+  first->reset();
+  std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  auto second = EventHub::Start(o);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_GT((*second)->Watch(&watcher, std::nullopt), seq + 1000);
+  (*second)->Unwatch(&watcher);
 }
 
 TEST(EventHubTest, FoldsChainsIntoBatchesInOrder) {
