@@ -18,8 +18,9 @@ by the test with ``kvcellar.page_keys`` (docs/keys.md).
 - test_event_routing_beats_round_robin: three daemons (node0..2), each L2 too small for the whole
   workload; kvcellar-bench's multi-turn conversation workload (client/tools/bench/workload.h,
   smaller) routed by the longest cached prefix in an index built from the events, then the same
-  requests round-robin on three fresh daemons. Prints
-  ``routing: event-routed hit rate X, round-robin Y``.
+  requests routed by NVIDIA Dynamo's own KV indexer (ai-dynamo-runtime 1.6.1, dynamo_indexer.py)
+  subscribed to three fresh daemons, then round-robin on three more. Prints
+  ``routing: event-routed hit rate X, Dynamo-indexer-routed Y (...), round-robin Z``.
 """
 import os
 import re
@@ -49,6 +50,7 @@ from vllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved,  # noqa:
                                         BlockStored, KVEventBatch)
 
 from conftest import bin_path  # noqa: E402
+from dynamo_indexer import DynamoIndexer  # noqa: E402
 from kvcellar import Client, KvGroup, KvLayout, Namespace, SimDevice, page_keys  # noqa: E402
 from kvcellar import _native as N  # noqa: E402
 
@@ -442,14 +444,24 @@ class EventIndex:
             s.close(0)
 
 
-def run_workload(daemon_factory, tag, routed):
-    """Serves the workload on three fresh daemons, routed on events or round-robin. Returns
-    (pages hit, pages requested, stats)."""
+def run_workload(daemon_factory, tag, router, tmp_path=None):
+    """Serves the workload on three fresh daemons, routed by `router`: "events" (the index
+    above), "dynamo" (NVIDIA Dynamo's own indexer subscribed to the three nodes, its answer per
+    node for the prompt's tokens) or "rr" (round-robin). Returns (pages hit, pages requested,
+    stats); stats["stale"] counts requests whose router's answer for the chosen node differed
+    from that node's Match."""
     names = [f"node{i}" for i in range(NODES)]
     daemons = [daemon_factory(args=event_args(n), name=f"{tag}-{n}") for n in names]
     ctx = zmq.Context()
-    index = EventIndex(ctx, {n: endpoints(d) for n, d in zip(names, daemons)})
+    eps = {n: endpoints(d) for n, d in zip(names, daemons)}
+    index = EventIndex(ctx, eps)
     ns = Namespace("test-org/routed-model", "r1", "int8", P)
+    dynamo = None
+    if router == "dynamo":
+        dynamo = DynamoIndexer({i + 1: eps[n] for i, n in enumerate(names)}, P, ns.model_id,
+                               tmp_path / f"{tag}-indexer.log")
+    worker = {n: i + 1 for i, n in enumerate(names)}
+    routed_to = {n: 0 for n in names}  # requests sent to each node (the Dynamo router's tie-break)
     engines = {}
     stats = {"stale": 0, "verified": 0}
     hit_pages = requested = 0
@@ -468,12 +480,21 @@ def run_workload(daemon_factory, tag, routed):
             keys = page_keys(ns, convs[c][r])  # what the engine holds after the round
             hkeys = [H(k) for k in keys]
             prompt_pages = prompt_tokens(r) // P
-            if routed:
+            prompt = convs[c][r][:prompt_pages * P]
+            if router == "events":
                 node = index.route(hkeys[:prompt_pages], names)
+            elif router == "dynamo":
+                # The most pages in L2 (Dynamo's cpu tier) for the prompt; ties to the node
+                # given fewer requests, then the lower index.
+                held = dynamo.query(prompt)
+                node = max(names, key=lambda n: (held.get(worker[n], {}).get("cpu", 0) // P,
+                                                 -routed_to[n], -names.index(n)))
             else:
                 node = names[i % NODES]
+            routed_to[node] += 1
             eng = engines[node]
-            predicted = index.prefix(node, hkeys[:prompt_pages])
+            predicted = (dynamo.blocks(worker[node], prompt, P, "cpu") if dynamo
+                         else index.prefix(node, hkeys[:prompt_pages]))
             m = eng.session.match([keys[:prompt_pages]], by_keys=True, pin=True)
             assert m.ok, m.reason
             hit = m.results[0].l2_hit_pages
@@ -489,35 +510,47 @@ def run_workload(daemon_factory, tag, routed):
                 stats["verified"] += hit
             # "Prefill": the rest of the pages, then Backup below the hit, as an engine does.
             seq0 = (index.next_seq[node] or 0) - 1
-            stored = eng.backup(keys[hit:], hit, parent=bytes(keys[hit - 1]) if hit else None)
+            stored = eng.backup(keys[hit:], hit, parent=bytes(keys[hit - 1]) if hit else None,
+                                tokens=convs[c][r][hit * P:len(keys) * P])
             assert stored == len(keys) - hit, f"request {i}: {stored} of {len(keys) - hit}"
             # Route the next request on an index that has seen this Backup.
             assert index.wait_stored(node, hkeys[-1], seq0), f"request {i}: no BlockStored"
             index.poll(0)
+            if dynamo:
+                held = index.prefix(node, hkeys)
+                stats.setdefault("dynamo_wait_s", 0.0)
+                stats["dynamo_wait_s"] = max(stats["dynamo_wait_s"], dynamo.wait_blocks(
+                    worker[node], convs[c][r][:len(keys) * P], P, held, "cpu"))
         # At rest, the event-built index equals each daemon's L2 (the daemon's Match).
         time.sleep(0.05)
         index.poll(50)
         for n in names:
-            for fk in final_keys:
+            for c, fk in enumerate(final_keys):
                 assert index.prefix(n, [H(k) for k in fk]) == engines[n].hit(fk), n
+                if dynamo:  # Dynamo's answer equals the node's Match too
+                    toks = convs[c][-1][:len(fk) * P]
+                    assert dynamo.blocks(worker[n], toks, P, "cpu") == engines[n].hit(fk), n
         stats["replays"] = index.replayed
         stats["held"] = {n: len(index.cpu[n]) for n in names}
         return hit_pages, requested, stats
     finally:
         for e in engines.values():
             e.close()
+        if dynamo:
+            dynamo.close()
         index.close()
         ctx.term()
         for d in daemons:
             d.stop()
 
 
-def test_event_routing_beats_round_robin(daemon_factory):
+def test_event_routing_beats_round_robin(daemon_factory, tmp_path):
     t0 = time.monotonic()
-    r_hit, r_req, r_stats = run_workload(daemon_factory, "ev", routed=True)
-    rr_hit, rr_req, rr_stats = run_workload(daemon_factory, "rr", routed=False)
-    assert r_req == rr_req
-    routed, rr = r_hit / r_req, rr_hit / rr_req
+    r_hit, r_req, r_stats = run_workload(daemon_factory, "ev", "events")
+    dy_hit, dy_req, dy_stats = run_workload(daemon_factory, "dy", "dynamo", tmp_path)
+    rr_hit, rr_req, rr_stats = run_workload(daemon_factory, "rr", "rr")
+    assert r_req == rr_req == dy_req
+    routed, rr, dy = r_hit / r_req, rr_hit / rr_req, dy_hit / dy_req
 
     def kv_pages(r):  # full pages of round r's KV (prompt + output tokens but the last)
         return (prompt_tokens(r) + OUTPUT_TOKENS - 1) // P
@@ -527,7 +560,9 @@ def test_event_routing_beats_round_robin(daemon_factory):
     # Round-robin finds a conversation's history on the node it is sent to only from three
     # rounds earlier ((2r + c) % 3 repeats with period 3), and only what L2 kept of it.
     rr_bound = CLIENTS * sum(kv_pages(r - 3) for r in range(3, ROUNDS))
-    print(f"routing: event-routed hit rate {routed:.3f}, round-robin {rr:.3f} "
+    print(f"routing: event-routed hit rate {routed:.3f}, Dynamo-indexer-routed {dy:.3f} "
+          f"(Dynamo followed each Backup within {dy_stats['dynamo_wait_s']:.3f} s), "
+          f"round-robin {rr:.3f} "
           f"(best case {best / r_req:.3f}, round-robin at most {rr_bound / r_req:.3f}; "
           f"pages requested {r_req}; routed {r_stats}; round-robin {rr_stats}; "
           f"{time.monotonic() - t0:.1f} s)")
@@ -535,6 +570,8 @@ def test_event_routing_beats_round_robin(daemon_factory):
     # of the workload, under its L2 capacity), so every request hits all of the previous round.
     assert r_hit == best
     assert r_stats["stale"] == 0  # the events had told the router exactly what Match found
+    # NVIDIA Dynamo's indexer, fed the same events (their tokens), routes as well, and exactly.
+    assert dy_hit == best and dy_stats["stale"] == 0
     assert rr_hit <= rr_bound
     # The margin: routed is the best case (0.71 here), round-robin at most 0.28 before eviction.
     assert routed > 1.5 * rr, (routed, rr)
