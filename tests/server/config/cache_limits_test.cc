@@ -61,9 +61,12 @@ TEST(CacheLimitsTest, DefaultsMatchTheDefaultConfig) {
 }
 
 TEST(CacheLimitsTest, ReportsEveryServerLimitsField) {
-  const CacheLimits l = CacheLimits::FromConfig(WithSessions(9000, 20000));
+  Config config = WithSessions(9000, 20000);
+  config.events.endpoint = "tcp://*:5557";  // Events publish: page tokens are wanted.
+  const CacheLimits l = CacheLimits::FromConfig(config);
   v1::ServerLimits proto;
   l.ToProto(&proto);
+  EXPECT_TRUE(proto.page_tokens());
   EXPECT_EQ(proto.max_batch_pages(), l.max_batch_pages);
   EXPECT_EQ(proto.max_batch_sequences(), l.max_batch_sequences);
   EXPECT_EQ(proto.max_message_bytes(), l.max_message_bytes);
@@ -84,6 +87,18 @@ TEST(CacheLimitsTest, ReportsEveryServerLimitsField) {
     const google::protobuf::FieldDescriptor* field = descriptor->field(i);
     EXPECT_TRUE(reflection->HasField(proto, field)) << field->name() << " is not reported";
   }
+}
+
+TEST(CacheLimitsTest, PageTokensAreWantedOnlyWhileEventsPublish) {
+  Config config = WithSessions(9000, 20000);
+  EXPECT_FALSE(CacheLimits::FromConfig(config).page_tokens);
+  EXPECT_FALSE(CacheLimits::FromConfig(config).label_pages);
+  config.events.endpoint = "ipc:///tmp/events";
+  EXPECT_TRUE(CacheLimits::FromConfig(config).page_tokens);
+  EXPECT_TRUE(CacheLimits::FromConfig(config).label_pages);
+  config.events.page_tokens = false;  // Engine hashes (opaque keys) are still kept.
+  EXPECT_FALSE(CacheLimits::FromConfig(config).page_tokens);
+  EXPECT_TRUE(CacheLimits::FromConfig(config).label_pages);
 }
 
 TEST(CacheLimitsTest, PinLeaseZeroIsTheDefaultAndLongOnesAreClamped) {
