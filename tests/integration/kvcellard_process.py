@@ -113,6 +113,20 @@ class Daemon:
             raise AssertionError("kvcellard did not exit in time:\n" + self.log())
 
 
+def end_process(proc, timeout=10):
+    """SIGTERM, then SIGKILL after `timeout` s; the exit status (None if it had not started)."""
+    if proc is None:
+        return None
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 class Daemons:
     """Daemons started under one directory; close() kills those still running (a test's
     fixture teardown)."""

@@ -31,6 +31,7 @@ import yaml
 
 from conftest import BIN_DIR, KVCELLARCTL, KVCELLARD, SOURCE_DIR, Daemon, run
 from engine_sim import run_engine, wait_until
+from kvcellard_process import end_process
 from redis_util import REDIS_SERVER, RedisServer
 
 DEPLOY = os.path.join(SOURCE_DIR, "deploy")
@@ -1086,13 +1087,7 @@ class Prometheus:
             raise AssertionError(f"prometheus: {e}\n" + self.log()) from None
 
     def stop(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end_process(self.proc)
 
 
 def test_prometheus_scrapes_the_daemon(daemon_factory, tmp_path, redis_server):

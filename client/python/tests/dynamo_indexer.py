@@ -22,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from kvcellard_process import end_process
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -114,10 +115,5 @@ class DynamoIndexer:
             time.sleep(0.01)
 
     def close(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        end_process(self.proc)
         self.log.close()
