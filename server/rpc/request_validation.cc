@@ -382,6 +382,9 @@ void FillSessionGeometry(const v1::RegisterEngineRequest& request, const Registr
   info->shard = static_cast<uint16_t>(reg.worker && !mla ? request.rank() : 0);
   info->shard_writer = reg.worker && (!mla || request.rank() == 0);
   info->tp_size = reg.spec.tp_size;
+  info->page_size = reg.spec.page_size;
+  info->opaque_keys = reg.spec.opaque_keys;
+  info->ns_digest = reg.spec.Digest();
   if (reg.spec.Hybrid()) {
     for (const core::KvGroup& g : reg.spec.groups) info->group_kinds.push_back(g.kind);
   }
@@ -651,24 +654,24 @@ absl::Status ValidateBackup(const v1::BackupRequest& request, const SessionInfo&
     return s;
   }
   for (int i = 0; i < request.sequences_size(); ++i) {
-    if (absl::Status s = CheckBackupTokens(request.sequences(i), i, *session.ns); !s.ok()) return s;
+    if (absl::Status s = CheckBackupTokens(request.sequences(i), i, session); !s.ok()) return s;
   }
   return absl::OkStatus();
 }
 
-absl::Status CheckBackupTokens(const v1::BackupSequence& seq, int i, const Namespace& ns) {
+absl::Status CheckBackupTokens(const v1::BackupSequence& seq, int i, const SessionInfo& session) {
   if (seq.token_ids_size() == 0) return absl::OkStatus();
   const std::string field = absl::StrCat("sequences[", i, "].token_ids");
   const size_t pages = seq.page_keys().size() / kKeyBytes;
-  const uint32_t page_size = ns.spec().page_size;
+  const uint32_t page_size = session.page_size;
   if (static_cast<size_t>(seq.token_ids_size()) != pages * page_size) {
     return InvalidField(
         field, absl::StrCat(field, ": ", seq.token_ids_size(), " tokens for ", pages, " pages of ",
                             page_size, " tokens (page_size_tokens per page, or none)"));
   }
-  if (ns.spec().opaque_keys) return absl::OkStatus();  // The engine's keys: nothing to hash.
+  if (session.opaque_keys) return absl::OkStatus();  // The engine's keys: nothing to hash.
   // An event must never name tokens a page does not hold: they must hash to its key.
-  core::PageKey parent = ns.digest();
+  core::PageKey parent = session.ns_digest;
   if (!seq.parent_key().empty())
     std::memcpy(parent.bytes.data(), seq.parent_key().data(), kKeyBytes);
   const absl::Span<const uint32_t> tokens(seq.token_ids().data(), seq.token_ids_size());

@@ -79,7 +79,7 @@ absl::Status ValidateBackup(const v1::BackupRequest& request, const SessionInfo&
                             const CacheLimits& limits);
 // Backup sequence i's token_ids (part of ValidateBackup): none, or page_size_tokens per page,
 // which in a chained namespace hash to its page keys from its parent.
-absl::Status CheckBackupTokens(const v1::BackupSequence& seq, int i, const Namespace& ns);
+absl::Status CheckBackupTokens(const v1::BackupSequence& seq, int i, const SessionInfo& session);
 
 }  // namespace kvcellar::server
 

@@ -55,6 +55,10 @@ struct SessionInfo {
   uint16_t shard = 0;         // The shard this rank reads and writes.
   bool shard_writer = false;  // MHA: every worker; MLA: rank 0.
   uint32_t tp_size = 1;
+  // What checking a Backup's token_ids needs of the namespace (FillSessionGeometry).
+  uint32_t page_size = 0;
+  bool opaque_keys = false;
+  core::PageKey ns_digest;
   // The kind of each KV group of a hybrid namespace, whose Loads and Backups name group_blocks;
   // empty otherwise (device_blocks).
   std::vector<core::GroupKind> group_kinds;

@@ -393,6 +393,9 @@ inline SessionInfo WorkerInfo(std::shared_ptr<Namespace> ns, const std::string& 
   info.rank = rank;
   info.role = v1::SESSION_ROLE_WORKER;
   info.tp_size = ns->spec().tp_size;
+  info.page_size = ns->spec().page_size;
+  info.opaque_keys = ns->spec().opaque_keys;
+  info.ns_digest = ns->digest();
   const bool sharded = ns->spec().ShardsPerPage() > 1;
   info.shard = sharded ? static_cast<uint16_t>(rank) : 0;
   info.shard_writer = sharded || rank == 0;
