@@ -328,7 +328,8 @@ void EventHub::Flush() {
     const bool tokens =
         kind == KvEvent::Kind::kBlockStored && e.label != nullptr && !e.label->tokens.empty();
     const bool extends =
-        last != nullptr && last->kind == kind && last->medium == medium && last->group == e.group &&
+        last != nullptr && last->kind == kind && last->medium == medium &&
+        last->locality == locality_[static_cast<size_t>(e.medium + 1)] && last->group == e.group &&
         (kind == KvEvent::Kind::kBlockRemoved ||
          (e.has_parent && last->keys.back() == e.parent && last->token_ids.empty() != tokens));
     if (!extends) {

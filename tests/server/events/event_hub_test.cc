@@ -425,6 +425,46 @@ TEST(EventHubTest, StorageMediaAnnounceTheFirstTierInAndTheLastTierOutPerLocalit
   (*hub)->Unwatch(&watcher);
 }
 
+TEST(EventHubTest, StorageMediaOfBothLocalitiesNeverFoldIntoOneEvent) {
+  EventHubOptions o = Options();
+  o.per_tier_media = false;
+  o.l3_tiers = {{"nvme", false}, {"cluster", true}};
+  auto hub = EventHub::Start(o);
+  ASSERT_TRUE(hub.ok()) << hub.status();
+  Collector watcher;
+  (*hub)->Watch(&watcher, std::nullopt);
+  core::IndexEventSink* sink = (*hub)->SinkFor(1, Spec());
+  auto at = [](core::IndexEvent e, uint8_t tiers_after) {
+    e.l3_tiers = tiers_after;
+    return e;
+  };
+  // A parent stored in the local tier and its child in the shared one, within one batch: both
+  // are "STORAGE", and the child must not be folded into the parent's LOCAL event. Their
+  // removals, one from each, must not share an event either.
+  for (const core::IndexEvent& e : {at(Stored(1, -1, 0), 0b01), at(Stored(2, 1, 1), 0b10),
+                                    at(Removed(1, 0), 0b00), at(Removed(2, 1), 0b00)}) {
+    sink->OnIndexEvent(e);
+  }
+  auto batches = watcher.WaitFor(1);
+  ASSERT_EQ(batches.size(), 1u);
+  const std::vector<KvEvent>& ev = batches[0]->events;
+  ASSERT_EQ(ev.size(), 5u);  // AllBlocksCleared first.
+  EXPECT_EQ(ev[1].kind, KvEvent::Kind::kBlockStored);
+  EXPECT_EQ(ev[1].locality, "LOCAL");
+  EXPECT_EQ(ev[1].keys, (std::vector<core::PageKey>{Key(1)}));
+  EXPECT_EQ(ev[2].kind, KvEvent::Kind::kBlockStored);
+  EXPECT_EQ(ev[2].locality, "REMOTE");
+  EXPECT_EQ(ev[2].keys, (std::vector<core::PageKey>{Key(2)}));
+  EXPECT_EQ(ev[3].kind, KvEvent::Kind::kBlockRemoved);
+  EXPECT_EQ(ev[3].locality, "LOCAL");
+  EXPECT_EQ(ev[4].kind, KvEvent::Kind::kBlockRemoved);
+  EXPECT_EQ(ev[4].locality, "REMOTE");
+  for (const KvEvent& e : ev) {
+    if (e.kind != KvEvent::Kind::kAllBlocksCleared) EXPECT_EQ(e.medium, "STORAGE");
+  }
+  (*hub)->Unwatch(&watcher);
+}
+
 TEST(EventHubTest, StoredChainsCarryTheirPagesTokensAndSplitWhereSomeAreUnknown) {
   auto hub = EventHub::Start(Options());
   ASSERT_TRUE(hub.ok()) << hub.status();
