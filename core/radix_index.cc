@@ -798,6 +798,7 @@ absl::Status RadixIndex::UpdateL3Locked(const L3Update& update) {
       if (!created.ok()) return created.status();
       n = *created;
     }
+    if (update.label != nullptr) AttachLabelLocked(n, update.label, /*max_label_bytes=*/0);
     ShardState& s = n->shards()[update.shard];
     if ((s.l3_tiers & bit) == 0) {
       EmitL3(IndexEvent::Kind::kStored, n, update.shard, update.tier);  // Before: first copy?
@@ -994,22 +995,37 @@ uint64_t RadixIndex::LabelBytes(const PageLabel& label) {
 
 size_t RadixIndex::Label(absl::Span<const PageKey> keys,
                          absl::Span<const std::shared_ptr<const PageLabel>> labels,
-                         uint64_t max_label_bytes) {
-  size_t attached = 0;
+                         uint64_t max_label_bytes, std::vector<bool>* attached) {
+  size_t count = 0;
+  if (attached != nullptr) attached->assign(keys.size(), false);
   absl::MutexLock lock(&mu_);
   Cursor cursor;
   for (size_t i = 0; i < keys.size() && i < labels.size(); ++i) {
     if (labels[i] == nullptr) continue;
     Node* n = Seek(cursor, keys[i]);
     if (n == nullptr) continue;
-    const uint64_t bytes = LabelBytes(*labels[i]);
-    if (max_label_bytes != 0 && label_bytes_ + bytes > max_label_bytes) break;
-    if (labels_.try_emplace(n, labels[i]).second) {
-      label_bytes_ += bytes;
-      ++attached;
-    }
+    if (!AttachLabelLocked(n, labels[i], max_label_bytes)) continue;
+    if (attached != nullptr) (*attached)[i] = true;
+    ++count;
   }
-  return attached;
+  return count;
+}
+
+bool RadixIndex::AttachLabelLocked(const Node* n, const std::shared_ptr<const PageLabel>& label,
+                                   uint64_t max_label_bytes) {
+  if (labels_.contains(n)) return false;
+  const uint64_t bytes = LabelBytes(*label);
+  if (max_label_bytes != 0 && label_bytes_ + bytes > max_label_bytes) return false;
+  labels_.emplace(n, label);
+  label_bytes_ += bytes;
+  return true;
+}
+
+void RadixIndex::ForEachLabel(
+    absl::FunctionRef<void(const PageKey& key, const std::shared_ptr<const PageLabel>& label)> fn)
+    const {
+  absl::ReaderMutexLock lock(&mu_);
+  for (const auto& [node, label] : labels_) fn(node->key, label);
 }
 
 std::shared_ptr<const PageLabel> RadixIndex::LabelOf(const PageKey& key) const {

@@ -60,6 +60,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/container/inlined_vector.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -184,6 +185,9 @@ struct L3Update {
   uint16_t shard = 0;
   uint8_t tier = 0;
   bool present = true;
+  // Attached (RadixIndex::Label, no bound) when the page has no label yet, before its stored
+  // event: what a restarted daemon read back for it (server/events/label_log.h).
+  std::shared_ptr<const PageLabel> label;
 };
 
 struct RemoveCounts {
@@ -440,12 +444,17 @@ class RadixIndex {
   // Attaches labels[i] to the page keys[i] when it is indexed and has none yet (a label is never
   // replaced: events already sent named it). A label lives as long as its page is indexed, in any
   // medium. Not attached once the labels' heap bytes would pass `max_label_bytes` (0: no limit);
-  // returns how many were attached.
+  // returns how many were attached, and which in *attached (resized to keys.size()) if given.
   size_t Label(absl::Span<const PageKey> keys,
-               absl::Span<const std::shared_ptr<const PageLabel>> labels, uint64_t max_label_bytes)
-      ABSL_LOCKS_EXCLUDED(mu_);
+               absl::Span<const std::shared_ptr<const PageLabel>> labels, uint64_t max_label_bytes,
+               std::vector<bool>* attached = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   // The label of `key`, or nullptr.
   std::shared_ptr<const PageLabel> LabelOf(const PageKey& key) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Every labelled page's key and label, in no order, under the index's read lock (fn must not
+  // call back into the index).
+  void ForEachLabel(
+      absl::FunctionRef<void(const PageKey& key, const std::shared_ptr<const PageLabel>& label)> fn)
+      const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Node;
@@ -539,6 +548,9 @@ class RadixIndex {
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // What one label costs the index, in heap bytes.
   static uint64_t LabelBytes(const PageLabel& label);
+  // Attaches `label` to n unless it has one or the bound would pass; true when attached.
+  bool AttachLabelLocked(const Node* n, const std::shared_ptr<const PageLabel>& label,
+                         uint64_t max_label_bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The L2 events of a change of n's committed objects from `before` to `after`: the page's,
   // or with groups one per group whose objects went from none to some (or some to none).
   void EmitL2(IndexEvent::Kind kind, const Node* n, ShardMask before, ShardMask after)

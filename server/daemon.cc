@@ -2,26 +2,29 @@
 
 #include <sys/stat.h>
 
+#include <limits>
+
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "core/host_pool.h"
 #include "core/slot_journal.h"
-#include "platform/host_memory.h"
-#include "platform/huge_pages.h"
-#include "platform/log.h"
 #include "gpu/device_factory.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
-#include "server/rpc/admin_service.h"
+#include "platform/host_memory.h"
+#include "platform/huge_pages.h"
+#include "platform/log.h"
 #include "server/build_info.h"
-#include "server/rpc/cache_service.h"
 #include "server/metrics/http_server.h"
-#include "server/rpc/malformed_request.h"
 #include "server/metrics/metrics.h"
 #include "server/metrics/process_metrics.h"
+#include "server/rpc/admin_service.h"
+#include "server/rpc/cache_service.h"
+#include "server/rpc/malformed_request.h"
 #include "server/rpc/rpc_metrics.h"
 #include "server/rpc/tls.h"
 #include "server/rpc/unix_socket.h"
@@ -102,6 +105,7 @@ absl::Status Daemon::StartListeners() {
   if (!l3.ok()) return l3.status();
   l3_ = *std::move(l3);
   if (absl::Status s = StartEvents(); !s.ok()) return s;
+  if (absl::Status s = OpenLabelLog(); !s.ok()) return s;
   CreateServices(registry);
 
   unix_socket_ = ResolveUnixSocketPath(config_);
@@ -167,7 +171,24 @@ void Daemon::CreateServices(MetricsRegistry& registry) {
     absl::MutexLock lock(&mu_);
     cache_options.daemon_epoch = info_.epoch;
   }
+  cache_options.labels = labels_.get();
   cache_ = std::make_unique<Cache>(std::move(cache_options));
+  if (labels_ != nullptr) {
+    // Compaction rewrites the log from every index's labels; recovered labels not yet taken are
+    // kept until the L3 tiers' scans have entered the indexes.
+    labels_->SetSnapshot(
+        [cache = cache_.get()](LabelLog::Emit emit) {
+          for (const std::shared_ptr<Namespace>& ns : cache->namespaces().Snapshot()) {
+            const core::RadixIndex* index = ns->index();
+            if (index == nullptr) continue;
+            index->ForEachLabel(
+                [&](const core::PageKey& key, const std::shared_ptr<const core::PageLabel>& l) {
+                  emit(ns->digest(), key, *l);
+                });
+          }
+        },
+        [cache = cache_.get()] { return !cache->l3_recovery().Settled(); });
+  }
   cache_service_ = std::make_unique<CacheServiceImpl>(cache_.get(), &peer_credentials_);
   if (!l3_->empty()) {
     l3_admin_ = std::make_unique<L3TierAdmin>(l3_.get(), &cache_->namespaces());
@@ -178,6 +199,30 @@ void Daemon::CreateServices(MetricsRegistry& registry) {
       info, config_, /*allow_mutations=*/false, &cache_->admin(), l3_admin_.get(), events_.get());
   admin_service_ = std::make_unique<AdminServiceImpl>(
       info, config_, /*allow_mutations=*/true, &cache_->admin(), l3_admin_.get(), events_.get());
+}
+
+absl::Status Daemon::OpenLabelLog() {
+  const std::string& setting = config_.events.label_log;
+  // Labels exist only while events publish (CacheLimits::label_pages).
+  if (config_.events.endpoint.empty() || setting == "off") return absl::OkStatus();
+  const bool automatic = setting == "auto";
+  if (automatic && config_.pool.shm_name.empty()) return absl::OkStatus();
+  LabelLogOptions options;
+  options.path = automatic ? absl::StrCat("/dev/shm/",
+                                          absl::StripPrefix(config_.pool.shm_name, "/"), ".labels")
+                           : setting;
+  options.max_recovered_bytes = config_.events.max_token_bytes == 0
+                                    ? std::numeric_limits<uint64_t>::max()
+                                    : config_.events.max_token_bytes;
+  absl::StatusOr<std::unique_ptr<LabelLog>> log = LabelLog::Open(options);
+  if (!log.ok()) {
+    if (!automatic) return log.status();
+    KVLOG(Warn, "label log not kept: recovered pages are announced without tokens",
+          {{"path", options.path}, {"error", log.status().message()}});
+    return absl::OkStatus();
+  }
+  labels_ = *std::move(log);
+  return absl::OkStatus();
 }
 
 absl::Status Daemon::StartEvents() {

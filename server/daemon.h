@@ -20,17 +20,18 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
-#include "grpcpp/server.h"
-#include "grpcpp/server_builder.h"
 #include "core/host_pool.h"
 #include "gpu/device_backend.h"
+#include "grpcpp/server.h"
+#include "grpcpp/server_builder.h"
 #include "platform/host_memory.h"
-#include "server/config/config.h"
-#include "server/l3/l3_tier_admin.h"
-#include "server/l3/l3_tiers.h"
 #include "server/admin/daemon_info.h"
+#include "server/config/config.h"
 #include "server/datapath/device_set.h"
 #include "server/events/event_hub.h"
+#include "server/events/label_log.h"
+#include "server/l3/l3_tier_admin.h"
+#include "server/l3/l3_tiers.h"
 #include "server/metrics/metrics.h"
 #include "server/rpc/malformed_request.h"
 #include "server/rpc/peer_credentials.h"
@@ -93,6 +94,9 @@ class Daemon {
   // The device backend of config device.kind, with the host pool registered with it; with a CUDA
   // primary and device.host_memory_engines, also a sim backend for host-memory engines.
   absl::Status CreateDeviceBackend();
+  // Opens events.label_log when events publish; an "auto" log that cannot open is skipped
+  // (logged), a named one that cannot is a startup error.
+  absl::Status OpenLabelLog();
 
   const Config config_;
   // The pool's memory, mapped per pool.*; unmapped last, after everything that uses the pool.
@@ -114,6 +118,8 @@ class Daemon {
   std::unique_ptr<L3Tiers> l3_;
   // KV events: the indexes report to it, WatchEvents streams watch it; outlives both.
   std::unique_ptr<EventHub> events_;
+  // Pages' labels kept for a restart (events.label_log), or nullptr; outlives the cache.
+  std::unique_ptr<LabelLog> labels_;
   std::unique_ptr<Cache> cache_;  // The composition root; outlives its service.
   PeerCredentials peer_credentials_;  // Of engine-socket connections; outlives the service.
   // Requests that do not parse, on every server: outlives them.

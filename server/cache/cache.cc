@@ -80,13 +80,14 @@ Cache::Cache(CacheOptions options)
       writer_(
           l3_, &l2_, [this] { return ops_.NextId(); }, &metrics_, config_.storage),
       prefetcher_(l3_, &l2_, &ops_, &pins_, &metrics_, &limits_, config_.storage),
-      recovery_(l3_, &namespaces_),
+      recovery_(l3_, &namespaces_, options.labels),
       mover_(&devices_, &l2_, &pins_, &ops_, &pump_, &metrics_, &limits_, &writer_),
       matcher_(&pins_, &ops_, &metrics_, &limits_,
                MatcherL3{l3_, &prefetcher_, &writer_,
                          absl::Milliseconds(config_.storage.max_lookup_ms)}),
       admin_(&namespaces_, &sessions_, &pins_, &l2_, &metrics_, absl::Now()),
       closer_(&ops_, [this](SessionEnd& end) { return FinishEnd(end); }) {
+  mover_.set_label_log(options.labels);
   metrics_.SetL3Tiers(l3_->names());
   StartL2(options);
   l2_.set_eviction_observer(&writer_);
@@ -125,8 +126,9 @@ void Cache::StartL2(const CacheOptions& options) {
   L2RecoveryStats& r = l2_recovery_;
   if (options.journal != nullptr && options.journal_attached) {
     const int threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
-    r = RecoverL2(*options.pool, *options.journal, namespaces_, threads,
-                  [this](Namespace& ns) { recovery_.OnIndexed(ns); });
+    r = RecoverL2(
+        *options.pool, *options.journal, namespaces_, threads,
+        [this](Namespace& ns) { recovery_.OnIndexed(ns); }, options.labels);
     KVLOG(Info, "l2 recovered",
           {{"warm", "true"},
            {"namespaces", r.namespaces},
@@ -140,6 +142,7 @@ void Cache::StartL2(const CacheOptions& options) {
            {"dropped_checksum", r.dropped_checksum},
            {"dropped_mismatch", r.dropped_mismatch},
            {"dropped_orphan", r.dropped_orphan},
+           {"labelled_pages", r.labelled_pages},
            {"seconds", absl::StrFormat("%.3f", r.seconds)}});
   } else {
     r.enabled = options.journal != nullptr;

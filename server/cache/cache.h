@@ -90,6 +90,9 @@ struct CacheOptions {
   // Where the indexes report pages stored and removed (KV events); nullptr: nowhere. Outlives
   // the cache.
   EventHub* events = nullptr;
+  // Where pages' labels are kept for a restart and read back from (events.label_log); nullptr:
+  // nowhere. Outlives the cache.
+  LabelLog* labels = nullptr;
   // The daemon's own shared-memory objects (the pool and its journal, when named): never mapped
   // for an engine, whoever names them (platform/engine_memory_access.h).
   std::vector<platform::DaemonObject> daemon_objects;

@@ -167,6 +167,9 @@ struct EventsConfig {
   enum class StorageMedia : uint8_t { kStorage, kPerTier };
   StorageMedia storage_media = StorageMedia::kStorage;
   int64_t heartbeat_ms = 0;  // An empty batch after this long without one (ZMQ); 0: none.
+  // Where pages' tokens are kept for a restart (server/events/label_log.h): "auto" (beside the
+  // pool's shm object when pool.shm_name is set), "off", or a file path.
+  std::string label_log;
   bool operator==(const EventsConfig&) const = default;
 };
 

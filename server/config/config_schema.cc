@@ -269,6 +269,13 @@ std::string CheckShmName(absl::string_view value) {
   return "";
 }
 
+std::string CheckLabelLog(absl::string_view value) {
+  if (value.empty() || absl::EndsWith(value, "/")) {
+    return absl::StrCat("must be auto, off, or a file path; got '", value, "'");
+  }
+  return "";
+}
+
 std::string CheckAdminMode(uint32_t mode) {
   if ((mode & 0007) != 0) {
     return absl::StrCat(
@@ -597,6 +604,11 @@ std::vector<KeySpec> SchemaTable() {
               "While events publish (events.endpoint), engines send each backed-up page's "
               "tokens and BlockStored events carry them (token_ids), as routers that hash "
               "tokens need."),
+      StringKey(KVC_FIELD(events, label_log), "auto", CheckLabelLog, "auto, off, or a file path",
+                "Where pages' tokens are kept so that a restarted daemon announces the pages it "
+                "recovers (L2 warm restart, L3 scans) with them: auto = /dev/shm/<pool.shm_name>"
+                ".labels when pool.shm_name is set (the pool's lifetime), none otherwise; off; "
+                "or a file (on disk it survives reboots, as file tiers do)."),
       SizeKey(KVC_FIELD(events, max_token_bytes), "1GiB", {.min = 0, .max = 1 * kTiB},
               "Memory one namespace's index keeps for its pages' tokens at most (about 80 B "
               "plus 4 B per token per page); pages past it are announced without tokens. 0 = no "

@@ -585,7 +585,12 @@ void DeviceMover::LabelPages(BackupBatch& batch, const v1::BackupRequest& reques
     }
     if (!tokens && !opaque) p += pages;
   }
-  if (any) batch.index->Label(batch.keys, labels, limits_->max_token_bytes);
+  if (!any) return;
+  std::vector<bool> attached;
+  if (batch.index->Label(batch.keys, labels, limits_->max_token_bytes, &attached) > 0 &&
+      label_log_ != nullptr) {
+    label_log_->Append(batch.ns.digest(), batch.keys, labels, attached);
+  }
 }
 
 void DeviceMover::FindPresent(BackupBatch& batch) {

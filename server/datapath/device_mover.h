@@ -36,14 +36,15 @@
 #include "gpu/device_backend.h"
 #include "kvcellar/v1/cache_service.pb.h"
 #include "server/config/cache_limits.h"
-#include "server/metrics/cache_metrics.h"
 #include "server/datapath/device_set.h"
+#include "server/datapath/sim_signal_pump.h"
+#include "server/events/label_log.h"
 #include "server/l2/l2_space.h"
 #include "server/l3/l3_writer.h"
+#include "server/metrics/cache_metrics.h"
 #include "server/session/op_table.h"
 #include "server/session/pin_table.h"
 #include "server/session/session_registry.h"
-#include "server/datapath/sim_signal_pump.h"
 
 namespace kvcellar::server {
 
@@ -54,6 +55,10 @@ class DeviceMover {
   DeviceMover(const DeviceSet* devices, L2Space* l2, PinTable* pins, OpTable* ops,
               SimSignalPump* pump, CacheMetrics* metrics, const CacheLimits* limits,
               L3Writer* writer = nullptr);
+
+  // Where the labels LabelPages attaches are recorded for a restart (events.label_log); nullptr:
+  // nowhere. Set before serving; outlives the mover.
+  void set_label_log(LabelLog* log) { label_log_ = log; }
 
   // The request passed ValidateLoad / ValidateBackup. Errors: the session's reservation errors
   // (SESSION_UNKNOWN, TOO_MANY_OPS, BLOCK_BUSY, SLOT_BUSY) with nothing changed, or INTERNAL when
@@ -99,6 +104,7 @@ class DeviceMover {
   CacheMetrics* const metrics_;
   const CacheLimits* const limits_;
   L3Writer* const writer_;
+  LabelLog* label_log_ = nullptr;
 };
 
 }  // namespace kvcellar::server

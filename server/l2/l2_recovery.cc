@@ -115,7 +115,7 @@ void Add(L2RecoveryStats& to, const L2RecoveryStats& from) {
 // Step 4 for one namespace: its kept objects into its index, prefix-closed. Slots that do not
 // enter are freed (which clears their records).
 void IndexNamespace(Namespace& ns, std::vector<const Kept*>& objects, core::HostPool& pool,
-                    L2RecoveryStats& stats) {
+                    LabelLog* labels, L2RecoveryStats& stats) {
   core::RadixIndex& index = *ns.index();
   // Most pages have one shard and one child: inline, so that a million pages do not cost two
   // million heap allocations.
@@ -163,6 +163,19 @@ void IndexNamespace(Namespace& ns, std::vector<const Kept*>& objects, core::Host
     if (writes.empty()) return;
     std::vector<absl::Status> begun(writes.size());
     index.BeginWrite(writes, absl::MakeSpan(begun));
+    if (labels != nullptr) {
+      // Before the commit: the page's stored event carries its tokens.
+      std::vector<core::PageKey> keys;
+      std::vector<std::shared_ptr<const core::PageLabel>> found;
+      for (size_t i = 0; i < writes.size(); ++i) {
+        if (!begun[i].ok() || (!keys.empty() && keys.back() == writes[i].key)) continue;
+        if (auto label = labels->Take(ns.digest(), writes[i].key); label != nullptr) {
+          keys.push_back(writes[i].key);
+          found.push_back(std::move(label));
+        }
+      }
+      if (!keys.empty()) stats.labelled_pages += index.Label(keys, found, /*max_label_bytes=*/0);
+    }
     std::vector<core::ObjectId> commit;
     for (size_t i = 0; i < writes.size(); ++i) {
       if (begun[i].ok()) {
@@ -213,7 +226,7 @@ void IndexNamespace(Namespace& ns, std::vector<const Kept*>& objects, core::Host
 
 L2RecoveryStats RecoverL2(core::HostPool& pool, core::SlotJournal& journal,
                           NamespaceRegistry& namespaces, int threads,
-                          absl::FunctionRef<void(Namespace&)> on_indexed) {
+                          absl::FunctionRef<void(Namespace&)> on_indexed, LabelLog* labels) {
   const auto start = std::chrono::steady_clock::now();
   L2RecoveryStats stats;
   stats.enabled = true;
@@ -269,7 +282,7 @@ L2RecoveryStats RecoverL2(core::HostPool& pool, core::SlotJournal& journal,
   }
   for (size_t id = 1; id < table.size(); ++id) {
     if (by_ns[id].empty()) continue;
-    IndexNamespace(*table[id], by_ns[id], pool, stats);
+    IndexNamespace(*table[id], by_ns[id], pool, labels, stats);
     // The slots still allocated are the ones the index holds (the rest were freed above, never
     // charged): charged whatever the ceiling, as the tenant held them before the restart.
     TenantAccount* account = table[id]->tenant_account();

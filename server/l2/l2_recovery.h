@@ -28,9 +28,10 @@
 #include <cstdint>
 #include <string>
 
+#include "absl/functional/function_ref.h"
 #include "core/host_pool.h"
 #include "core/slot_journal.h"
-#include "absl/functional/function_ref.h"
+#include "server/events/label_log.h"
 #include "server/metrics/metrics.h"
 #include "server/session/namespace_registry.h"
 
@@ -54,6 +55,7 @@ struct L2RecoveryStats {
   uint64_t dropped_mismatch = 0;  // Unknown namespace, or a shard/class/length that does not fit.
   uint64_t dropped_orphan = 0;    // Parent neither recovered nor indexed.
   uint64_t dropped_bytes = 0;     // Object bytes of the checksum and orphan drops.
+  uint64_t labelled_pages = 0;    // Pages given their label back (events.label_log).
   double seconds = 0;             // Steps 1-4.
 
   uint64_t dropped() const {
@@ -64,9 +66,11 @@ struct L2RecoveryStats {
 
 // Steps 1-4 above. `pool` is fresh (nothing allocated) over the re-attached memory and has the
 // journal set. `threads` >= 1 verify the records.
-L2RecoveryStats RecoverL2(core::HostPool& pool, core::SlotJournal& journal,
-                          NamespaceRegistry& namespaces, int threads,
-                          absl::FunctionRef<void(Namespace&)> on_indexed = [](Namespace&) {});
+// `labels` (nullptr: none) gives each page indexed again its label from before the restart, so
+// its stored event carries its tokens (server/events/label_log.h).
+L2RecoveryStats RecoverL2(
+    core::HostPool& pool, core::SlotJournal& journal, NamespaceRegistry& namespaces, int threads,
+    absl::FunctionRef<void(Namespace&)> on_indexed = [](Namespace&) {}, LabelLog* labels = nullptr);
 
 // kvcellar_l2_recovery_* samples (zeros when L2 started empty).
 void CollectL2Recovery(const L2RecoveryStats& stats, MetricWriter& out);

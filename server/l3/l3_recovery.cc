@@ -30,8 +30,8 @@ struct ScannedPage {
 
 }  // namespace
 
-L3Recovery::L3Recovery(L3Tiers* tiers, NamespaceRegistry* namespaces)
-    : tiers_(tiers), namespaces_(namespaces) {
+L3Recovery::L3Recovery(L3Tiers* tiers, NamespaceRegistry* namespaces, LabelLog* labels)
+    : tiers_(tiers), namespaces_(namespaces), labels_(labels) {
   {
     absl::MutexLock lock(&mu_);
     stats_.resize(tiers_->size());
@@ -225,8 +225,10 @@ void L3Recovery::InsertTier(Namespace& ns, uint8_t tier, const std::vector<Pendi
     page.placed = true;
     std::optional<core::PageKey> parent;
     if (page.parent.kind == ParentLink::Kind::kKey) parent = page.parent.key;
+    std::shared_ptr<const core::PageLabel> label =
+        labels_ != nullptr ? labels_->Take(ns.digest(), page.key) : nullptr;
     for (uint16_t shard : page.shards) {
-      updates.push_back({page.key, parent, shard, tier, true});
+      updates.push_back({page.key, parent, shard, tier, true, label});
       update_page.push_back(i);
     }
     if (updates.size() >= kInsertChunk) flush();
@@ -239,6 +241,14 @@ void L3Recovery::InsertTier(Namespace& ns, uint8_t tier, const std::vector<Pendi
       ++s.pages_orphaned;
     }
   }
+}
+
+bool L3Recovery::Settled() const {
+  absl::MutexLock lock(&mu_);
+  for (const L3ScanStats& s : stats_) {
+    if ((s.file_tier || s.redis_tier) && !s.complete) return false;
+  }
+  return pending_.empty();
 }
 
 std::vector<L3ScanStats> L3Recovery::Stats() const {

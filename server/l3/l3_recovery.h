@@ -59,6 +59,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "core/page_key.h"
+#include "server/events/label_log.h"
 #include "server/l3/l3_tiers.h"
 #include "server/metrics/metrics.h"
 #include "server/session/namespace_registry.h"
@@ -90,9 +91,10 @@ struct L3ScanStats {
 
 class L3Recovery {
  public:
-  // Both outlive the recovery. Subscribes to every file tier's scan result: a scan that already
-  // finished is taken (and applied) here, on this thread.
-  L3Recovery(L3Tiers* tiers, NamespaceRegistry* namespaces);
+  // All outlive the recovery. Subscribes to every file tier's scan result: a scan that already
+  // finished is taken (and applied) here, on this thread. `labels` (nullptr: none) gives each
+  // page found its label from before the restart (server/events/label_log.h).
+  L3Recovery(L3Tiers* tiers, NamespaceRegistry* namespaces, LabelLog* labels = nullptr);
   // Unsubscribes: after it, no scan result arrives.
   ~L3Recovery();
   L3Recovery(const L3Recovery&) = delete;
@@ -101,6 +103,9 @@ class L3Recovery {
   // `ns` has an index now (a worker registered): its pending objects enter it.
   void OnIndexed(Namespace& ns) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Every tier's scan or readback has arrived and every object found has entered its
+  // namespace's index (or was dropped): no recovered label is wanted any more.
+  bool Settled() const ABSL_LOCKS_EXCLUDED(mu_);
   // Per tier, in tier order.
   std::vector<L3ScanStats> Stats() const ABSL_LOCKS_EXCLUDED(mu_);
   // kvcellar_l3_scan_* samples, by tier (file tiers only).
@@ -126,6 +131,7 @@ class L3Recovery {
 
   L3Tiers* const tiers_;
   NamespaceRegistry* const namespaces_;
+  LabelLog* const labels_;
 
   mutable absl::Mutex mu_;
   // By namespace digest; the objects in tier order (tier 0's first), so a later tier's pages can

@@ -1,6 +1,8 @@
 """NVIDIA Dynamo's own KV indexer (ai-dynamo-runtime 1.6.1, dynamo_indexer.py) subscribed to a
 kvcellard: what it answers for a prompt follows what the node's Match finds, through backups, L2
-eviction, L3 removal, an admin Clear and a cold restart of the daemon (SIGKILL).
+eviction, L3 removal, an admin Clear, a warm restart (SIGTERM: the pool kept, its pages announced
+with their tokens from the label log), a cold L2 over a kept L3 tier (SIGKILL, the tier's scan)
+and a cold restart with nothing kept.
 
 Runs in .venv-vllm with the other vLLM-format event tests (the engine is test_vllm_kv_events's,
 on the sim device, backing pages up with their tokens); the indexer process runs from
@@ -12,6 +14,7 @@ is printed as ``dynamo: follows within X s``.
 import os
 import signal
 import subprocess
+import uuid
 
 import numpy as np
 
@@ -33,10 +36,12 @@ def ctl(d, *args):
 
 def test_dynamo_indexer_follows_one_node(daemon_factory, tmp_path):
     port, replay = free_port(), free_port()
+    shm = f"kvc-dyn-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     args = ["--set", f"events.endpoint=tcp://*:{port}",
             "--set", f"events.replay_endpoint=tcp://*:{replay}",
             "--set", f"storage.tiers=file:{tmp_path}/l3?name=nvme",
             "--set", "storage.write_policy=write_through",
+            "--set", f"pool.shm_name={shm}", "--set", "pool.capacity=64MiB",
             "--set", "events.node=node-a"]
     d = daemon_factory(args=args, name="dyn")
     ns = Namespace(MODEL, "r1", "int8", P)
@@ -86,20 +91,51 @@ def test_dynamo_indexer_follows_one_node(daemon_factory, tmp_path):
         assert match(a) == (0, 0)
         follows(a_tok, 0)
 
-        # A cold restart (SIGKILL; the L3 tier's files go with the node): the new daemon starts
-        # its sequence numbers at 0 with AllBlocksCleared, and what it stores next is indexed.
+        def restart(sig, keep_pool=True, keep_l3=True):
+            nonlocal d, eng
+            eng.close()
+            eng = None
+            d.proc.send_signal(sig)
+            d.proc.wait(30)
+            if not keep_l3:
+                subprocess.run(["rm", "-rf", str(tmp_path / "l3")], check=True)
+            # The label log (/dev/shm/<shm>.labels) stays unless the node rebooted.
+            for name in [d.socket, d.admin_socket] + (
+                    [] if keep_pool else [f"/dev/shm/{shm}", f"/dev/shm/{shm}.journal"]):
+                if os.path.exists(name):
+                    os.unlink(name)
+            d = daemon_factory(args=args, name="dyn")
+            eng = Engine(d.socket, ns, f"dyn-engine-{len(waits)}")
+
+        # A warm restart (SIGTERM, as an upgrade does): the pool comes back with its pages, and
+        # their stored events carry their tokens again (events.label_log), so Dynamo counts them.
+        assert eng.backup(a, 0, tokens=a_tok) == 6
+        follows(a_tok, 6)
+        restart(signal.SIGTERM)
+        assert match(a) == (6, 0)
+        # The indexer has the new daemon's first batches (AllBlocksCleared and the recovered
+        # pages) once it has a page stored after them: only then does its answer for A speak
+        # for the restarted node.
+        c_tok = np.random.default_rng(13).integers(0, 32000, 2 * P).astype(np.uint32)
+        assert eng.backup(page_keys(ns, c_tok), 0, tokens=c_tok) == 2
+        follows(c_tok, 2)
+        follows(a_tok, 6, "cpu")
+
+        # A cold L2 (SIGKILL, the pool's shm objects gone) over the same L3 tier: its scan puts the
+        # pages back as L3 hits, announced as the node's STORAGE with their tokens.
+        restart(signal.SIGKILL, keep_pool=False)
+        assert match(a) == (0, 6)
+        follows(a_tok, 0, "cpu")  # The new daemon's AllBlocksCleared, then the scan's pages.
+        follows(a_tok, 6, "disk")
+        assert ix.blocks(WORKER, a_tok, P) == 6
+
+        # A cold restart with nothing kept (SIGKILL; the L3 tier's files go with the node): the
+        # new daemon's first batch is AllBlocksCleared, and what it stores next is indexed.
+        ctl(d, "clear", "--yes")
+        follows(a_tok, 0)
         assert eng.backup(a[:3], 0, tokens=a_tok[:3 * P]) == 3
         follows(a_tok, 3)
-        eng.close()
-        eng = None
-        d.proc.send_signal(signal.SIGKILL)
-        d.proc.wait(10)
-        subprocess.run(["rm", "-rf", str(tmp_path / "l3")], check=True)
-        for name in (d.socket, d.admin_socket):
-            if os.path.exists(name):
-                os.unlink(name)
-        d = daemon_factory(args=args, name="dyn")
-        eng = Engine(d.socket, ns, "dyn-engine-2")
+        restart(signal.SIGKILL, keep_pool=False, keep_l3=False)
         assert match(a) == (0, 0)
         follows(a_tok, 0)
         assert eng.backup(a, 0, tokens=a_tok) == 6
@@ -111,3 +147,6 @@ def test_dynamo_indexer_follows_one_node(daemon_factory, tmp_path):
         if eng is not None:
             eng.close()
         ix.close()
+        for suffix in ("", ".journal", ".labels"):
+            if os.path.exists(f"/dev/shm/{shm}{suffix}"):
+                os.unlink(f"/dev/shm/{shm}{suffix}")
