@@ -222,6 +222,25 @@ absl::Status Daemon::OpenLabelLog() {
     return absl::OkStatus();
   }
   labels_ = *std::move(log);
+  DefaultRegistry().AddCollector([log = labels_.get()](MetricWriter& out) {
+    const LabelLogStats s = log->Stats();
+    out.AddGauge("kvcellar_label_log_bytes",
+                 "Size of the label log (events.label_log): pages' tokens kept for a restart.",
+                 static_cast<double>(s.file_bytes));
+    out.AddCounter("kvcellar_label_log_appended_total",
+                   "Page labels written to the label log since the start.",
+                   static_cast<double>(s.appended));
+    out.AddGauge("kvcellar_label_log_recovered",
+                 "Page labels read back from the label log at the start.",
+                 static_cast<double>(s.recovered));
+    out.AddCounter("kvcellar_label_log_restored_total",
+                   "Recovered pages given their label back (L2 warm restart, L3 scans).",
+                   static_cast<double>(s.taken));
+    out.AddCounter("kvcellar_label_log_errors_total",
+                   "Label log writes that failed (those pages are announced without tokens after "
+                   "a restart).",
+                   static_cast<double>(s.write_errors));
+  });
   return absl::OkStatus();
 }
 

@@ -61,6 +61,12 @@ class RedisBackendImpl final : public RedisBackend {
   std::string ObjectKey(const PageKey& ns, const PageKey& key, uint32_t shard) const override;
   std::string IndexKey(const PageKey& ns, const PageKey& key, uint32_t shard) const override;
   void SetIndexSink(RedisIndexSink sink) override;
+  void SetRemovalSink(RedisRemovalWatch::Sink sink) override {
+    if (watch_ != nullptr) watch_->SetSink(std::move(sink));
+  }
+  RedisWatchStats WatchStats() const override {
+    return watch_ != nullptr ? watch_->Stats() : RedisWatchStats{};
+  }
 
  private:
   struct Item {
@@ -185,6 +191,9 @@ class RedisBackendImpl final : public RedisBackend {
 
   // Index readback (redis_index.h), on readback_.
   void ReadbackLoop();
+  // Every node that owns a slot (the one node standalone); the cluster map is refreshed first
+  // when it is empty.
+  std::vector<std::string> Primaries();
 
   const RedisBackendOptions options_;
   std::string name_;
@@ -211,6 +220,7 @@ class RedisBackendImpl final : public RedisBackend {
   std::atomic<bool> readback_stop_{false};
   // The readback's result until a sink takes it.
   ResultHandoff<RedisIndexResult> index_handoff_;
+  std::unique_ptr<RedisRemovalWatch> watch_;  // With watch_removals.
 };
 
 // ---- Open and close ---------------------------------------------------------------------------
@@ -249,7 +259,33 @@ absl::Status RedisBackendImpl::Init() {
     refresher_ = std::thread([this] { RefreshLoop(); });
   }
   if (options_.index) readback_ = std::thread([this] { ReadbackLoop(); });
+  if (options_.watch_removals) {
+    RedisWatchOptions w;
+    w.key_prefix = options_.key_prefix;
+    w.password = options_.password;
+    w.connect_timeout = options_.connect_timeout;
+    watch_ = std::make_unique<RedisRemovalWatch>(std::move(w), [this] { return Primaries(); });
+  }
   return absl::OkStatus();
+}
+
+std::vector<std::string> RedisBackendImpl::Primaries() {
+  std::vector<std::string> nodes;
+  if (!options_.cluster) {
+    nodes.push_back(options_.addresses[0]);
+    return nodes;
+  }
+  for (int attempt = 0; attempt < 2 && nodes.empty(); ++attempt) {
+    if (attempt > 0 && !RefreshNow()) break;
+    std::vector<bool> seen(slots_.node_count(), false);
+    for (int slot = 0; slot < kClusterSlots; ++slot) {
+      const int node = slots_.Lookup(static_cast<uint16_t>(slot));
+      if (node < 0 || static_cast<size_t>(node) >= seen.size() || seen[node]) continue;
+      seen[node] = true;
+      nodes.push_back(slots_.Address(node));
+    }
+  }
+  return nodes;
 }
 
 // Reads every primary's index hashes; the result waits for a sink.
@@ -260,21 +296,7 @@ void RedisBackendImpl::ReadbackLoop() {
   r.connect_timeout = options_.connect_timeout;
   r.deadline = absl::Now() + options_.index_readback_timeout;
   r.stop = &readback_stop_;
-  if (!options_.cluster) {
-    r.nodes.push_back(options_.addresses[0]);
-  } else {
-    // Every node that owns a slot, once; the map is refreshed first if it is still empty.
-    for (int attempt = 0; attempt < 2 && r.nodes.empty(); ++attempt) {
-      if (attempt > 0 && !RefreshNow()) break;
-      std::vector<bool> seen(slots_.node_count(), false);
-      for (int slot = 0; slot < kClusterSlots; ++slot) {
-        const int node = slots_.Lookup(static_cast<uint16_t>(slot));
-        if (node < 0 || static_cast<size_t>(node) >= seen.size() || seen[node]) continue;
-        seen[node] = true;
-        r.nodes.push_back(slots_.Address(node));
-      }
-    }
-  }
+  r.nodes = Primaries();
   RedisIndexResult result = ReadRedisIndex(r);
   if (r.nodes.empty()) result.complete = false;
   index_handoff_.Deliver(std::move(result));
@@ -285,6 +307,7 @@ void RedisBackendImpl::SetIndexSink(RedisIndexSink sink) {
 }
 
 RedisBackendImpl::~RedisBackendImpl() {
+  watch_.reset();  // Its node list reads the slot map: first.
   readback_stop_.store(true, std::memory_order_relaxed);
   if (readback_.joinable()) readback_.join();
   in_flight_.Close();

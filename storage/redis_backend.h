@@ -51,6 +51,7 @@
 #include "absl/time/time.h"
 #include "storage/backend.h"
 #include "storage/redis_index.h"
+#include "storage/redis_watch.h"
 
 namespace kvcellar::storage {
 
@@ -77,6 +78,9 @@ struct RedisBackendOptions {
   // Keep the index (HSET/HDEL beside each SET/UNLINK) and read it back at Create.
   bool index = true;
   absl::Duration index_readback_timeout = absl::Seconds(60);
+  // Learn what the server expires and evicts while the daemon runs (storage/redis_watch.h):
+  // keyspace notifications, enabled on the server with CONFIG SET when they are off.
+  bool watch_removals = true;
 };
 
 using RedisIndexSink = absl::AnyInvocable<void(RedisIndexResult result)>;
@@ -100,6 +104,13 @@ class RedisBackend : public Backend {
   // nullptr removes a sink that has not run; once that call returns, the old sink is not running
   // and never will. Without `index` nothing is ever delivered.
   virtual void SetIndexSink(RedisIndexSink sink) = 0;
+
+  // Tells `sink` of the tier's objects the server removed by itself (TTL, maxmemory) as their
+  // notifications arrive (redis_watch.h), on a watch thread; nullptr: none. Once a call returns,
+  // the old sink is not running and never will. Without watch_removals nothing is delivered.
+  virtual void SetRemovalSink(RedisRemovalWatch::Sink sink) = 0;
+  // The watch's counts (zeros without watch_removals).
+  virtual RedisWatchStats WatchStats() const = 0;
 };
 
 }  // namespace kvcellar::storage

@@ -96,13 +96,14 @@ std::string ApplyOption(L3TierSpec& spec, absl::string_view key, absl::string_vi
   }
   if (key == "ttl_s") return integer(0, int64_t{1} << 31, &spec.ttl_s);
   if (key == "index") return boolean(&spec.index);
+  if (key == "watch") return boolean(&spec.watch);
   if (key == "connections") {
     std::string why = integer(1, 256, &n);
     spec.connections = static_cast<int>(n);
     return why;
   }
   return "is not an option of redis tiers (name, admit_after, timeout_ms, prefix, ttl_s, "
-         "connections, index)";
+         "connections, index, watch)";
 }
 
 absl::StatusOr<L3TierSpec> ParseOne(absl::string_view text) {

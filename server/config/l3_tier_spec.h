@@ -21,7 +21,9 @@
 //        max_inflight=N (objects with I/O in flight)
 // redis, redis-cluster: prefix=STRING (default "kvc:"), ttl_s=SECONDS (0 = no expiry),
 //        connections=N (per node), index=true|false (keep the index a restarted daemon reads
-//        back, storage/redis_index.h; default true). The password is storage.redis_password (a
+//        back, storage/redis_index.h; default true), watch=true|false (follow what the server
+//        expires and evicts through keyspace notifications, storage/redis_watch.h; default
+//        true). The password is storage.redis_password (a
 //        secret key).
 //
 // Threads: pure functions.
@@ -62,6 +64,7 @@ struct L3TierSpec {
   int64_t ttl_s = 0;
   int connections = 4;
   bool index = true;
+  bool watch = true;
 };
 
 absl::string_view L3TierKindName(L3TierSpec::Kind kind);

@@ -51,6 +51,10 @@ L3Recovery::L3Recovery(L3Tiers* tiers, NamespaceRegistry* namespaces, LabelLog* 
       redis->SetIndexSink(
           [this, t](storage::RedisIndexResult r) { OnScanned(t, std::move(r.scan), !r.complete); });
     }
+    if (storage::RedisBackend* redis = tiers_->tier(t).redis(); redis != nullptr) {
+      redis->SetRemovalSink(
+          [this, t](absl::Span<const storage::FileObjectId> removed) { OnRemoved(t, removed); });
+    }
   }
 }
 
@@ -62,6 +66,9 @@ L3Recovery::~L3Recovery() {
     }
     if (storage::RedisBackend* redis = tiers_->tier(t).redis_index(); redis != nullptr) {
       redis->SetIndexSink(nullptr);
+    }
+    if (storage::RedisBackend* redis = tiers_->tier(t).redis(); redis != nullptr) {
+      redis->SetRemovalSink(nullptr);
     }
   }
 }

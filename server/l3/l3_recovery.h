@@ -11,7 +11,10 @@
 // A Redis tier reads its index back instead (storage/redis_index.h: one HSCAN'd entry per object,
 // with the same parent link); its result arrives through RedisBackend::SetIndexSink in the same
 // shape and takes the same path below. Its entries are hints: one whose object expired or was
-// evicted becomes an L3 hit that the prefetch then misses (and removes from the index).
+// evicted becomes an L3 hit that the prefetch then misses (and removes from the index). While
+// the daemon runs, the server's own expirations and evictions arrive as keyspace notifications
+// (storage/redis_watch.h, RedisBackend::SetRemovalSink) and take OnRemoved's path, as a file
+// tier's removals do.
 //
 // Each file tier scans its directory at start (storage/file_startup_scan.h): it lists the objects
 // and reads their headers, which carry the page's parent link (storage/object_format.h). Its result

@@ -38,6 +38,7 @@ absl::StatusOr<std::unique_ptr<storage::Backend>> OpenBackend(const L3TierSpec& 
   o.ttl = absl::Seconds(spec.ttl_s);
   o.password = config.redis_password;
   o.index = spec.index;
+  o.watch_removals = spec.watch;
   if (spec.timeout_ms > 0) o.command_timeout = absl::Milliseconds(spec.timeout_ms);
   absl::StatusOr<std::unique_ptr<storage::RedisBackend>> b = storage::RedisBackend::Create(o);
   if (!b.ok()) return b.status();
@@ -140,6 +141,12 @@ void L3Tiers::Collect(MetricWriter& out) const {
                    static_cast<double>(s.evicted_objects), tier);
     out.AddCounter("kvcellar_l3_evicted_bytes_total", "Bytes of the objects the tier evicted.",
                    static_cast<double>(s.evicted_bytes), tier);
+    if (const storage::RedisBackend* redis = t.redis(); redis != nullptr && t.spec.watch) {
+      out.AddCounter("kvcellar_l3_server_removed_objects_total",
+                     "Objects a Redis tier's server expired (TTL) or evicted (maxmemory) by "
+                     "itself, learned from its keyspace notifications: each left the index.",
+                     static_cast<double>(redis->WatchStats().removed), tier);
+    }
     out.AddGauge("kvcellar_l3_used_bytes", "Bytes the tier holds (file tiers: this node's files).",
                  static_cast<double>(s.used_bytes), tier);
     out.AddGauge("kvcellar_l3_capacity_bytes", "The tier's capacity; 0 = no limit.",

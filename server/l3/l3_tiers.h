@@ -43,6 +43,11 @@ struct L3Tier {
                ? static_cast<storage::RedisBackend*>(backend.get())
                : nullptr;
   }
+  // The backend when it is a Redis tier; else nullptr.
+  storage::RedisBackend* redis() const {
+    return spec.kind != L3TierSpec::Kind::kFile ? static_cast<storage::RedisBackend*>(backend.get())
+                                                : nullptr;
+  }
   // Other nodes write to this tier too: the index never knows all of it (lookups ask it).
   bool shared = false;
 };

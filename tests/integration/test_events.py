@@ -3,7 +3,8 @@
 A WatchEvents stream and a ZMQ subscriber (python3-zmq) watch a daemon whose engines back pages up
 (kvcellar-engine-sim): every page stored in L2 ("CPU") and in L3 ("STORAGE", or "STORAGE:<name>" per tier) is
 announced once, every page evicted or cleared is announced removed (a file tier's own capacity
-evictions too, which also leave the index at once), sequence numbers have no gap,
+evictions too, and a Redis server's own expirations and evictions, which also leave the index at
+once), sequence numbers have no gap,
 the ZMQ payload is vLLM's msgpack layout (decoded here with python3-msgpack against the published
 field names; client/python/tests/test_vllm_kv_events.py decodes it with vLLM's own classes), a
 warm restart re-announces the recovered pages after AllBlocksCleared, an overfull queue drops
@@ -30,6 +31,7 @@ from conftest import BIN_DIR
 from engine_sim import (DAEMON_ARGS, EXIT_OK, admin, engine_tokens, evict_l2, metric, run_engine,
                         wait_until)
 from kvcellar.v1 import admin_service_pb2
+from redis_util import RedisServer
 
 GEOMETRY = dict(layers=2, block_bytes=4096, blocks=64, page_size=16, model="events-model")
 PAGES = 6
@@ -352,12 +354,22 @@ def test_warm_restart_reannounces_recovered_pages(daemon_factory):
     shm = f"kvc-evit-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     args = (*DAEMON_ARGS, "--set", f"pool.shm_name={shm}",
             "--set", f"events.endpoint=ipc:///tmp/{shm}.events")
+
+    def tokens(watch):
+        by_page = {}
+        for _, e in watch.events():
+            if e.kind == STORED and e.medium == "CPU":
+                for i, k in enumerate(e.block_hashes):
+                    by_page[k] = list(e.token_ids[i * 16:(i + 1) * 16])
+        return [t for k in sorted(by_page) for t in by_page[k]]
+
     try:
         d = daemon_factory(args=args, name="before", subdir="a")
         w = Watch(d)
         time.sleep(0.2)
         backup(d, tokens_seed=21)
         before = w.wait_pages(STORED, "CPU", PAGES)
+        before_tokens = tokens(w)
         last_seq = w.batches[-1].seq
         w.close()
         d.stop()
@@ -367,13 +379,17 @@ def test_warm_restart_reannounces_recovered_pages(daemon_factory):
         w2 = Watch(d2, replay=True, from_seq=0)
         after = w2.wait_pages(STORED, "CPU", PAGES)
         assert sorted(after) == sorted(before)
+        # With their tokens, as first announced: the label log (/dev/shm/<shm>.labels) kept them.
+        assert tokens(w2) == before_tokens and len(before_tokens) == PAGES * 16
+        assert metric(d2, "kvcellar_label_log_restored_total") == PAGES
         assert w2.batches[0].events[0].kind == CLEARED
         # Numbered above the first daemon's batches: subscribers that drop numbers at or below
         # the last they applied (Dynamo's indexer) do not ignore the restarted node.
         assert w2.batches[0].seq > last_seq
         w2.close()
     finally:
-        for path in (f"/dev/shm/{shm}", f"/dev/shm/{shm}.journal", f"/tmp/{shm}.events"):
+        for path in (f"/dev/shm/{shm}", f"/dev/shm/{shm}.journal", f"/dev/shm/{shm}.labels",
+                     f"/tmp/{shm}.events"):
             if os.path.exists(path):
                 os.unlink(path)
 
@@ -477,3 +493,53 @@ def test_file_tier_capacity_evictions_are_announced_and_leave_the_index(daemon_f
     assert r["l3_hits"] == held, r.describe()
     assert r["prefetch_final"].get("MISS", 0) == 0 and r["hits"] == held, r.describe()
     w.close()
+
+
+def test_redis_expiry_and_eviction_are_announced_and_leave_the_index(daemon_factory, tmp_path):
+    """Objects the Redis server removes by itself while the daemon runs (a TTL ran out, maxmemory
+    evicted them) reach the index through keyspace notifications (storage/redis_watch.h): each
+    is announced removed on the tier's medium, and a Match after L2 eviction names none of them,
+    so the prefetch asks Redis for no missing object."""
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        d = daemon_factory(args=(*DAEMON_ARGS,
+                                 "--set", f"storage.tiers=redis:{redis.address}?name=redis",
+                                 "--set", "storage.write_policy=write_through"))
+        w = Watch(d)
+        time.sleep(0.2)
+        backup(d, tokens_seed=13, pages=4)
+        stored = w.wait_pages(STORED, "STORAGE", 4)
+        wait_until(lambda: redis.object_count() == 4, what="4 objects in Redis")
+        stored_event = next(e for _, e in w.events() if e.kind == STORED and e.medium == "STORAGE")
+        assert stored_event.locality == "REMOTE"  # A Redis tier is shared by the nodes.
+        # The daemon turned on the notifications it needs (a stock server publishes none).
+        flags = redis.cli("CONFIG", "GET", "notify-keyspace-events").split("\n")[1]
+        assert {"E", "x", "e"} <= set(flags), flags
+
+        # Two objects expire.
+        objects = sorted(k for k in redis.keys() if ":idx" not in k)
+        for key in objects[:2]:
+            assert redis.cli("PEXPIRE", key, "1").strip() == "1"
+        removed = w.wait_pages(REMOVED, "STORAGE", 2)
+        assert {k.hex() for k in removed} == {key.split(":")[-2] for key in objects[:2]}
+        # The rest is evicted: a maxmemory the server cannot meet empties it at the next write.
+        redis.cli("CONFIG", "SET", "maxmemory-policy", "allkeys-random")
+        redis.cli("CONFIG", "SET", "maxmemory", "1")
+        redis.cli("SET", "unrelated", "x", check=False)  # OOM, after evicting every key
+        redis.cli("CONFIG", "SET", "maxmemory", "0")
+        removed = w.wait_pages(REMOVED, "STORAGE", 4)
+        assert sorted(removed) == sorted(stored)
+        removed_event = next(e for _, e in w.events() if e.kind == REMOVED and
+                             e.medium == "STORAGE")
+        assert removed_event.locality == "REMOTE"
+        assert metric(d, "kvcellar_l3_server_removed_objects_total", tier="redis") == 4
+
+        # Out of L2 too: Match finds nothing in L3 and no read goes to Redis for a missing object.
+        evict_l2(d)
+        r = run_engine(d.socket, "load", instance="reader", verify_seed=1, tokens_seed=13,
+                       pages=4, first_block=0, prefetch="wait_complete", pin=True, **GEOMETRY)
+        assert r.rc == EXIT_OK and r["hits"] == 0 and r["l3_hits"] == 0, r.describe()
+        assert metric(d, "kvcellar_l3_objects_total", tier="redis", op="get") == 0
+        w.close()
+    finally:
+        redis.stop()
