@@ -45,6 +45,9 @@ PACKAGES=(
   python3-venv
   # Tools the tests call.
   openssl procps systemd fio
+  # The daemon's Debian package (deploy/package.sh deb: dpkg-shlibdeps) and its test on a fresh
+  # Debian root file system (tests/integration/test_deb.py).
+  dpkg-dev fakeroot debootstrap
 )
 
 install_system() {
