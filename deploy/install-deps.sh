@@ -48,6 +48,8 @@ PACKAGES=(
   # The daemon's Debian package (deploy/package.sh deb: dpkg-shlibdeps) and its test on a fresh
   # Debian root file system (tests/integration/test_deb.py).
   dpkg-dev fakeroot debootstrap
+  # The container image (deploy/container/build.sh) and its test (tests/integration/test_container.py).
+  buildah umoci
 )
 
 install_system() {

@@ -354,8 +354,12 @@ def drive_l3_traffic(daemon_factory, tmp_path, redis, *reader_args):
     tiers = l3_tiers_spec(tmp_path, redis)
     common = ("--set", "device.kind=sim", "--set", f"storage.tiers={tiers}")
     writer = daemon_factory(args=common, name="writer", subdir="writer")
+    # The reader publishes KV events and keeps its pages' tokens in a label log
+    # (events.label_log), so that their metrics are exported too.
     reader = daemon_factory(args=(*common, "--set",
                                   f"listen.max_connections_per_uid={READER_CONNECTIONS_PER_UID}",
+                                  "--set", f"events.endpoint=ipc://{tmp_path}/reader-events",
+                                  "--set", f"events.label_log={tmp_path}/reader.labels",
                                   *reader_args), name="reader", subdir="reader")
     r = run_engine(writer.socket, "backup", instance="writer", seed=31, tokens_seed=9,
                    pages=L3_PAGES, **L3_GEOMETRY)
