@@ -659,6 +659,7 @@ void FileBackendImpl::PublishScan() {
   r.entries = scan_->entries_seen();
   r.found = scan_->objects_found();
   r.legacy = scan_->objects_legacy();
+  r.newer = scan_->objects_newer();
   r.dropped = scan_->objects_dropped();
   r.temps_removed = scan_->temps_removed();
   r.evicted = victims.size();
@@ -674,6 +675,7 @@ void FileBackendImpl::PublishScan() {
          {"objects", nindexed},
          {"found", r.found},
          {"legacy", r.legacy},
+         {"newer", r.newer},
          {"dropped", r.dropped},
          {"temps_removed", r.temps_removed},
          {"evicted", victims.size()},

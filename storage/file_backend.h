@@ -104,6 +104,7 @@ struct FileScanResult {
   uint64_t entries = 0;        // Object and temp names looked at.
   uint64_t found = 0;          // Objects with a good header.
   uint64_t legacy = 0;         // Of those, version 1 objects (no parent link).
+  uint64_t newer = 0;          // A later format's objects (a newer daemon's): kept, not indexed.
   uint64_t dropped = 0;        // Torn or foreign objects unlinked.
   uint64_t temps_removed = 0;  // Temps of dead writers unlinked.
   uint64_t evicted = 0;        // Objects found but over the tier's capacity, unlinked.

@@ -204,6 +204,8 @@ void FileObjectIo::GetRead(FileIoTask* t, int64_t res) {
   if (t->defect == ObjectDefect::kNone) {
     t->status = ObjectStatus::kOk;
     t->payload = h.payload_bytes;
+  } else if (t->defect == ObjectDefect::kNewerVersion) {
+    t->status = ObjectStatus::kNotFound;  // A newer daemon's object: a miss, kept for it.
   } else {
     t->status = ObjectStatus::kChecksumError;
   }

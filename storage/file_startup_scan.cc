@@ -96,6 +96,8 @@ void FileStartupScan::ScanLeaf(const NamespaceDir& ns, const std::string& leaf) 
       if (f.version == kObjectFormatVersionV1) ++objects_legacy_;
       payload_bytes_ += f.payload_bytes;
       found_.push_back(f);
+    } else if (defect == ObjectDefect::kNewerVersion) {
+      ++objects_newer_;  // A newer daemon's object (a downgrade, a mixed fleet): left alone.
     } else if (ino != 0) {
       Drop(dfd, de->d_name, ino, rel, defect);
     }

@@ -76,6 +76,8 @@ class FileStartupScan {
   uint64_t objects_found() const { return objects_found_; }
   // Of those, version 1 objects: no parent link.
   uint64_t objects_legacy() const { return objects_legacy_; }
+  // Objects of a later format version (a newer daemon's): neither indexed nor removed.
+  uint64_t objects_newer() const { return objects_newer_; }
   // Torn or foreign objects unlinked (or found unlinkable), so far.
   uint64_t objects_dropped() const { return objects_dropped_; }
   // Payload bytes of the objects found.
@@ -120,6 +122,7 @@ class FileStartupScan {
   uint64_t entries_seen_ = 0;
   uint64_t objects_found_ = 0;
   uint64_t objects_legacy_ = 0;
+  uint64_t objects_newer_ = 0;
   uint64_t objects_dropped_ = 0;
   uint64_t payload_bytes_ = 0;
 };

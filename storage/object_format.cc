@@ -38,6 +38,8 @@ absl::string_view ObjectDefectName(ObjectDefect d) {
     case ObjectDefect::kTruncated: return "truncated";
     case ObjectDefect::kBadMagic: return "bad_magic";
     case ObjectDefect::kBadVersion: return "bad_version";
+    case ObjectDefect::kNewerVersion:
+      return "newer_version";
     case ObjectDefect::kBadHeaderCrc: return "bad_header_crc";
     case ObjectDefect::kForeignNamespace: return "foreign_namespace";
     case ObjectDefect::kForeignKey: return "foreign_key";
@@ -108,6 +110,7 @@ ObjectDefect DecodeObjectHeader(const uint8_t* in, size_t available, ObjectHeade
   if (std::memcmp(in, kMagic, sizeof(kMagic)) != 0) return ObjectDefect::kBadMagic;
   // Version before CRC: a newer format may lay out (and checksum) its header differently.
   const uint16_t version = LoadLe<uint16_t>(in + kOffVersion);
+  if (version > kObjectFormatVersion) return ObjectDefect::kNewerVersion;
   if (version != kObjectFormatVersion && version != kObjectFormatVersionV1) {
     return ObjectDefect::kBadVersion;
   }

@@ -776,6 +776,8 @@ void RedisBackendImpl::OnGetReply(Batch* b, uint32_t i, const RedisReply& r, Fol
   const uint64_t payload = r.oversize ? it.len + 1 : r.payload_len;
   const ObjectDefect d = VerifyObject(r.header, r.header_len, expected, it.buf, payload);
   if (d == ObjectDefect::kNone) return Resolve(b, i, ObjectStatus::kOk, r.payload_len);
+  // A newer daemon's object (a mixed fleet during an upgrade): a miss here, kept for them.
+  if (d == ObjectDefect::kNewerVersion) return Resolve(b, i, ObjectStatus::kNotFound, 0);
   KVLOG(Warn, "l3 object corrupt, removed",
         {{"backend", name_}, {"key", it.redis_key()}, {"defect", ObjectDefectName(d)}});
   follow->corrupt.push_back(i);  // Resolved once it is gone.

@@ -188,6 +188,10 @@ class Reader {
 
   void Add(const IndexEntry& e) {
     FileScanResult& s = out_->scan;
+    if (e.version > kObjectFormatVersion) {
+      ++s.newer;  // A newer daemon's object: not one this build can read.
+      return;
+    }
     auto [it, inserted] = ns_slot_.try_emplace(e.ns, static_cast<uint32_t>(s.namespaces.size()));
     if (inserted) s.namespaces.push_back(e.ns);
     FileStartupScan::Found f{};

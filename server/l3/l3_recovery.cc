@@ -80,6 +80,7 @@ void L3Recovery::OnScanned(size_t tier, storage::FileScanResult r, bool partial)
   s.partial = partial;
   s.found = r.found;
   s.legacy = r.legacy;
+  s.newer = r.newer;
   s.dropped = r.dropped;
   s.temps_removed = r.temps_removed;
   s.evicted = r.evicted;
@@ -271,18 +272,21 @@ void L3Recovery::Collect(MetricWriter& out) const {
     const std::string& name = tiers_->tier(t).spec.name;
     const std::pair<const char*, uint64_t> objects[] = {{"found", s.found},
                                                         {"legacy", s.legacy},
+                                                        {"newer", s.newer},
                                                         {"dropped", s.dropped},
                                                         {"temps_removed", s.temps_removed},
                                                         {"evicted", s.evicted}};
     for (const auto& [result, n] : objects) {
       const MetricWriter::Label labels[] = {{"tier", name}, {"result", result}};
-      out.AddCounter("kvcellar_l3_scan_objects_total",
-                     "Objects a file tier's startup scan (or a Redis tier's index readback) "
-                     "handled: found (good header or entry), legacy (of those, format version 1: "
-                     "no parent link), dropped (torn or foreign, removed; Redis: malformed "
-                     "entries), temps_removed (dead writers' temp files), evicted (over "
-                     "capacity).",
-                     static_cast<double>(n), labels);
+      out.AddCounter(
+          "kvcellar_l3_scan_objects_total",
+          "Objects a file tier's startup scan (or a Redis tier's index readback) "
+          "handled: found (good header or entry), legacy (of those, format version 1: "
+          "no parent link), newer (a later format version's: kept, not indexed), dropped (torn "
+          "or foreign, removed; Redis: malformed "
+          "entries), temps_removed (dead writers' temp files), evicted (over "
+          "capacity).",
+          static_cast<double>(n), labels);
     }
     const std::pair<const char*, uint64_t> pages[] = {{"inserted", s.pages_inserted},
                                                       {"orphaned", s.pages_orphaned},

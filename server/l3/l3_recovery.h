@@ -79,6 +79,7 @@ struct L3ScanStats {
   // From the scan (storage/file_backend.h FileScanResult).
   uint64_t found = 0;
   uint64_t legacy = 0;
+  uint64_t newer = 0;  // A later format's objects: kept for the daemons that read them.
   uint64_t dropped = 0;
   uint64_t temps_removed = 0;
   uint64_t evicted = 0;

@@ -352,6 +352,28 @@ class FileBackendCorruptionTest : public FileBackendTest {
   std::unique_ptr<FileBackend> b_;
 };
 
+// An object of a later format (a newer daemon's, in a shared tier or after a downgrade) is a miss
+// for this build, and stays for the daemons that read it: neither removed nor told to the index
+// as gone.
+TEST_P(FileBackendCorruptionTest, ANewerFormatsObjectIsAMissAndStays) {
+  const std::string path = dir_.path() + "/l3/" + FileBackend::ObjectPath(ns_, TestKey(1), 0);
+  {
+    const int fd = ::open(path.c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    const uint8_t version = kObjectFormatVersion + 1;  // The format version (u16 LE) at 8.
+    ASSERT_EQ(::pwrite(fd, &version, 1, 8), 1);
+    ::close(fd);
+  }
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(GetOne(*b_, ns_, TestKey(1), 0, kSize), ObjectStatus::kNotFound);
+    EXPECT_TRUE(fs::exists(path));
+  }
+  EXPECT_EQ(b_->Stats().corrupt_removed, 0u);
+  EXPECT_EQ(GetOne(*b_, ns_, TestKey(2), 0, kSize), ObjectStatus::kOk);
+  absl::MutexLock lock(&mu_);
+  EXPECT_TRUE(removed_.empty());
+}
+
 TEST_P(FileBackendCorruptionTest, FlippedPayloadByte) {
   FlipByte(PathOf(TestKey(1), 0), kBlock + 12345);
   ExpectCaught(ns_, TestKey(1), 0);

@@ -176,16 +176,27 @@ TEST_F(FileStartupScanTest, ReadsEachHeadersParentLinkAndDropsTornOrForeignObjec
     f.seekp(110);  // Inside the parent key: only the header CRC tells.
     f.put('\x5a');
   }
+  // A later format version (a newer daemon's object, after a downgrade or in a mixed fleet):
+  // neither found nor removed.
+  const std::string newer = WriteObject(11, 0, 0, 100);
+  {
+    std::fstream f(newer, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(8);  // The format version (u16 LE).
+    f.put(static_cast<char>(kObjectFormatVersion + 1));
+  }
   FileStartupScan scan = Scan();
   ASSERT_TRUE(scan.ScanUntil(absl::InfiniteFuture()));
   EXPECT_EQ(scan.objects_found(), 3u);
   EXPECT_EQ(scan.objects_legacy(), 1u);
+  EXPECT_EQ(scan.objects_newer(), 1u);
   EXPECT_EQ(scan.objects_dropped(), 6u);
   EXPECT_EQ(scan.payload_bytes(), 300u);
   for (const std::string& gone : {torn, empty, junk, foreign, appended, damaged}) {
     EXPECT_FALSE(fs::exists(gone)) << gone;
   }
-  for (const std::string& kept : {first, child, legacy}) EXPECT_TRUE(fs::exists(kept)) << kept;
+  for (const std::string& kept : {first, child, legacy, newer}) {
+    EXPECT_TRUE(fs::exists(kept)) << kept;
+  }
   ASSERT_EQ(scan.namespaces().size(), 1u);
   EXPECT_EQ(scan.namespaces()[0], TestNamespace(0));
   std::vector<FileStartupScan::Found> found = scan.TakeFoundNewestFirst();

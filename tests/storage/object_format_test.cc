@@ -150,7 +150,9 @@ TEST_F(ObjectFormatTest, EveryDefectIsNamed) {
   header_[0] = 'X';
   EXPECT_EQ(Verify(), ObjectDefect::kBadMagic);
   header_[0] = 'K';
-  header_[8] = 3;  // A later format than this build reads.
+  header_[8] = 3;  // A later format than this build reads: a newer daemon's, kept.
+  EXPECT_EQ(Verify(), ObjectDefect::kNewerVersion);
+  header_[8] = 0;  // No version this project ever wrote: not ours.
   EXPECT_EQ(Verify(), ObjectDefect::kBadVersion);
   header_[8] = 2;
   header_[90] ^= 1;  // payload size

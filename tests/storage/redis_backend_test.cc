@@ -173,6 +173,25 @@ TEST_F(RedisBackendTest, CorruptTornAndForeignValuesAreRemovedAndCounted) {
   EXPECT_EQ(s.op(OpKind::kGet).by_status[size_t(ObjectStatus::kChecksumError)], 5u);
 }
 
+// A value of a later object format (a newer daemon's, sharing the server during an upgrade or
+// after a downgrade) is a miss for this build, and stays for the daemons that read it.
+TEST_F(RedisBackendTest, ANewerFormatsValueIsAMissAndStays) {
+  auto b = Create(Options());
+  ASSERT_NE(b, nullptr);
+  constexpr size_t kSize = 50000;
+  ASSERT_EQ(PutOne(*b, ns_, TestKey(0), 0, kSize), ObjectStatus::kOk);
+  const std::string key = b->ObjectKey(ns_, TestKey(0), 0);
+  std::string v = server_->CommandString({"GET", key});
+  v[8] = static_cast<char>(kObjectFormatVersion + 1);  // The format version (u16 LE).
+  server_->Command({"SET", key, v});
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(GetOne(*b, ns_, TestKey(0), 0, kSize), ObjectStatus::kNotFound);
+    EXPECT_EQ(server_->CommandInt({"EXISTS", key}), 1);
+  }
+  EXPECT_EQ(server_->CommandInt({"HLEN", b->IndexKey(ns_, TestKey(0), 0)}), 1);
+  EXPECT_EQ(b->Stats().corrupt_removed, 0u);
+}
+
 TEST_F(RedisBackendTest, BytesAppendedAfterThePayloadAreRemovedAndCounted) {
   auto b = Create(Options());
   ASSERT_NE(b, nullptr);
