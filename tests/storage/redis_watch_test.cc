@@ -68,6 +68,13 @@ class RedisWatchTest : public testing::RedisServerTest {
     BatchResult r = testing::PutSync(b, {ns_, puts});
     for (const ItemResult& it : r.items) ASSERT_EQ(it.status, ObjectStatus::kOk);
   }
+  // What b's watch reports lands in removed_.
+  void Follow(RedisBackend& b) {
+    b.SetRemovalSink([this](absl::Span<const FileObjectId> ids) {
+      absl::MutexLock lock(&mu_);
+      removed_.insert(removed_.end(), ids.begin(), ids.end());
+    });
+  }
   bool Subscribed() const {
     testing::ReplyPtr r = server_->Command({"PUBSUB", "NUMSUB", "__keyevent@0__:evicted"});
     return r != nullptr && r->type == REDIS_REPLY_ARRAY && r->elements == 2 &&
@@ -94,10 +101,7 @@ TEST_F(RedisWatchTest, ExpiredAndEvictedObjectsReachTheSinkAndNothingElse) {
   ASSERT_EQ(server_->CommandString({"CONFIG", "SET", "notify-keyspace-events", "g"}), "OK");
   auto b = Create();
   ASSERT_NE(b, nullptr);
-  b->SetRemovalSink([this](absl::Span<const FileObjectId> ids) {
-    absl::MutexLock lock(&mu_);
-    removed_.insert(removed_.end(), ids.begin(), ids.end());
-  });
+  Follow(*b);
   ASSERT_TRUE(WaitFor([&] { return Subscribed(); }));
   testing::ReplyPtr flags = server_->Command({"CONFIG", "GET", "notify-keyspace-events"});
   ASSERT_NE(flags, nullptr);
@@ -146,10 +150,7 @@ TEST_F(RedisWatchTest, ExpiredAndEvictedObjectsReachTheSinkAndNothingElse) {
 TEST_F(RedisWatchTest, AWatchThatLostItsServerSubscribesAgain) {
   auto b = Create();
   ASSERT_NE(b, nullptr);
-  b->SetRemovalSink([this](absl::Span<const FileObjectId> ids) {
-    absl::MutexLock lock(&mu_);
-    removed_.insert(removed_.end(), ids.begin(), ids.end());
-  });
+  Follow(*b);
   ASSERT_TRUE(WaitFor([&] { return Subscribed(); }));
   ASSERT_GE(server_->CommandInt({"CLIENT", "KILL", "TYPE", "pubsub"}), 1);
   ASSERT_TRUE(WaitFor([&] { return b->WatchStats().connects >= 2 && Subscribed(); }));

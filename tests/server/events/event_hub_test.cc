@@ -45,6 +45,12 @@ core::IndexEvent Stored(uint8_t key, int parent, int8_t medium = core::kMediumL2
   return e;
 }
 
+// `e` with the L3 tiers that hold its page after it (IndexEvent::l3_tiers).
+core::IndexEvent AtTiers(core::IndexEvent e, uint8_t tiers_after) {
+  e.l3_tiers = tiers_after;
+  return e;
+}
+
 core::IndexEvent Removed(uint8_t key, int8_t medium = core::kMediumL2) {
   core::IndexEvent e;
   e.kind = core::IndexEvent::Kind::kRemoved;
@@ -399,15 +405,12 @@ TEST(EventHubTest, StorageMediaAnnounceTheFirstTierInAndTheLastTierOutPerLocalit
   Collector watcher;
   (*hub)->Watch(&watcher, std::nullopt);
   core::IndexEventSink* sink = (*hub)->SinkFor(1, Spec());
-  auto at = [](core::IndexEvent e, uint8_t tiers_after) {
-    e.l3_tiers = tiers_after;
-    return e;
-  };
   // Page 1 into nvme (announced), into fs too (not), out of nvme (not: fs holds it), out of fs
   // (announced), into the shared tier (announced as REMOTE).
   for (const core::IndexEvent& e :
-       {at(Stored(1, -1, 0), 0b001), at(Stored(1, -1, 1), 0b011), at(Removed(1, 0), 0b010),
-        at(Removed(1, 1), 0b000), at(Stored(1, -1, 2), 0b100)}) {
+       {AtTiers(Stored(1, -1, 0), 0b001), AtTiers(Stored(1, -1, 1), 0b011),
+        AtTiers(Removed(1, 0), 0b010), AtTiers(Removed(1, 1), 0b000),
+        AtTiers(Stored(1, -1, 2), 0b100)}) {
     sink->OnIndexEvent(e);
   }
   auto batches = watcher.WaitFor(1);
@@ -434,15 +437,11 @@ TEST(EventHubTest, StorageMediaOfBothLocalitiesNeverFoldIntoOneEvent) {
   Collector watcher;
   (*hub)->Watch(&watcher, std::nullopt);
   core::IndexEventSink* sink = (*hub)->SinkFor(1, Spec());
-  auto at = [](core::IndexEvent e, uint8_t tiers_after) {
-    e.l3_tiers = tiers_after;
-    return e;
-  };
   // A parent stored in the local tier and its child in the shared one, within one batch: both
   // are "STORAGE", and the child must not be folded into the parent's LOCAL event. Their
   // removals, one from each, must not share an event either.
-  for (const core::IndexEvent& e : {at(Stored(1, -1, 0), 0b01), at(Stored(2, 1, 1), 0b10),
-                                    at(Removed(1, 0), 0b00), at(Removed(2, 1), 0b00)}) {
+  for (const core::IndexEvent& e : {AtTiers(Stored(1, -1, 0), 0b01), AtTiers(Stored(2, 1, 1), 0b10),
+                                    AtTiers(Removed(1, 0), 0b00), AtTiers(Removed(2, 1), 0b00)}) {
     sink->OnIndexEvent(e);
   }
   auto batches = watcher.WaitFor(1);
