@@ -24,7 +24,7 @@ namespace kvcellar::client {
 
 // The kvcellar.v1 revision this library was built against (RegisterEngineRequest).
 inline constexpr uint32_t kClientApiRevision = 1;
-inline constexpr char kClientVersion[] = "libkvcellar-client 0.1.0";
+inline constexpr char kClientVersion[] = "libkvcellar-client 0.2.0";
 
 struct ClientOptions {
   // Socket path or HOST:PORT (channel.h). Empty: platform::DefaultSocketPath().

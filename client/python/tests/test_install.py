@@ -39,4 +39,4 @@ def test_pip_install_builds_and_bundles_the_native_client(tmp_path, daemon):
     res = subprocess.run([sys.executable, "-c", CHILD, str(target), daemon.socket],
                          capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "installed-ok 0.1.0" in res.stdout
+    assert "installed-ok 0.2.0" in res.stdout
