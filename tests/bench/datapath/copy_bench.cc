@@ -28,6 +28,10 @@
 // daemons beside the benchmark's, both publishing to a subscriber, one with events.page_tokens
 // false; every Backup passes its pages' tokens (16 per page), which the client sends only to the
 // daemon that wants them. Same alternation; ratio = tokens / no tokens.
+//
+// BM_BackupLabelLog: what keeping the pages' tokens for a restart costs Backup (events.label_log,
+// server/events/label_log.h: each label appended to a file by a thread of its own). Two daemons
+// publishing with tokens, one with a label log; ratio = label log / none.
 #include <unistd.h>
 #include <zmq.h>
 
@@ -446,6 +450,33 @@ void RunBackupTokens(benchmark::State& state, DatapathEnv* env, Summary* summary
   summary->AddTokens(CaseName(state, r->items), r->beside_gbps, r->plain_gbps);
 }
 
+void RunBackupLabelLog(benchmark::State& state, DatapathEnv* env, Summary* summary,
+                       const BenchConfig& config) {
+  const std::string with = absl::StrCat("ipc:///tmp/kvc-bench-labellog-", getpid());
+  const std::string without = absl::StrCat("ipc:///tmp/kvc-bench-nolabellog-", getpid());
+  const std::string log = absl::StrCat("/tmp/kvc-bench-labels-", getpid());
+  EnvOptions logged = env->options();
+  logged.extra_sets.push_back(absl::StrCat("events.endpoint=", with));
+  logged.extra_sets.push_back(absl::StrCat("events.label_log=", log));
+  EnvOptions plain = env->options();
+  plain.extra_sets.push_back(absl::StrCat("events.endpoint=", without));
+  plain.extra_sets.push_back("events.label_log=off");
+  Subscriber sub_with(with);
+  Subscriber sub_without(without);
+  absl::StatusOr<BesideResult> r =
+      BackupBeside(state, env, config, logged, &plain, /*tokens=*/true);
+  ::unlink(with.substr(6).c_str());
+  ::unlink(without.substr(6).c_str());
+  ::unlink(log.c_str());
+  if (!r.ok()) return state.SkipWithError(r.status().ToString().c_str());
+  if (sub_with.messages() == 0 || sub_without.messages() == 0) {
+    return state.SkipWithError("a subscriber received no event: nothing was measured");
+  }
+  state.counters["plain_GBps"] = r->plain_gbps;
+  state.counters["label_log_GBps"] = r->beside_gbps;
+  state.counters["ratio"] = r->beside_gbps / r->plain_gbps;
+}
+
 }  // namespace
 
 void RegisterCopyBenchmarks(DatapathEnv* env, Summary* summary, const BenchConfig& config) {
@@ -464,9 +495,11 @@ void RegisterCopyBenchmarks(DatapathEnv* env, Summary* summary, const BenchConfi
   // Backup beside a second daemon that differs in one feature; 64 KiB pages: the most records
   // and events per byte copied.
   using Beside = void (*)(benchmark::State&, DatapathEnv*, Summary*, const BenchConfig&);
-  for (auto [name, run] : {std::pair<const char*, Beside>{"BM_BackupJournal", RunBackupJournal},
-                           std::pair<const char*, Beside>{"BM_BackupEvents", RunBackupEvents},
-                           std::pair<const char*, Beside>{"BM_BackupTokens", RunBackupTokens}}) {
+  for (auto [name, run] :
+       {std::pair<const char*, Beside>{"BM_BackupJournal", RunBackupJournal},
+        std::pair<const char*, Beside>{"BM_BackupEvents", RunBackupEvents},
+        std::pair<const char*, Beside>{"BM_BackupTokens", RunBackupTokens},
+        std::pair<const char*, Beside>{"BM_BackupLabelLog", RunBackupLabelLog}}) {
     benchmark::RegisterBenchmark(name,
                                  [=](benchmark::State& state) { run(state, env, summary, config); })
         ->Args({64, 32})
