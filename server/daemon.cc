@@ -183,7 +183,7 @@ void Daemon::CreateServices(MetricsRegistry& registry) {
             if (index == nullptr) continue;
             index->ForEachLabel(
                 [&](const core::PageKey& key, const std::shared_ptr<const core::PageLabel>& l) {
-                  emit(ns->digest(), key, *l);
+                  emit(ns->digest(), key, l);
                 });
           }
         },

@@ -44,12 +44,10 @@ bool ParseRedisObjectKey(absl::string_view prefix, absl::string_view key, FileOb
   if (key.size() < kTag + 1 + kKey + 2 || key[kTag] != ':' || key[kTag + 1 + kKey] != ':') {
     return false;
   }
-  uint8_t tag[kNamespaceTagBytes];
-  if (!ParseHex(key.substr(0, kTag), tag)) return false;
-  if (!ParseHex(key.substr(kTag + 1, kKey), out->key.bytes.data())) return false;
-  if (!ParseDecimal(key.substr(kTag + 1 + kKey + 1), &out->shard)) return false;
-  std::memcpy(&out->ns_prefix, tag, sizeof(out->ns_prefix));  // As NamespacePrefix reads it.
-  return true;
+  // The namespace tag is a file tier's namespace directory name too.
+  return ParseNamespaceDir(key.substr(0, kTag), &out->ns_prefix) &&
+         ParseHex(key.substr(kTag + 1, kKey), out->key.bytes.data()) &&
+         ParseDecimal(key.substr(kTag + 1 + kKey + 1), &out->shard);
 }
 
 struct RedisRemovalWatch::NodeWatch {

@@ -268,10 +268,20 @@ void LabelLog::Compact() {
   // attached before the snapshot is in an index (Append follows the index's Label) or was
   // removed from it; what is attached after stays in buffer_ and is written to the new file.
   absl::MutexLock io(&io_mu_);
-  std::string out = Header();
-  snapshot([&out](const core::PageKey& ns, const core::PageKey& key, const core::PageLabel& label) {
-    Encode(ns, key, label, out);
+  // The snapshot runs under each index's read lock: it only takes references, and the records
+  // are encoded after it, so Backups wait on the index for no longer than the copy.
+  struct Live {
+    core::PageKey ns;
+    core::PageKey key;
+    std::shared_ptr<const core::PageLabel> label;
+  };
+  std::vector<Live> live;
+  snapshot([&live](const core::PageKey& ns, const core::PageKey& key,
+                   const std::shared_ptr<const core::PageLabel>& label) {
+    live.push_back({ns, key, label});
   });
+  std::string out = Header();
+  for (const Live& l : live) Encode(l.ns, l.key, *l.label, out);
   if (keep) {
     absl::MutexLock lock(&recovered_mu_);
     for (const auto& [k, label] : recovered_) Encode(k.ns, k.key, *label, out);

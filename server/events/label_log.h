@@ -31,7 +31,8 @@
 //
 // Compaction: the file grows with every label ever attached. Once it has grown by
 // max(compact_min_bytes, its size after the last compaction), the thread rewrites it from the
-// live labels (the snapshot function: every index's labels) plus the recovered labels not yet
+// live labels (the snapshot function: references to every index's labels, encoded after it)
+// plus the recovered labels not yet
 // taken while `keep_recovered` says recovery may still want them, into a temporary file renamed
 // over the log. Labels attached during the snapshot are appended after it, so none is lost.
 //
@@ -81,7 +82,7 @@ class LabelLog {
  public:
   // Emits one live label.
   using Emit = absl::FunctionRef<void(const core::PageKey& ns, const core::PageKey& key,
-                                      const core::PageLabel& label)>;
+                                      const std::shared_ptr<const core::PageLabel>& label)>;
   // Calls emit for every live label (every namespace's index).
   using Snapshot = std::function<void(Emit emit)>;
 

@@ -159,8 +159,8 @@ TEST_F(LabelLogTest, CompactionKeepsTheLiveLabelsAndWhatIsAttachedDuringIt) {
   bool keep_recovered = true;
   log->SetSnapshot(
       [&](LabelLog::Emit emit) {
-        emit(ns, Key(1), *one);
-        emit(ns, Key(2), *two);
+        emit(ns, Key(1), one);
+        emit(ns, Key(2), two);
         // A label attached while the snapshot is taken is recorded after it.
         log->Append(ns, {Key(11)}, {Tokens(1100)}, {});
       },
