@@ -12,27 +12,17 @@ registry (deploy/install-deps.sh system). About 1.5 minutes, most of it debootst
 import json
 import os
 import shutil
-import subprocess
 
 import pytest
 import yaml
 
-from conftest import BIN_DIR, SOURCE_DIR
+from conftest import SOURCE_DIR
 from engine_sim import DAEMON_ARGS, EXIT_OK, run_engine
 from kvcellard_process import Daemon
+from package_util import build_deb, sh
 
-BUILD_DIR = os.path.dirname(os.path.abspath(BIN_DIR))
 K8S = os.path.join(SOURCE_DIR, "deploy", "k8s")
 GEOMETRY = dict(layers=2, block_bytes=4096, blocks=16, page_size=16, model="image-model")
-
-
-def sh(*cmd, check=True, timeout=900, env=None):
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                       env=dict(os.environ, **(env or {})))
-    if check and p.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, cmd))}: exit {p.returncode}\n"
-                             f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    return p
 
 
 def manifests():
@@ -64,12 +54,10 @@ def built(tmp_path):
     assert os.geteuid() == 0, "needs root: debootstrap, chroot, mounts"
     for tool in ("debootstrap", "buildah", "umoci"):
         assert shutil.which(tool), f"{tool} missing: deploy/install-deps.sh system"
-    sh("cpack", "-G", "DEB", "--config", os.path.join(BUILD_DIR, "CPackConfig.cmake"),
-       "-B", str(tmp_path / "pkg"))
-    (deb,) = [p for p in os.listdir(tmp_path / "pkg") if p.endswith("_amd64.deb")]
+    deb = build_deb(tmp_path / "pkg")
     layout = tmp_path / "image"
-    out = sh(os.path.join(SOURCE_DIR, "deploy", "container", "build.sh"),
-             str(tmp_path / "pkg" / deb), env={"OUT_DIR": str(layout)}).stdout.split()
+    out = sh(os.path.join(SOURCE_DIR, "deploy", "container", "build.sh"), deb,
+             env={"OUT_DIR": str(layout)}, timeout=900).stdout.split()
     image, ref = out[-2], out[-1]
     try:
         yield image, str(layout), ref.rsplit(":", 1)[1]

@@ -10,15 +10,13 @@ debootstrap.
 """
 import os
 import shutil
-import subprocess
 
 import pytest
 
-from conftest import BIN_DIR
 from engine_sim import DAEMON_ARGS, EXIT_OK, run_engine
 from kvcellard_process import Daemon
+from package_util import build_deb, sh
 
-BUILD_DIR = os.path.dirname(os.path.abspath(BIN_DIR))
 GEOMETRY = dict(layers=2, block_bytes=4096, blocks=16, page_size=16, model="deb-model")
 # What the package installs, and nothing else (directories aside).
 FILES = {"/usr/bin/kvcellard", "/usr/bin/kvcellarctl", "/lib/systemd/system/kvcellard.service",
@@ -37,17 +35,6 @@ def mirror():
             if words[:1] == ["deb"] and "security" not in line:
                 return next(w for w in words[1:] if w.startswith("http"))
     return "http://deb.debian.org/debian"
-
-
-def sh(*cmd, root=None, check=True, timeout=600):
-    if root is not None:
-        cmd = ("chroot", str(root), *cmd)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                       env=dict(os.environ, DEBIAN_FRONTEND="noninteractive", LC_ALL="C"))
-    if check and p.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)}: exit {p.returncode}\n{p.stdout[-3000:]}\n"
-                             f"{p.stderr[-3000:]}")
-    return p
 
 
 @pytest.fixture
@@ -77,11 +64,10 @@ def debian(tmp_path):
 
 def test_the_deb_installs_on_a_fresh_debian_runs_and_purges_cleanly(debian, tmp_path):
     # The package, from this build's binaries.
-    sh("cpack", "-G", "DEB", "--config", os.path.join(BUILD_DIR, "CPackConfig.cmake"),
-       "-B", str(tmp_path / "pkg"))
-    (deb,) = [p for p in os.listdir(tmp_path / "pkg") if p.endswith("_amd64.deb")]
+    path = build_deb(tmp_path / "pkg")
+    deb = os.path.basename(path)
     assert deb.startswith("kvcellard_"), deb
-    shutil.copy(tmp_path / "pkg" / deb, debian / "tmp" / deb)
+    shutil.copy(path, debian / "tmp" / deb)
 
     # apt pulls the shared libraries (gRPC, Protobuf, Abseil, ...) a minimal system lacks.
     assert sh("dpkg-query", "-W", "libgrpc++1.51", root=debian, check=False).returncode != 0
