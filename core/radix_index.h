@@ -187,7 +187,7 @@ struct L3Update {
   bool present = true;
   // Attached (RadixIndex::Label, no bound) when the page has no label yet, before its stored
   // event: what a restarted daemon read back for it (server/events/label_log.h).
-  std::shared_ptr<const PageLabel> label;
+  std::shared_ptr<const PageLabel> label = nullptr;
 };
 
 struct RemoveCounts {

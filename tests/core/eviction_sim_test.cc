@@ -94,7 +94,9 @@ TEST(EvictionSimTest, NoPolicyBeatsTheBoundAndAllMeetTheBestCaseWhenEverythingFi
           EXPECT_EQ(r->evicted_pages, 0u);
         }
       }
-      if (capacity == distinct) EXPECT_EQ(belady.hit_tokens, best.hit_tokens);
+      if (capacity == distinct) {
+        EXPECT_EQ(belady.hit_tokens, best.hit_tokens);
+      }
     }
   }
 }

@@ -459,7 +459,9 @@ TEST(EventHubTest, StorageMediaOfBothLocalitiesNeverFoldIntoOneEvent) {
   EXPECT_EQ(ev[4].kind, KvEvent::Kind::kBlockRemoved);
   EXPECT_EQ(ev[4].locality, "REMOTE");
   for (const KvEvent& e : ev) {
-    if (e.kind != KvEvent::Kind::kAllBlocksCleared) EXPECT_EQ(e.medium, "STORAGE");
+    if (e.kind != KvEvent::Kind::kAllBlocksCleared) {
+      EXPECT_EQ(e.medium, "STORAGE");
+    }
   }
   (*hub)->Unwatch(&watcher);
 }
