@@ -15,7 +15,7 @@ import pytest
 
 from engine_sim import DAEMON_ARGS, EXIT_OK, run_engine
 from kvcellard_process import Daemon
-from package_util import build_deb, sh
+from package_util import build_deb, debian_root, sh
 
 GEOMETRY = dict(layers=2, block_bytes=4096, blocks=16, page_size=16, model="deb-model")
 # What the package installs, and nothing else (directories aside).
@@ -23,43 +23,11 @@ FILES = {"/usr/bin/kvcellard", "/usr/bin/kvcellarctl", "/lib/systemd/system/kvce
          "/etc/kvcellar/kvcellard.yaml", "/usr/share/doc/kvcellard/copyright"}
 
 
-def mirror():
-    """The Debian registry this machine's apt uses."""
-    for path in ("/etc/apt/sources.list.d/debian.sources", "/etc/apt/sources.list"):
-        if not os.path.exists(path):
-            continue
-        for line in open(path):
-            words = line.split()
-            if words[:1] == ["URIs:"] and "security" not in words[1]:
-                return words[1]
-            if words[:1] == ["deb"] and "security" not in line:
-                return next(w for w in words[1:] if w.startswith("http"))
-    return "http://deb.debian.org/debian"
-
-
 @pytest.fixture
 def debian(tmp_path):
-    """A fresh Debian 12 (minbase) root file system, with /proc and the host's /dev/shm (the sim
-    device's engine memory) mounted."""
-    assert os.geteuid() == 0, "needs root: chroot and mounts"
-    assert shutil.which("debootstrap"), "debootstrap missing: deploy/install-deps.sh system"
-    root = tmp_path / "debian12"
-    sh("debootstrap", "--variant=minbase", "bookworm", str(root), mirror(), timeout=900)
-    shutil.copy("/etc/resolv.conf", root / "etc/resolv.conf")
-    mounts = []
-    try:
-        for what, where, opts in (("proc", "proc", ["-t", "proc"]),
-                                  ("/dev/shm", "dev/shm", ["--bind"])):
-            os.makedirs(root / where, exist_ok=True)
-            sh("mount", *opts, what, str(root / where))
-            mounts.append(root / where)
+    """A fresh Debian 12 (minbase) root file system (package_util.debian_root)."""
+    with debian_root(tmp_path / "debian12") as root:
         yield root
-    finally:
-        for m in reversed(mounts):
-            sh("umount", "-l", str(m), check=False)
-        # Never remove the tree while the host's /dev/shm is still mounted inside it.
-        if not any(os.path.ismount(m) for m in mounts):
-            shutil.rmtree(root, ignore_errors=True)
 
 
 def test_the_deb_installs_on_a_fresh_debian_runs_and_purges_cleanly(debian, tmp_path):
