@@ -2,6 +2,7 @@
 // and maps absl::Status to a KVC_* code plus the thread-local message of kvc_last_error().
 #include "client/kvcellar_client_c.h"
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -518,6 +519,21 @@ int kvc_page_keys(const kvc_namespace* ns, const uint8_t* parent_key, const uint
   *num_keys_out = core::ComputePageKeys(
       parent, absl::MakeConstSpan(tokens, num_tokens), spec->page_size,
       absl::MakeSpan(reinterpret_cast<core::PageKey*>(keys_out), max_keys));
+  return KVC_OK;
+}
+
+int kvc_session_keys(kvc_session* session, const uint32_t* tokens, size_t num_tokens,
+                     uint8_t* keys_out, size_t max_keys, size_t* num_keys_out) {
+  if (num_keys_out != nullptr) *num_keys_out = 0;
+  if (session == nullptr || num_keys_out == nullptr || (tokens == nullptr && num_tokens > 0) ||
+      (keys_out == nullptr && max_keys > 0)) {
+    return Fail(KVC_ERR_INVALID_ARGUMENT, "NULL argument");
+  }
+  const std::vector<core::PageKey> keys =
+      session->session->ComputeKeys(absl::MakeConstSpan(tokens, num_tokens));
+  const size_t n = std::min(keys.size(), max_keys);
+  if (n > 0) std::memcpy(keys_out, keys.data(), n * KVC_KEY_BYTES);
+  *num_keys_out = n;
   return KVC_OK;
 }
 

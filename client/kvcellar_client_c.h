@@ -323,6 +323,12 @@ KVC_EXPORT int kvc_page_keys(const kvc_namespace* ns, const uint8_t* parent_key,
                              const uint32_t* tokens, size_t num_tokens, uint8_t* keys_out,
                              size_t max_keys, size_t* num_keys_out);
 
+/* kvc_page_keys of tokens from position 0 in the session's namespace, through the session's key
+ * cache (16 MiB of recent chains, as the C++ client's): a conversation's earlier pages, keyed by an
+ * earlier call, are not hashed again, as in the C++ client's Session::Match with token ids. */
+KVC_EXPORT int kvc_session_keys(kvc_session* session, const uint32_t* tokens, size_t num_tokens,
+                                uint8_t* keys_out, size_t max_keys, size_t* num_keys_out);
+
 /* ---- SIM device: engine memory and the completion channel in POSIX shared memory -------------
  * An engine on the sim device keeps its KV cache in shared-memory objects that the daemon maps by
  * name (the kvc_region's sim_shm_name). These create them; the handle owns the name: closing it

@@ -276,6 +276,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     # parent_key, tokens, keys_out: addresses (see MatchSeq).
     fn("kvc_page_keys", c_int, POINTER(Namespace), c_void_p, c_void_p, c_size_t, c_void_p,
        c_size_t, POINTER(c_size_t))
+    fn("kvc_session_keys", c_int, _P, c_void_p, c_size_t, c_void_p, c_size_t, POINTER(c_size_t))
     fn("kvc_sim_unique_name", c_int, c_char_p, c_char_p, c_size_t)
     fn("kvc_sim_memory_create", c_int, c_char_p, c_uint64, POINTER(_P))
     fn("kvc_sim_memory_data", c_void_p, _P)

@@ -408,8 +408,20 @@ class Session:
         return N.lib.kvc_session_wait_active(self._handle, timeout_ms) == N.OK
 
     def keys(self, tokens: TokensLike, parent: Optional[bytes] = None) -> np.ndarray:
-        """Keys of the full pages of ``tokens`` in this session's namespace, shape (n, 32)."""
-        return page_keys(self.ns, tokens, parent)
+        """Keys of the full pages of ``tokens`` in this session's namespace, shape (n, 32). From
+        position 0 (no ``parent``) they come through the session's key cache, so the pages of a
+        conversation's earlier turns are not hashed again."""
+        if parent is not None:
+            return page_keys(self.ns, tokens, parent)
+        toks = as_tokens(tokens)
+        n = len(toks) // self.ns.page_size if self.ns.page_size else 0
+        out = np.empty((n, N.KEY_BYTES), dtype=np.uint8)
+        got = ctypes.c_size_t(0)
+        rc = N.lib.kvc_session_keys(self._handle, N.address(toks), len(toks), N.address(out), n,
+                                    ctypes.byref(got))
+        if rc != N.OK:
+            raise ValueError(f"keys: {N.last_error()}")
+        return out if got.value == n else out[: got.value]
 
     # ---- Match -----------------------------------------------------------------------------
 
@@ -438,7 +450,7 @@ class Session:
                 if by_keys:
                     k = as_keys(s)
                 else:
-                    k = page_keys(self.ns, s)
+                    k = self.keys(s)
                     if ncp[i]:
                         k = k[ncp[i]:]
                 keys.append(k)

@@ -83,6 +83,29 @@ def test_register_match_load_backup(daemon):
     dev.close()
 
 
+def test_session_keys_come_through_its_key_cache_and_equal_the_stateless_keys(daemon):
+    """Session.keys (and Match by token ids) key through the session's cache, so a conversation's
+    earlier turns are not hashed again; the keys are those of kvcellar.page_keys, turn by turn,
+    with a partial page left out and a parent chain still honoured."""
+    ns = make_ns()
+    with Client(daemon.socket) as client:
+        s = client.register("keys-cache", ns, scheduler=True)
+        assert s.wait_active(5000)
+        rng = np.random.default_rng(11)
+        conversation = np.empty(0, dtype=np.uint32)
+        for turn in range(4):
+            conversation = np.concatenate(
+                [conversation, rng.integers(0, 128000, 3 * P + 5, dtype=np.uint32)])
+            got = s.keys(conversation)
+            want = kvcellar.page_keys(ns, conversation)
+            assert got.shape == (len(conversation) // P, 32) and np.array_equal(got, want), turn
+            m = s.match([conversation])
+            assert m.ok and np.array_equal(m.results[0].keys, want)
+        tail = conversation[2 * P:]
+        assert np.array_equal(s.keys(tail, parent=bytes(want[1])), want[2:])
+        assert s.keys(conversation[: P - 1]).shape == (0, 32)
+
+
 def test_multi_sequence_batches_and_page_status(daemon):
     dev = SimDevice()
     caches = vllm_cache(dev)
