@@ -4,7 +4,6 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "core/splitmix.h"
 
 namespace kvcellar::core {
 
@@ -38,10 +37,6 @@ void AdaptivePolicy::OnAccess(EvictionHook* hook) {
   }
 }
 
-double AdaptivePolicy::Draw() {
-  return static_cast<double>(SplitMix64(++draws_) >> 11) * 0x1.0p-53;
-}
-
 EvictionHook* AdaptivePolicy::NewestEvictable(const EvictionCandidates& candidates) {
   for (HookList* queue : {&queues_.small(), &queues_.main()}) {
     size_t seen = 0;
@@ -57,10 +52,11 @@ EvictionHook* AdaptivePolicy::NewestEvictable(const EvictionCandidates& candidat
 EvictionHook* AdaptivePolicy::PickVictim(const EvictionCandidates& candidates) {
   EvictionHook* victim = nullptr;
   uint8_t payload = 0;
-  if (Draw() < mru_weight_) {
+  if (mru_weight_ > 0.5) {
     victim = NewestEvictable(candidates);
     if (victim != nullptr) {
       payload = kByMru | (victim->queue == S3FifoQueues::kSmall ? kFromSmall : 0);
+      ++mru_evictions_;
     }
   }
   if (victim == nullptr) {
@@ -68,6 +64,7 @@ EvictionHook* AdaptivePolicy::PickVictim(const EvictionCandidates& candidates) {
     victim = queues_.Victim(candidates, &from_small);
     if (victim == nullptr) return nullptr;
     payload = from_small ? kFromSmall : 0;
+    ++queue_evictions_;
   }
   victim->queue = 0;
   victim->freq = 0;

@@ -78,12 +78,16 @@ TEST(AdaptivePolicyTest, ACycleLargerThanTheCacheTeachesItMru) {
   const uint64_t capacity = 240;
   std::shared_ptr<AdaptivePolicy> policy;
   const SimResult adaptive = Replay(trace, capacity, &policy);
-  EXPECT_GT(policy->mru_weight(), 0.6);
+  // The larger weight evicts, and the weights swing around 0.5 as each expert errs in turn; MRU
+  // errs less here and makes more of the evictions (1744 of 2904).
+  EXPECT_GT(policy->mru_evictions(), policy->queue_evictions());
   EXPECT_TRUE(policy->CheckConsistency().ok());
   const SimResult s3fifo = *SimulateIndex(trace, EvictionPolicyKind::kS3Fifo, {capacity});
   const SimResult bound = SimulateBelady(trace, capacity);
-  std::printf("cycle: adaptive %.3f (MRU weight %.2f), s3fifo %.3f, bound %.3f\n",
-              adaptive.HitRate(), policy->mru_weight(), s3fifo.HitRate(), bound.HitRate());
+  std::printf("cycle: adaptive %.3f (MRU evicted %llu, the queues %llu), s3fifo %.3f, bound %.3f\n",
+              adaptive.HitRate(), static_cast<unsigned long long>(policy->mru_evictions()),
+              static_cast<unsigned long long>(policy->queue_evictions()), s3fifo.HitRate(),
+              bound.HitRate());
   EXPECT_GT(adaptive.HitRate(), s3fifo.HitRate() + 0.1)
       << adaptive.HitRate() << " vs " << s3fifo.HitRate();
   EXPECT_GE(adaptive.HitRate(), 0.85 * bound.HitRate());
@@ -98,8 +102,10 @@ TEST(AdaptivePolicyTest, SkewedReuseLosesNothingAgainstS3Fifo) {
   const SimResult adaptive = Replay(trace, capacity, &policy);
   const SimResult s3fifo = *SimulateIndex(trace, EvictionPolicyKind::kS3Fifo, {capacity});
   const SimResult lru = *SimulateIndex(trace, EvictionPolicyKind::kLru, {capacity});
-  std::printf("skewed: adaptive %.3f (MRU weight %.2f), s3fifo %.3f, lru %.3f\n",
-              adaptive.HitRate(), policy->mru_weight(), s3fifo.HitRate(), lru.HitRate());
+  std::printf("skewed: adaptive %.3f (MRU evicted %llu, the queues %llu), s3fifo %.3f, lru %.3f\n",
+              adaptive.HitRate(), static_cast<unsigned long long>(policy->mru_evictions()),
+              static_cast<unsigned long long>(policy->queue_evictions()), s3fifo.HitRate(),
+              lru.HitRate());
   EXPECT_GT(adaptive.HitRate(), lru.HitRate());
   EXPECT_GE(adaptive.HitRate(), s3fifo.HitRate() - 0.02)
       << adaptive.HitRate() << " vs " << s3fifo.HitRate();
