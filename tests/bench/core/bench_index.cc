@@ -11,10 +11,17 @@
 //  - BM_IndexMemoryPerObject: heap bytes per indexed (page, shard) object, measured with mallinfo2
 //    around building the index (target <= 256), with the index's own estimate beside it.
 //
+//  - BM_IndexScale: memory per page and Match latency at 1M and 10M pages (and 50M with
+//    KVCELLAR_BENCH_50M=1), against a flat_hash_map of the same keys and the 1M-page latency (#29
+//    item 3).
+//
 // Run: kvcellar_bench_core --benchmark_filter='Match|Lookup|InsertEvict|Memory'
 //      --benchmark_min_time=0.2
+//      kvcellar_bench_core --benchmark_filter='IndexScale/'     # 1M and 10M, about a minute
 #include <malloc.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <list>
@@ -362,6 +369,98 @@ BENCHMARK(BM_IndexMemoryPerObject)
     ->Args({8, 1 << 17})
     ->Iterations(1)
     ->Unit(benchmark::kMillisecond);
+
+// --- Scale ---------------------------------------------------------------------------------------
+
+// The index at `pages` pages (chains of kPromptPages, one shard, as BM_IndexMemoryPerObject builds
+// them), against the same run's baselines: an absl::flat_hash_map of the same keys (the memory
+// any key-to-state map needs), and the index's own Match latency at 1M pages (the first size,
+// measured first; the ratio says how latency grows).
+//   heap_bytes_per_page   the index's heap (mallinfo2 around the build) per page
+//   map_bytes_per_key     a flat_hash_map<PageKey, LookupValue> of the same keys, per key
+//   beyond_key_bytes      heap_bytes_per_page - 32: what a page costs beyond its key
+//   match_p50_us / p99    a 2048-page Match of a random indexed prompt (L2 hits all along)
+//   match_vs_1m           match_p50_us / the 1M-page figure of this run
+//   build_ns_per_page     inserting (BeginWrite + Commit, 2048-page chains)
+// 10M pages take about 2 GB and a minute; 50M (10 GB) only with KVCELLAR_BENCH_50M=1:
+//   KVCELLAR_BENCH_50M=1 kvcellar_bench_core --benchmark_filter=IndexScale
+double& MatchP50At1M() {
+  static double v = 0;
+  return v;
+}
+
+void BM_IndexScale(benchmark::State& state) {
+  const size_t pages = static_cast<size_t>(state.range(0));
+  const size_t prompts = pages / kPromptPages;
+  double heap_per_page = 0, map_per_key = 0, build_ns = 0, p50 = 0, p99 = 0;
+  for (auto _ : state) {
+    auto prompt_key = [](size_t p, int i) { return BenchKey(uint64_t(p + 7) << 32 | i); };
+    std::vector<PageKey> keys(kPromptPages);
+    std::vector<WriteRequest> reqs;
+    std::vector<ObjectId> objs;
+    std::vector<absl::Status> st;
+    uint32_t slot = 0;
+    const size_t before = HeapBytes();
+    auto index = MakeIndex(EvictionPolicyKind::kS3Fifo, 1);
+    const absl::Time t0 = absl::Now();
+    for (size_t p = 0; p < prompts; ++p) {
+      for (int i = 0; i < kPromptPages; ++i) keys[i] = prompt_key(p, i);
+      InsertChain(*index, keys, 1, &slot, &reqs, &objs, &st);
+    }
+    build_ns = absl::ToDoubleNanoseconds(absl::Now() - t0) / double(pages);
+    reqs = {};
+    objs = {};
+    st = {};
+    heap_per_page = double(HeapBytes() - before) / double(index->Stats().pages);
+    {
+      const size_t map_before = HeapBytes();
+      absl::flat_hash_map<PageKey, LookupValue> map;
+      map.reserve(pages);
+      for (size_t p = 0; p < prompts; ++p) {
+        for (int i = 0; i < kPromptPages; ++i) map[prompt_key(p, i)] = {SlotRef{0, 0, 1}, 1};
+      }
+      map_per_key = double(HeapBytes() - map_before) / double(map.size());
+    }
+    std::mt19937_64 rng(5);
+    std::vector<double> us;
+    for (int m = 0; m < 2000; ++m) {
+      const size_t p = rng() % prompts;
+      for (int i = 0; i < kPromptPages; ++i) keys[i] = prompt_key(p, i);
+      const absl::Time m0 = absl::Now();
+      absl::StatusOr<MatchResult> r = index->Match(keys, MatchOptions{});
+      us.push_back(absl::ToDoubleMicroseconds(absl::Now() - m0));
+      if (!r.ok() || r->l2_pages != size_t{kPromptPages}) {
+        state.SkipWithError("Match missed");
+        return;
+      }
+    }
+    std::sort(us.begin(), us.end());
+    p50 = us[us.size() / 2];
+    p99 = us[us.size() * 99 / 100];
+  }
+  if (pages == (size_t{1} << 20)) MatchP50At1M() = p50;
+  state.counters["pages"] = double(pages);
+  state.counters["heap_bytes_per_page"] = heap_per_page;
+  state.counters["map_bytes_per_key"] = map_per_key;
+  state.counters["beyond_key_bytes"] = heap_per_page - double(sizeof(PageKey));
+  state.counters["build_ns_per_page"] = build_ns;
+  state.counters["match_p50_us"] = p50;
+  state.counters["match_p99_us"] = p99;
+  if (MatchP50At1M() > 0) state.counters["match_vs_1m"] = p50 / MatchP50At1M();
+}
+BENCHMARK(BM_IndexScale)
+    ->ArgName("pages")
+    ->Arg(1 << 20)
+    ->Arg(10 << 20)
+    ->Iterations(1)
+    ->Unit(benchmark::kSecond);
+// 50M pages, about 10 GB of heap between the index and the map: registered only when
+// KVCELLAR_BENCH_50M is set, so that an unfiltered run never takes that much.
+[[maybe_unused]] const auto* const kScale50M =
+    std::getenv("KVCELLAR_BENCH_50M") == nullptr
+        ? nullptr
+        : benchmark::RegisterBenchmark("BM_IndexScale", BM_IndexScale) -> ArgName("pages")
+              -> Arg(50 << 20) -> Iterations(1) -> Unit(benchmark::kSecond);
 
 }  // namespace
 }  // namespace kvcellar::core
