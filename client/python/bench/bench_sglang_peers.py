@@ -1,0 +1,263 @@
+"""kvcellar beside SGLang's own `file` storage backend, both driven by SGLang 0.5.23's own
+HiCacheController as a scheduler drives it (#29 item 2), in one run, same host pools, same
+prompts.
+
+Per backend, with fresh controllers (an "engine" is a HiCacheController over its own host pool):
+    backup      engine A write_storage()s every prompt's pages (the controller's own backup path:
+                kvcellar's zero-copy batch_set_v1, the file backend's page-by-page batch_set)
+                until each op is acknowledged; pages/s and GB/s
+    second      engine B, a second engine of the same model, prefetches every prompt through the
+                controller (prefetch, hit query, host buffers, transfer): share of the pages it
+                found, GB/s
+    restart     engine A is closed and made again (an engine restart), then prefetches every
+                prompt: share found
+    restore     the time for engine B to prefetch a 16K-token prompt (1,024 pages of 16 tokens)
+                into its host pool, from the prefetch call to the last acknowledgement
+Every prefetched page is compared with what engine A wrote.
+
+kvcellar: kvcellard (sim device, its pool in shared memory) with the backend in
+`kvcellar.integrations.sglang`. file: SGLang's HiCacheFile, a file per page under a temporary
+directory on this machine's disk (`file_storage_path`). Mooncake's store is not run: its
+master and transfer engine were not tried in this session.
+
+    .venv-sglang/bin/python client/python/bench/bench_sglang_peers.py          # about a minute
+    .venv-sglang/bin/python client/python/bench/bench_sglang_peers.py --json
+
+Default geometry: 4 layers of 8 KV heads of 128, bf16, 16-token pages: 256 KiB per page;
+32 prompts of 64 pages (512 MiB), and the 16K-token prompt (256 MiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "client" / "python"))
+sys.path.insert(0, str(ROOT / "client" / "python" / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "integration"))
+
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from sglang_util import extra_config, init_single_rank  # noqa: E402
+from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
+
+MODEL = "bench-org/peers-llama"
+OP_TIMEOUT_S = 120
+
+
+class Engine:
+    """One scheduler's HiCacheController over its own host pool, with `backend` behind it."""
+
+    def __init__(self, args: argparse.Namespace, backend: str, config: dict[str, Any]) -> None:
+        self.page = args.page_size
+        tokens = max(args.prompt_pages, args.restore_tokens // args.page_size) * self.page * 2
+        dev = MHATokenToKVPool(tokens, self.page, torch.bfloat16, args.heads, args.head_dim,
+                               args.layers, "cpu", False, start_layer=0, end_layer=args.layers)
+        with host_memory_budget_scope(psutil.virtual_memory().available):
+            self.host = MHATokenToKVPoolHost(
+                dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, self.page, "page_first",
+                pin_memory=False, device="cpu", allocator_type="shm", device_capacity_tokens=dev.size,
+                start_layer=0, end_layer=args.layers)
+        alloc = PagedTokenToKVPoolAllocator(tokens, self.page, torch.bfloat16, "cpu", dev, False)
+        self.ctl = HiCacheController(alloc, self.host, self.page, dist.group.WORLD,
+                                     threading.Event(), write_policy="write_through",
+                                     io_backend="direct", storage_backend=backend,
+                                     model_name=MODEL, storage_backend_extra_config=config)
+        self.rid = 0
+        self.page_bytes = self.host.get_dummy_flat_data_page().numel() * 2
+
+    def close(self) -> None:
+        self.ctl.detach_storage_backend()
+
+    def write(self, pages: int, seed: int) -> Any:
+        """Host slots holding `pages` pages of random KV, as a device->host copy leaves them."""
+        idx = self.host.alloc(pages * self.page)
+        if idx is None:
+            raise RuntimeError("host pool full")
+        g = torch.Generator().manual_seed(seed)
+        for p in range(0, len(idx), self.page):
+            flat = self.host.get_dummy_flat_data_page()
+            flat.copy_(torch.randn(flat.shape, generator=g).to(flat.dtype))
+            self.host.set_from_flat_data_page(int(idx[p]), flat)
+        return idx
+
+    def pages(self, idx: Any) -> list:
+        return [self.host.get_data_page(int(idx[p]), flat=True).clone()
+                for p in range(0, len(idx), self.page)]
+
+    def backup(self, idx: Any, tokens: list[int]) -> int:
+        hashes = get_hash_str(tokens[:len(idx)], prior_hash=None, page_size=self.page)
+        op_id = self.ctl.write_storage(idx, tokens[:len(idx)], hash_value=hashes, prefix_keys=[])
+        op = self.ctl.ack_backup_queue.get(timeout=OP_TIMEOUT_S)
+        if op.id != op_id:
+            raise RuntimeError("backup acknowledgements out of order")
+        return op.completed_tokens
+
+    def prefetch(self, tokens: list[int]) -> tuple[int, Any]:
+        """(tokens the controller completed, their host slots); the slots are freed by the
+        caller."""
+        self.rid += 1
+        op = self.ctl.prefetch(f"r{self.rid}", list(tokens), None, [])
+        if self.ctl.prefetch_hit_queue.get(timeout=OP_TIMEOUT_S) is not op:
+            raise RuntimeError("prefetch hit queue out of order")
+        if op.storage_hit_count == 0:
+            return 0, None
+        op.host_indices = self.ctl.alloc_prefetch_host_buffers(op, op.storage_hit_count)
+        self.ctl.prefetch_buffer.put(op)
+        completed = 0
+        while True:
+            ack = self.ctl.ack_prefetch_queue.get(timeout=OP_TIMEOUT_S)
+            if ack.completed_req:
+                break
+            completed = max(completed, ack.completed_tokens)
+        return completed, op.host_indices
+
+
+def measure(args: argparse.Namespace, backend: str,
+            config: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
+    """`config(engine)`: the backend's extra config for engine "a" (and its restart) or "b"."""
+    rng = np.random.default_rng(args.seed)
+    prompts = [rng.integers(0, 50000, args.prompt_pages * args.page_size).tolist()
+               for _ in range(args.prompts)]
+    restore = rng.integers(0, 50000, args.restore_tokens).tolist()
+    a = Engine(args, backend, config("a"))
+    # Untimed warm-up, the same for both: one prompt backed up (kvcellar's session registers on
+    # first use; the file backend makes its directory).
+    warm = rng.integers(0, 50000, args.prompt_pages * args.page_size).tolist()
+    widx = a.write(args.prompt_pages, seed=999)
+    if a.backup(widx, warm) != len(warm):
+        raise RuntimeError(f"{backend}: the warm-up backup is incomplete")
+    a.host.free(widx)
+    written = {}
+    t0 = time.perf_counter()
+    for i, tokens in enumerate(prompts):
+        idx = a.write(args.prompt_pages, seed=i)
+        written[i] = a.pages(idx)
+        if a.backup(idx, tokens) != len(tokens):
+            raise RuntimeError(f"{backend}: backup of prompt {i} incomplete")
+        a.host.free(idx)
+    # write() is untimed work of the engine (its device->host copy): measured apart.
+    backup_s = time.perf_counter() - t0
+    t_fill = time.perf_counter()
+    for i in range(args.prompts):
+        idx = a.write(args.prompt_pages, seed=1000 + i)
+        a.host.free(idx)
+    fill_s = time.perf_counter() - t_fill
+    backup_s = max(backup_s - fill_s, 1e-9)
+    ridx = a.write(len(restore) // args.page_size, seed=77)
+    restore_pages = a.pages(ridx)
+    if a.backup(ridx, restore) != len(restore):
+        raise RuntimeError(f"{backend}: backup of the 16K-token prompt incomplete")
+    a.host.free(ridx)
+
+    def fetch_all(engine: Engine) -> tuple[int, float, int]:
+        found, mismatched = 0, 0
+        t = time.perf_counter()
+        for i, tokens in enumerate(prompts):
+            done, idx = engine.prefetch(tokens)
+            found += done // args.page_size
+            if idx is not None:
+                got = engine.pages(idx[:done])
+                mismatched += sum(not torch.equal(x, y) for x, y in zip(got, written[i]))
+                engine.host.free(idx)
+        return found, time.perf_counter() - t, mismatched
+
+    b = Engine(args, backend, config("b"))
+    found_b, fetch_s, bad_b = fetch_all(b)
+    t = time.perf_counter()
+    done, idx = b.prefetch(restore)
+    restore_s = time.perf_counter() - t
+    bad_r = 0
+    if idx is not None:
+        bad_r = sum(not torch.equal(x, y) for x, y in zip(b.pages(idx[:done]), restore_pages))
+        b.host.free(idx)
+    restored_pages = done // args.page_size
+    b.close()
+    a.close()
+    a2 = Engine(args, backend, config("a"))
+    found_r, _, bad_a = fetch_all(a2)
+    a2.close()
+    total = args.prompts * args.prompt_pages
+    gb = total * a.page_bytes / 1e9
+    return {"backend": backend, "page_bytes": a.page_bytes, "pages": total,
+            "backup_pages_per_s": total / backup_s, "backup_gb_per_s": gb / backup_s,
+            "second_engine_found": found_b / total,
+            "prefetch_gb_per_s": found_b * a.page_bytes / 1e9 / fetch_s,
+            "after_restart_found": found_r / total,
+            "restore_16k_s": restore_s, "restore_found": restored_pages / (len(restore) // args.page_size),
+            "mismatched_pages": bad_b + bad_a + bad_r}
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from kvcellard_process import Daemons
+
+    init_single_rank()
+    tmp = Path(tempfile.mkdtemp(prefix="kvc-bench-peers-"))
+    daemons = Daemons(tmp)
+    try:
+        d = daemons.start(args=("--set", f"pool.capacity={args.pool_mib}MiB"))
+        # Each engine its own instance id (the restarted one its old id), as separate engines'
+        # schedulers have: engines of one process would otherwise share the default one.
+        rows = [measure(args, "dynamic",
+                        lambda e: extra_config(d.socket, instance_id=f"peers-{e}"))]
+        rows[0]["backend"] = "kvcellar"
+        files = tmp / "hicache-files"
+        files.mkdir()
+        row = measure(args, "file", lambda e: {"file_storage_path": str(files)})
+        rows.append(row)
+        return rows
+    finally:
+        daemons.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--prompt-pages", type=int, default=64)
+    ap.add_argument("--restore-tokens", type=int, default=16384)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--pool-mib", type=int, default=2048, help="kvcellard's pool")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    rows = run(args)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        r0 = rows[0]
+        print(f"{args.prompts} prompts of {args.prompt_pages} pages of "
+              f"{r0['page_bytes'] / 2**10:.0f} KiB, and a {args.restore_tokens}-token prompt; "
+              "SGLang 0.5.23's HiCacheController")
+        print("| backend | backup pages/s | backup GB/s | second engine found | prefetch GB/s "
+              "| after restart found | restore 16K tokens | mismatched pages |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['backend']} | {r['backup_pages_per_s']:.0f} | {r['backup_gb_per_s']:.2f} "
+                  f"| {r['second_engine_found']:.3f} | {r['prefetch_gb_per_s']:.2f} "
+                  f"| {r['after_restart_found']:.3f} | {r['restore_16k_s'] * 1000:.0f} ms "
+                  f"({r['restore_found']:.3f}) | {r['mismatched_pages']} |")
+    return 0 if all(r["mismatched_pages"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
