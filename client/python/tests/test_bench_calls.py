@@ -43,3 +43,20 @@ def test_json_has_every_call():
     for r in doc["rows"]:
         assert r["cxx_p50_us"] > 0 and r["py_p50_us"] > 0
         assert len(r["rounds"]) == 1 and isinstance(r["meets_goal"], bool)
+
+
+SESSIONS = ROOT / "client" / "python" / "bench" / "bench_sessions.py"
+
+
+def test_sessions_bench_registers_them_all():
+    """bench_sessions.py, smoke-sized: every session becomes active, and the table has both
+    phases."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(SESSIONS), "--sessions", "50", "--calls", "20"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "50 sessions (0 not active)" in proc.stdout, proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["1", "50"], proc.stdout

@@ -1,4 +1,5 @@
-"""Smoke test of the SGLang path benchmark (client/python/bench/bench_sglang.py): with a few
+"""Smoke tests of the SGLang benchmarks (client/python/bench/bench_sglang.py and
+bench_sglang_peers.py). The path benchmark: with a few
 small calls it starts a daemon, builds SGLang's real host pool and the backend, and prints a row
 per call, as a table and as JSON. Timings are not asserted (a benchmark's output, not a test's);
 every call's result is (the script fails when a backup, prefetch or hit query comes back short).
@@ -31,3 +32,25 @@ def test_json_rows():
     assert [r["call"] for r in out["rows"]] == CALLS
     assert out["layout"] == "layer_first" and out["pages"] == 8
     assert all(r["median_us"] > 0 for r in out["rows"])
+
+
+PEERS = ROOT / "client" / "python" / "bench" / "bench_sglang_peers.py"
+
+
+def test_peers_bench_finds_every_page_with_both_backends():
+    """bench_sglang_peers.py, smoke-sized: kvcellar and SGLang's file backend under SGLang's
+    HiCacheController each find every page on a second engine and after an engine restart,
+    restore the long prompt whole, and every prefetched page equals what was written."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(PEERS), "--prompts", "2", "--prompt-pages", "8",
+                           "--restore-tokens", "1024", "--layers", "2", "--pool-mib", "256",
+                           "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(proc.stdout[proc.stdout.index("["):])
+    assert [r["backend"] for r in rows] == ["kvcellar", "file"]
+    for r in rows:
+        assert r["second_engine_found"] == 1.0 and r["after_restart_found"] == 1.0, r
+        assert r["restore_found"] == 1.0 and r["mismatched_pages"] == 0, r
+        assert r["backup_pages_per_s"] > 0 and r["restore_16k_s"] > 0, r
