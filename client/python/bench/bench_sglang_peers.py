@@ -49,13 +49,13 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from sglang_util import extra_config, init_single_rank  # noqa: E402
+from sglang_util import (controller_backup, controller_prefetch, extra_config,  # noqa: E402
+                         fill_host_pages, host_pages, init_single_rank)
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
-from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
 
 MODEL = "bench-org/peers-llama"
 OP_TIMEOUT_S = 120
@@ -90,43 +90,20 @@ class Engine:
         idx = self.host.alloc(pages * self.page)
         if idx is None:
             raise RuntimeError("host pool full")
-        g = torch.Generator().manual_seed(seed)
-        for p in range(0, len(idx), self.page):
-            flat = self.host.get_dummy_flat_data_page()
-            flat.copy_(torch.randn(flat.shape, generator=g).to(flat.dtype))
-            self.host.set_from_flat_data_page(int(idx[p]), flat)
+        fill_host_pages(self.host, idx, self.page, seed)
         return idx
 
     def pages(self, idx: Any) -> list:
-        return [self.host.get_data_page(int(idx[p]), flat=True).clone()
-                for p in range(0, len(idx), self.page)]
+        return host_pages(self.host, idx, self.page)
 
     def backup(self, idx: Any, tokens: list[int]) -> int:
-        hashes = get_hash_str(tokens[:len(idx)], prior_hash=None, page_size=self.page)
-        op_id = self.ctl.write_storage(idx, tokens[:len(idx)], hash_value=hashes, prefix_keys=[])
-        op = self.ctl.ack_backup_queue.get(timeout=OP_TIMEOUT_S)
-        if op.id != op_id:
-            raise RuntimeError("backup acknowledgements out of order")
-        return op.completed_tokens
+        return controller_backup(self.ctl, idx, tokens, self.page, timeout=OP_TIMEOUT_S)[0]
 
     def prefetch(self, tokens: list[int]) -> tuple[int, Any]:
         """(tokens the controller completed, their host slots); the slots are freed by the
         caller."""
         self.rid += 1
-        op = self.ctl.prefetch(f"r{self.rid}", list(tokens), None, [])
-        if self.ctl.prefetch_hit_queue.get(timeout=OP_TIMEOUT_S) is not op:
-            raise RuntimeError("prefetch hit queue out of order")
-        if op.storage_hit_count == 0:
-            return 0, None
-        op.host_indices = self.ctl.alloc_prefetch_host_buffers(op, op.storage_hit_count)
-        self.ctl.prefetch_buffer.put(op)
-        completed = 0
-        while True:
-            ack = self.ctl.ack_prefetch_queue.get(timeout=OP_TIMEOUT_S)
-            if ack.completed_req:
-                break
-            completed = max(completed, ack.completed_tokens)
-        return completed, op.host_indices
+        return controller_prefetch(self.ctl, f"r{self.rid}", tokens, timeout=OP_TIMEOUT_S)
 
 
 def measure(args: argparse.Namespace, backend: str,

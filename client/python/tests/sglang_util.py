@@ -17,6 +17,7 @@ else:
         pytest.skip(f"written for SGLang 0.5.23, found {sglang.__version__}",
                     allow_module_level=True)
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
@@ -72,3 +73,57 @@ def rank_config(socket, rank, tp_size, model):
                                 enable_storage_metrics=False, is_page_first_layout=True,
                                 model_name=model,
                                 extra_config=extra_config(socket, instance_id=f"rank-{rank}"))
+
+
+# ---- driving SGLang's HiCacheController as its scheduler does (the backend tests and
+# client/python/bench/bench_sglang_peers.py) -----------------------------------------------------
+
+
+def fill_host_pages(host, idx, page_size, seed):
+    """Random KV in the host slots `idx` (whole pages), as a device->host copy leaves them."""
+    g = torch.Generator().manual_seed(seed)
+    for p in range(0, len(idx), page_size):
+        flat = host.get_dummy_flat_data_page()
+        flat.copy_(torch.randn(flat.shape, generator=g).to(flat.dtype))
+        host.set_from_flat_data_page(int(idx[p]), flat)
+
+
+def host_pages(host, idx, page_size):
+    """Copies of the pages in host slots `idx`."""
+    return [host.get_data_page(int(idx[p]), flat=True).clone()
+            for p in range(0, len(idx), page_size)]
+
+
+def controller_backup(ctl, idx, tokens, page_size, prefix_keys=(), pass_prefix=True, timeout=30):
+    """write_storage of a radix node's pages, waited for: (tokens SGLang counts as saved, the
+    pages' hashes)."""
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    prior = prefix_keys[-1] if prefix_keys else None
+    hashes = get_hash_str(tokens[:len(idx)], prior_hash=prior, page_size=page_size)
+    op_id = ctl.write_storage(idx, tokens[:len(idx)], hash_value=hashes,
+                              prefix_keys=list(prefix_keys) if pass_prefix else None)
+    op = ctl.ack_backup_queue.get(timeout=timeout)
+    if op.id != op_id:
+        raise AssertionError(f"backup acknowledged {op.id}, expected {op_id}")
+    return op.completed_tokens, hashes
+
+
+def controller_prefetch(ctl, rid, tokens, last_hash=None, prefix_keys=(), timeout=30):
+    """A storage prefetch of `tokens` as the scheduler runs it (prefetch, hit query, host
+    buffers, transfer): (tokens the controller completed, the host slots they landed in)."""
+    op = ctl.prefetch(rid, list(tokens), last_hash, list(prefix_keys))
+    hit = ctl.prefetch_hit_queue.get(timeout=timeout)
+    if hit is not op:
+        raise AssertionError("prefetch hit queue out of order")
+    if op.storage_hit_count == 0:
+        return 0, None
+    op.host_indices = ctl.alloc_prefetch_host_buffers(op, op.storage_hit_count)
+    ctl.prefetch_buffer.put(op)
+    completed = 0
+    while True:
+        ack = ctl.ack_prefetch_queue.get(timeout=timeout)
+        if ack.completed_req:
+            break
+        completed = max(completed, ack.completed_tokens)
+    return completed, op.host_indices

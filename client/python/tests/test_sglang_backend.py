@@ -39,7 +39,8 @@ import numpy as np
 import pytest
 
 # First: it skips this module without SGLang 0.5.23, which the imports below need.
-from sglang_util import (engine_factory, extra_config, init_single_rank,  # noqa: E402
+from sglang_util import (controller_backup, controller_prefetch, engine_factory,  # noqa: E402
+                         extra_config, fill_host_pages, host_pages, init_single_rank,
                          rank_config)
 import psutil  # noqa: E402
 import torch  # noqa: E402
@@ -129,45 +130,21 @@ class Engine:
         n = len(tokens) // PAGE * PAGE
         idx = self.host.alloc(n)
         assert idx is not None, "host pool full"
-        g = torch.Generator().manual_seed(seed)
-        for p in range(0, n, PAGE):
-            flat = self.host.get_dummy_flat_data_page()
-            flat.copy_(torch.randn(flat.shape, generator=g).to(flat.dtype))
-            self.host.set_from_flat_data_page(int(idx[p]), flat)
+        fill_host_pages(self.host, idx, PAGE, seed)
         return idx
 
     def pages(self, idx):
-        return [self.host.get_data_page(int(idx[p]), flat=True).clone()
-                for p in range(0, len(idx), PAGE)]
+        return host_pages(self.host, idx, PAGE)
 
     def backup(self, idx, tokens, prefix_keys=(), pass_prefix=True):
         """write_storage of a radix node's pages; returns the tokens SGLang counts as saved."""
-        prior = prefix_keys[-1] if prefix_keys else None
-        hashes = get_hash_str(tokens[:len(idx)], prior_hash=prior, page_size=PAGE)
-        op_id = self.ctl.write_storage(idx, tokens[:len(idx)], hash_value=hashes,
-                                       prefix_keys=list(prefix_keys) if pass_prefix else None)
-        op = self.ctl.ack_backup_queue.get(timeout=30)
-        assert op.id == op_id
-        return op.completed_tokens, hashes
+        return controller_backup(self.ctl, idx, tokens, PAGE, prefix_keys, pass_prefix)
 
     def prefetch(self, tokens, last_hash=None, prefix_keys=()):
         """A storage prefetch of `tokens` as the scheduler runs it; returns (tokens the
         controller completed, the host slots they landed in)."""
         self.rid += 1
-        op = self.ctl.prefetch(f"r{self.rid}", list(tokens), last_hash, list(prefix_keys))
-        hit = self.ctl.prefetch_hit_queue.get(timeout=30)
-        assert hit is op
-        if op.storage_hit_count == 0:
-            return 0, None
-        op.host_indices = self.ctl.alloc_prefetch_host_buffers(op, op.storage_hit_count)
-        self.ctl.prefetch_buffer.put(op)
-        completed = 0
-        while True:
-            ack = self.ctl.ack_prefetch_queue.get(timeout=30)
-            if ack.completed_req:
-                break
-            completed = max(completed, ack.completed_tokens)
-        return completed, op.host_indices
+        return controller_prefetch(self.ctl, f"r{self.rid}", tokens, last_hash, prefix_keys)
 
 
 def round_trip(writer, reader, tokens, seed):
