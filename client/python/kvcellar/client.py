@@ -29,7 +29,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import numpy as np
 
 from . import _native as N
-from .keys import Namespace, TokensLike, as_keys, as_tokens, page_keys
+from .keys import Namespace, TokensLike, as_keys, as_tokens, keys_of_full_pages, page_keys
 from .layout import KvLayout
 
 PREFETCH_POLICIES = {None: 0, "none": 1, "best_effort": 2, "wait_complete": 3, "timeout": 4}
@@ -413,15 +413,10 @@ class Session:
         conversation's earlier turns are not hashed again."""
         if parent is not None:
             return page_keys(self.ns, tokens, parent)
-        toks = as_tokens(tokens)
-        n = len(toks) // self.ns.page_size if self.ns.page_size else 0
-        out = np.empty((n, N.KEY_BYTES), dtype=np.uint8)
-        got = ctypes.c_size_t(0)
-        rc = N.lib.kvc_session_keys(self._handle, N.address(toks), len(toks), N.address(out), n,
-                                    ctypes.byref(got))
-        if rc != N.OK:
-            raise ValueError(f"keys: {N.last_error()}")
-        return out if got.value == n else out[: got.value]
+        return keys_of_full_pages(
+            "keys", self.ns.page_size, tokens,
+            lambda toks, out, n, got: N.lib.kvc_session_keys(self._handle, N.address(toks),
+                                                             len(toks), N.address(out), n, got))
 
     # ---- Match -----------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
@@ -158,18 +158,27 @@ def page_keys(ns: Namespace, tokens: TokensLike, parent: Optional[bytes] = None)
     ``parent`` None means the tokens start at position 0 (the chain starts at ns_digest); to
     extend a chain the engine already has, pass the key of the page before ``tokens[0]``.
     """
-    toks = as_tokens(tokens)
-    n = len(toks) // ns.page_size if ns.page_size else 0
-    out = np.empty((n, N.KEY_BYTES), dtype=np.uint8)
     # Page 0's parent is the namespace digest, computed once (the library would hash it again).
     parent_p = ns._digest  # type: ignore[attr-defined]
     if parent is not None:
         if len(parent) != N.KEY_BYTES:
             raise ValueError(f"parent: {len(parent)} bytes, expected {N.KEY_BYTES}")
         parent_p = (ctypes.c_uint8 * N.KEY_BYTES).from_buffer_copy(parent)
+    return keys_of_full_pages(
+        "page_keys", ns.page_size, tokens,
+        lambda toks, out, n, got: N.lib.kvc_page_keys(ctypes.byref(ns._c), parent_p,  # type: ignore
+                                                      N.address(toks), len(toks),
+                                                      N.address(out), n, got))
+
+
+def keys_of_full_pages(what: str, page_size: int, tokens: TokensLike, call: Any) -> np.ndarray:
+    """Keys, shape (n, 32), of the full pages of ``tokens`` (n = len // page_size), from the
+    native ``call(tokens, out, n, byref(got))``, which writes them into ``out``; ValueError
+    naming ``what`` when it fails."""
+    toks = as_tokens(tokens)
+    n = len(toks) // page_size if page_size else 0
+    out = np.empty((n, N.KEY_BYTES), dtype=np.uint8)
     got = ctypes.c_size_t(0)
-    rc = N.lib.kvc_page_keys(ctypes.byref(ns._c), parent_p, N.address(toks),  # type: ignore
-                             len(toks), N.address(out), n, ctypes.byref(got))
-    if rc != N.OK:
-        raise ValueError(f"page_keys: {N.last_error()}")
+    if call(toks, out, n, ctypes.byref(got)) != N.OK:
+        raise ValueError(f"{what}: {N.last_error()}")
     return out if got.value == n else out[: got.value]

@@ -37,10 +37,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <thread>
-#include <utility>
 #include <cstring>
 #include <map>
+#include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -425,56 +426,57 @@ void RunBackupEvents(benchmark::State& state, DatapathEnv* env, Summary* summary
   summary->AddEvents(CaseName(state, r->items), r->beside_gbps, r->plain_gbps);
 }
 
-void RunBackupTokens(benchmark::State& state, DatapathEnv* env, Summary* summary,
-                     const BenchConfig& config) {
-  const std::string with = absl::StrCat("ipc:///tmp/kvc-bench-tokens-", getpid());
-  const std::string without = absl::StrCat("ipc:///tmp/kvc-bench-notokens-", getpid());
-  EnvOptions tokens = env->options();
-  tokens.extra_sets.push_back(absl::StrCat("events.endpoint=", with));
+// Backup with tokens on two daemons that both publish KV events to a subscriber of their own
+// and differ only in `with_sets` / `without_sets`; `feature` names the ipc endpoints and files.
+// Sets the counters plain_GBps, <feature>_GBps and ratio = with / without; the result, or an
+// error the caller's state already carries.
+absl::StatusOr<BesideResult> BackupTwoPublishers(benchmark::State& state, DatapathEnv* env,
+                                                 const BenchConfig& config,
+                                                 absl::string_view feature,
+                                                 std::vector<std::string> with_sets,
+                                                 std::vector<std::string> without_sets) {
+  const std::string with = absl::StrCat("ipc:///tmp/kvc-bench-", feature, "-", getpid());
+  const std::string without = absl::StrCat("ipc:///tmp/kvc-bench-no", feature, "-", getpid());
+  EnvOptions feature_on = env->options();
+  feature_on.extra_sets.push_back(absl::StrCat("events.endpoint=", with));
+  for (std::string& set : with_sets) feature_on.extra_sets.push_back(std::move(set));
   EnvOptions plain = env->options();
   plain.extra_sets.push_back(absl::StrCat("events.endpoint=", without));
-  plain.extra_sets.push_back("events.page_tokens=false");
+  for (std::string& set : without_sets) plain.extra_sets.push_back(std::move(set));
   Subscriber sub_with(with);
   Subscriber sub_without(without);
   absl::StatusOr<BesideResult> r =
-      BackupBeside(state, env, config, tokens, &plain, /*tokens=*/true);
+      BackupBeside(state, env, config, feature_on, &plain, /*tokens=*/true);
   ::unlink(with.substr(6).c_str());
   ::unlink(without.substr(6).c_str());
-  if (!r.ok()) return state.SkipWithError(r.status().ToString().c_str());
+  if (!r.ok()) {
+    state.SkipWithError(r.status().ToString().c_str());
+    return r.status();
+  }
   if (sub_with.messages() == 0 || sub_without.messages() == 0) {
-    return state.SkipWithError("a subscriber received no event: nothing was measured");
+    state.SkipWithError("a subscriber received no event: nothing was measured");
+    return absl::UnavailableError("a subscriber received no event");
   }
   state.counters["plain_GBps"] = r->plain_gbps;
-  state.counters["tokens_GBps"] = r->beside_gbps;
+  state.counters[absl::StrCat(feature, "_GBps")] = r->beside_gbps;
   state.counters["ratio"] = r->beside_gbps / r->plain_gbps;
-  summary->AddTokens(CaseName(state, r->items), r->beside_gbps, r->plain_gbps);
+  return r;
+}
+
+void RunBackupTokens(benchmark::State& state, DatapathEnv* env, Summary* summary,
+                     const BenchConfig& config) {
+  absl::StatusOr<BesideResult> r =
+      BackupTwoPublishers(state, env, config, "tokens", {}, {"events.page_tokens=false"});
+  if (r.ok()) summary->AddTokens(CaseName(state, r->items), r->beside_gbps, r->plain_gbps);
 }
 
 void RunBackupLabelLog(benchmark::State& state, DatapathEnv* env, Summary* summary,
                        const BenchConfig& config) {
-  const std::string with = absl::StrCat("ipc:///tmp/kvc-bench-labellog-", getpid());
-  const std::string without = absl::StrCat("ipc:///tmp/kvc-bench-nolabellog-", getpid());
   const std::string log = absl::StrCat("/tmp/kvc-bench-labels-", getpid());
-  EnvOptions logged = env->options();
-  logged.extra_sets.push_back(absl::StrCat("events.endpoint=", with));
-  logged.extra_sets.push_back(absl::StrCat("events.label_log=", log));
-  EnvOptions plain = env->options();
-  plain.extra_sets.push_back(absl::StrCat("events.endpoint=", without));
-  plain.extra_sets.push_back("events.label_log=off");
-  Subscriber sub_with(with);
-  Subscriber sub_without(without);
-  absl::StatusOr<BesideResult> r =
-      BackupBeside(state, env, config, logged, &plain, /*tokens=*/true);
-  ::unlink(with.substr(6).c_str());
-  ::unlink(without.substr(6).c_str());
+  BackupTwoPublishers(state, env, config, "label_log", {absl::StrCat("events.label_log=", log)},
+                      {"events.label_log=off"})
+      .IgnoreError();
   ::unlink(log.c_str());
-  if (!r.ok()) return state.SkipWithError(r.status().ToString().c_str());
-  if (sub_with.messages() == 0 || sub_without.messages() == 0) {
-    return state.SkipWithError("a subscriber received no event: nothing was measured");
-  }
-  state.counters["plain_GBps"] = r->plain_gbps;
-  state.counters["label_log_GBps"] = r->beside_gbps;
-  state.counters["ratio"] = r->beside_gbps / r->plain_gbps;
 }
 
 }  // namespace
