@@ -7,6 +7,8 @@ Skipped only when kvcellar_bench_pyclient has not been built (KVCELLAR_BIN_DIR, 
 """
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -51,9 +53,6 @@ SESSIONS = ROOT / "client" / "python" / "bench" / "bench_sessions.py"
 def test_sessions_bench_registers_them_all():
     """bench_sessions.py, smoke-sized: every session becomes active, and the table has both
     phases."""
-    import subprocess
-    import sys
-
     proc = subprocess.run([sys.executable, str(SESSIONS), "--sessions", "50", "--calls", "20"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -7,6 +7,8 @@ Runs in .venv-sglang, like test_sglang_backend.py.
 """
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -41,9 +43,6 @@ def test_peers_bench_finds_every_page_with_both_backends():
     """bench_sglang_peers.py, smoke-sized: kvcellar and SGLang's file backend under SGLang's
     HiCacheController each find every page on a second engine and after an engine restart,
     restore the long prompt whole, and every prefetched page equals what was written."""
-    import subprocess
-    import sys
-
     proc = subprocess.run([sys.executable, str(PEERS), "--prompts", "2", "--prompt-pages", "8",
                            "--restore-tokens", "1024", "--layers", "2", "--pool-mib", "256",
                            "--json"], capture_output=True, text=True, timeout=300)
