@@ -42,16 +42,14 @@ constexpr size_t kFarRatio = 8;
 // Probing is a two-stage pipeline: the hash probe of keys[i + 2 * kResolveAhead] is prefetched
 // and keys[i + kResolveAhead] is looked up (its node load starts then), while keys[i] is used.
 constexpr size_t kResolveAhead = 8;
+// BeginWrite prefetches the hash probe of the request this many ahead.
+constexpr size_t kWriteAhead = 8;
 // While following links, Match also prefetches the node this many slab slots past the current
 // one: a run's pages were allocated one after the other, and the hardware prefetcher neither
 // crosses 4 KiB pages nor ramps up within a short run. A wrong guess costs two cache lines.
 // Runs of 64: 79 us -> 45-50 us per 2048-page Match (4: 55, 8: 53, 32: 52); sequential and
 // random layouts unchanged (bench_index.cc).
 constexpr size_t kSlabPrefetchNodes = 16;
-
-// Nodes come from chunks of this many: large enough that chunk allocation is rare, small enough
-// (about 70 KiB for MLA nodes) that a small namespace does not reserve much.
-constexpr size_t kNodesPerChunk = 512;
 
 // Keys are digests: their first 8 bytes identify a page well enough for a ghost entry.
 uint64_t KeyFingerprint(const PageKey& key) {
@@ -77,18 +75,22 @@ struct RadixIndex::ShardState {
 struct RadixIndex::Node {
   EvictionHook hook;  // First member: the policy's EvictionHook* converts back to the Node*.
   PageKey key;
-  Node* parent = nullptr;  // nullptr: the first page of its sequences.
-  Node* first_child = nullptr;
-  Node* prev_sibling = nullptr;
-  Node* next_sibling = nullptr;
+  // Links by slab id (0: none). parent 0: the first page of its sequences. Right after the key:
+  // a Match that probes by hash reads the key and then the parent.
+  NodeId parent = 0;
+  NodeId first_child = 0;
+  NodeId prev_sibling = 0;
+  NodeId next_sibling = 0;
   ShardMask resident = 0;    // Shards committed in L2 (visible).
-  ShardMask writing = 0;     // Shards being written to L2 (slot held, invisible).
   uint32_t l2_children = 0;  // Children with HoldsL2().
   uint32_t pins = 0;         // Sum of the counts in pinned_[pin_slot].
   uint32_t pin_slot = 0;     // Index of this page's record in pinned_; meaningful iff pins > 0.
   uint16_t l3_copies = 0;    // (shard, tier) copies.
+  // Shards being written to L2 (slot held, invisible): those whose slot is valid and whose
+  // resident bit is clear (Writing). A count rather than a mask: 7 bytes fewer per page.
+  uint8_t writing = 0;
   // Cleared by an admin while busy: invisible to Match, its copies dropped by ReapDoomed once
-  // the copy using it ends. Fits in the node's tail padding.
+  // the copy using it ends.
   bool doomed = false;
 
   ShardState* shards() {
@@ -97,7 +99,10 @@ struct RadixIndex::Node {
   const ShardState* shards() const {
     return reinterpret_cast<const ShardState*>(reinterpret_cast<const char*>(this) + sizeof(Node));
   }
-  bool HoldsL2() const { return (resident | writing) != 0; }
+  bool HoldsL2() const { return resident != 0 || writing != 0; }
+  // Shard s holds an L2 slot (committed or being written).
+  bool HoldsSlot(int s) const { return shards()[s].slot.valid(); }
+  bool Writing(int s) const { return HoldsSlot(s) && ((resident >> s) & 1) == 0; }
   bool Empty() const { return !HoldsL2() && l3_copies == 0; }
   bool Busy() const { return pins != 0 || writing != 0; }
   bool Evictable() const { return resident != 0 && writing == 0 && pins == 0 && l2_children == 0; }
@@ -106,40 +111,58 @@ struct RadixIndex::Node {
 };
 
 // Fixed-size node allocator: chunks carved in order, freed nodes reused LIFO. Memory returns to
-// the system only when the index is destroyed (a namespace's high-water mark of pages).
+// the system only when the index is destroyed (a namespace's high-water mark of pages). A node's id
+// is its chunk << kChunkShift | its place in the chunk; id 0 (chunk 0's first node) is never handed
+// out, so that 0 means no node.
 class RadixIndex::NodeSlab {
  public:
+  // 512 nodes a chunk: large enough that chunk allocation is rare, small enough (about 60 KiB for
+  // MLA nodes) that a small namespace does not reserve much.
+  static constexpr int kChunkShift = 9;
+  static constexpr size_t kNodesPerChunk = size_t{1} << kChunkShift;
+  static constexpr size_t kMaxChunks = size_t{1} << (32 - kChunkShift);
+
   explicit NodeSlab(size_t node_bytes)
       : node_bytes_((node_bytes + alignof(Node) - 1) / alignof(Node) * alignof(Node)) {}
   ~NodeSlab() {
     for (auto& chunk : chunks_) KVCELLAR_UNPOISON(chunk.get(), node_bytes_ * kNodesPerChunk);
   }
 
-  void* Allocate() {
-    void* p;
-    if (free_ != nullptr) {
-      p = free_;
-      free_ = *static_cast<void**>(p);
-    } else {
-      if (bump_ == end_) {
-        chunks_.emplace_back(new std::byte[node_bytes_ * kNodesPerChunk]);
-        bump_ = chunks_.back().get();
-        end_ = bump_ + node_bytes_ * kNodesPerChunk;
-        KVCELLAR_POISON(bump_, node_bytes_ * kNodesPerChunk);
-      }
-      p = bump_;
-      bump_ += node_bytes_;
-    }
-    KVCELLAR_UNPOISON(p, node_bytes_);
-    return p;
+  Node* At(NodeId id) const {
+    if (id == 0) return nullptr;
+    return reinterpret_cast<Node*>(chunks_[id >> kChunkShift].get() +
+                                   (id & (kNodesPerChunk - 1)) * node_bytes_);
   }
-  // The first word of a free node links the free list; the rest is poisoned.
-  void Free(void* p) {
-    *static_cast<void**>(p) = free_;
-    free_ = p;
-    KVCELLAR_POISON(static_cast<std::byte*>(p) + sizeof(void*), node_bytes_ - sizeof(void*));
+  // Every id is in use: 2^32 - 1 nodes.
+  bool Full() const { return free_ == 0 && next_ == kMaxChunks * kNodesPerChunk; }
+  // A free node's memory and its id. Not when Full().
+  std::pair<void*, NodeId> Allocate() {
+    NodeId id;
+    if (free_ != 0) {
+      id = free_;
+      std::memcpy(&free_, At(id), sizeof(free_));
+    } else {
+      if (next_ == chunks_.size() * kNodesPerChunk) {
+        chunks_.emplace_back(new std::byte[node_bytes_ * kNodesPerChunk]);
+        KVCELLAR_POISON(chunks_.back().get(), node_bytes_ * kNodesPerChunk);
+        if (next_ == 0) next_ = 1;  // Id 0 is no node.
+      }
+      id = static_cast<NodeId>(next_++);
+    }
+    void* p = At(id);
+    KVCELLAR_UNPOISON(p, node_bytes_);
+    return {p, id};
+  }
+  // The first 4 bytes of a free node link the free list; the rest is poisoned.
+  void Free(NodeId id) {
+    void* p = At(id);
+    std::memcpy(p, &free_, sizeof(free_));
+    free_ = id;
+    KVCELLAR_POISON(static_cast<std::byte*>(p) + sizeof(free_), node_bytes_ - sizeof(free_));
   }
   size_t node_bytes() const { return node_bytes_; }
+  // Every id handed out so far is below this.
+  size_t IdBound() const { return next_; }
   size_t MemoryBytes() const {
     return chunks_.size() * node_bytes_ * kNodesPerChunk +
            chunks_.capacity() * sizeof(std::unique_ptr<std::byte[]>);
@@ -148,10 +171,11 @@ class RadixIndex::NodeSlab {
  private:
   const size_t node_bytes_;
   std::vector<std::unique_ptr<std::byte[]>> chunks_;
-  std::byte* bump_ = nullptr;
-  std::byte* end_ = nullptr;
-  void* free_ = nullptr;
+  size_t next_ = 0;  // The next id never handed out.
+  NodeId free_ = 0;  // Head of the free list.
 };
+
+inline RadixIndex::Node* RadixIndex::At(NodeId id) const { return slab_->At(id); }
 
 class RadixIndex::Candidates final : public EvictionCandidates {
  public:
@@ -166,15 +190,18 @@ class RadixIndex::Candidates final : public EvictionCandidates {
 inline size_t RadixIndex::NodeHash::operator()(const PageKey& key) const {
   return absl::Hash<PageKey>{}(key);
 }
-inline size_t RadixIndex::NodeHash::operator()(const Node* node) const {
-  return (*this)(node->key);
+inline size_t RadixIndex::NodeHash::operator()(NodeId id) const {
+  return (*this)(slab->At(id)->key);
 }
 // Word-wise and inline: std::array's operator== calls memcmp, which showed up at ~20% of Match.
-inline bool RadixIndex::NodeEq::operator()(const Node* a, const PageKey& b) const {
+inline bool KeysEqual(const PageKey& a, const PageKey& b) {
   uint64_t x[4], y[4];
-  std::memcpy(x, a->key.bytes.data(), sizeof(x));
+  std::memcpy(x, a.bytes.data(), sizeof(x));
   std::memcpy(y, b.bytes.data(), sizeof(y));
   return ((x[0] ^ y[0]) | (x[1] ^ y[1]) | (x[2] ^ y[2]) | (x[3] ^ y[3])) == 0;
+}
+inline bool RadixIndex::NodeEq::operator()(NodeId a, const PageKey& b) const {
+  return KeysEqual(slab->At(a)->key, b);
 }
 
 // --- Construction ------------------------------------------------------------------------------
@@ -240,6 +267,7 @@ RadixIndex::RadixIndex(const RadixIndexOptions& options, std::unique_ptr<Evictio
       capacity_bytes_(options.capacity_bytes),
       slab_(
           std::make_unique<NodeSlab>(sizeof(Node) + sizeof(ShardState) * options.shards_per_page)),
+      nodes_(0, NodeHash{slab_.get()}, NodeEq{slab_.get()}),
       policy_(std::move(policy)) {}
 
 RadixIndex::~RadixIndex() = default;
@@ -256,29 +284,39 @@ absl::Status RadixIndex::CheckShardSet(ShardMask shards) const {
 
 // --- Tree maintenance --------------------------------------------------------------------------
 
-RadixIndex::Node* RadixIndex::Find(const PageKey& key) const {
+RadixIndex::Node* RadixIndex::Find(const PageKey& key, NodeId* id) const {
   auto it = nodes_.find(key);
-  return it == nodes_.end() ? nullptr : *it;
+  if (it == nodes_.end()) return nullptr;
+  if (id != nullptr) *id = *it;
+  return At(*it);
 }
 
-RadixIndex::Node* RadixIndex::FindChild(Node* parent, const PageKey& key) const {
+RadixIndex::Node* RadixIndex::FindChild(Node* parent, const PageKey& key, NodeId* id) const {
   int scanned = 0;
-  for (Node* c = parent->first_child; c != nullptr; c = c->next_sibling) {
-    if (NodeEq{}(c, key)) return c;
-    if (++scanned == kChildScan) {
-      Node* n = Find(key);
-      return n != nullptr && n->parent == parent ? n : nullptr;
+  for (NodeId c = parent->first_child; c != 0;) {
+    Node* child = At(c);
+    if (KeysEqual(child->key, key)) {
+      if (id != nullptr) *id = c;
+      return child;
     }
+    if (++scanned == kChildScan) {
+      NodeId found = 0;
+      Node* n = Find(key, &found);
+      if (n == nullptr || At(n->parent) != parent) return nullptr;
+      if (id != nullptr) *id = found;
+      return n;
+    }
+    c = child->next_sibling;
   }
   return nullptr;
 }
 
 RadixIndex::Node* RadixIndex::Seek(Cursor& cursor, const PageKey& key) const {
   if (Node* last = cursor.last; last != nullptr) {
-    if (NodeEq{}(last, key)) return last;
-    if (Node* c = FindChild(last, key); c != nullptr) return cursor.last = c;
+    if (KeysEqual(last->key, key)) return last;
+    if (Node* c = FindChild(last, key, &cursor.last_id); c != nullptr) return cursor.last = c;
   }
-  Node* n = Find(key);
+  Node* n = Find(key, &cursor.last_id);
   if (n != nullptr) cursor.last = n;
   return n;
 }
@@ -298,23 +336,32 @@ absl::StatusOr<RadixIndex::Node*> RadixIndex::FindOrCreate(const PageKey& key,
             : absl::StrCat("page ", ShortKey(key), ": parent ", ShortKey(*parent),
                            " is not indexed"));
   }
+  // Seek left p's id in the cursor.
+  const NodeId p_id = p != nullptr ? cursor.last_id : 0;
   // One probe for both the lookup and the insertion of a new page.
   Node* created = nullptr;
+  NodeId created_id = 0;
   NodeSlab* const slab = slab_.get();
+  if (slab->Full() && Find(key) == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("page ", ShortKey(key), ": the index holds its maximum of 2^32 - 1 pages"));
+  }
   auto it = nodes_.lazy_emplace(key, [&](const auto& construct) {
-    created = new (slab->Allocate()) Node;
+    auto [memory, id] = slab->Allocate();  // Not full: checked above.
+    created = new (memory) Node;
     created->key = key;
-    construct(created);
+    created_id = id;
+    construct(id);
   });
-  Node* n = *it;
+  Node* n = At(*it);
   if (created == nullptr) {
-    if (n->parent != p) {
+    if (n->parent != p_id) {
       return absl::FailedPreconditionError(
           absl::StrCat("page ", ShortKey(key), " is indexed under another parent"));
     }
     return n;
   }
-  n->parent = p;
+  n->parent = p_id;
   // Double the set at 5/8 load rather than absl's 7/8. At a steady page count, erased pages
   // leave tombstones that absl clears with a whole-table rehash whenever its growth budget runs
   // out: near 7/8 load that came every ~15% of the capacity in inserts (19% of insert+evict time
@@ -324,19 +371,21 @@ absl::StatusOr<RadixIndex::Node*> RadixIndex::FindOrCreate(const PageKey& key,
   for (int s = 0; s < shards_per_page_; ++s) new (&shards[s]) ShardState;
   if (p != nullptr) {
     n->next_sibling = p->first_child;
-    if (p->first_child != nullptr) p->first_child->prev_sibling = n;
-    p->first_child = n;
+    if (p->first_child != 0) At(p->first_child)->prev_sibling = created_id;
+    p->first_child = created_id;
   }
   ++counters_.pages;
   return n;
 }
 
 void RadixIndex::FreeNode(Node* n) {
-  if (Node* p = n->parent; p != nullptr) {
-    (n->prev_sibling != nullptr ? n->prev_sibling->next_sibling : p->first_child) = n->next_sibling;
-    if (n->next_sibling != nullptr) n->next_sibling->prev_sibling = n->prev_sibling;
+  if (Node* p = At(n->parent); p != nullptr) {
+    (n->prev_sibling != 0 ? At(n->prev_sibling)->next_sibling : p->first_child) = n->next_sibling;
+    if (n->next_sibling != 0) At(n->next_sibling)->prev_sibling = n->prev_sibling;
   }
-  nodes_.erase(n);
+  const auto it = nodes_.find(n->key);
+  const NodeId id = *it;
+  nodes_.erase(it);
   if (!labels_.empty()) {
     if (auto it = labels_.find(n); it != labels_.end()) {
       label_bytes_ -= LabelBytes(*it->second);
@@ -344,14 +393,14 @@ void RadixIndex::FreeNode(Node* n) {
     }
   }
   n->~Node();
-  slab_->Free(n);
+  slab_->Free(id);
   --counters_.pages;
 }
 
 void RadixIndex::CollectUpwards(Node* n) {
   // An empty leaf holds nothing and keeps up no descendant (a pinned page always holds L2).
-  while (n != nullptr && n->Empty() && n->first_child == nullptr) {
-    Node* p = n->parent;
+  while (n != nullptr && n->Empty() && n->first_child == 0) {
+    Node* p = At(n->parent);
     FreeNode(n);
     n = p;
   }
@@ -363,8 +412,8 @@ void RadixIndex::NotifyIfEvictable(Node* n) {
 
 void RadixIndex::AfterL2Change(Node* n, bool held_l2_before) {
   const bool holds = n->HoldsL2();
-  if (holds == held_l2_before || n->parent == nullptr) return;
-  Node* p = n->parent;
+  if (holds == held_l2_before || n->parent == 0) return;
+  Node* p = At(n->parent);
   if (holds) {
     ++p->l2_children;
   } else if (--p->l2_children == 0) {
@@ -401,7 +450,7 @@ absl::StatusOr<MatchResult> RadixIndex::Match(absl::Span<const PageKey> keys,
       if (i + kResolveAhead < keys.size()) {
         ahead[i % kResolveAhead] = Find(keys[i + kResolveAhead]);
       }
-      return n != nullptr && n->parent == prev ? n : nullptr;
+      return n != nullptr && At(n->parent) == prev ? n : nullptr;
     }
     Node* n = FindChild(prev, keys[i]);
     if (n == nullptr) return n;
@@ -580,13 +629,13 @@ absl::Status RadixIndex::BeginWriteLocked(const WriteRequest& request, Cursor& c
   if (!found.ok()) return found.status();
   Node* n = *found;
   const ShardMask bit = ShardMask{1} << request.shard;
-  if (((n->resident | n->writing) & bit) != 0) {
+  if (n->HoldsSlot(request.shard)) {
     return absl::AlreadyExistsError(
         absl::StrCat("write: page ", ShortKey(request.key), " shard ", request.shard,
                      (n->resident & bit) ? " is in L2" : " is being written"));
   }
   const bool held = n->HoldsL2();
-  n->writing |= bit;
+  ++n->writing;
   ShardState& s = n->shards()[request.shard];
   s.slot = request.slot;
   s.write_kind = request.kind;
@@ -600,7 +649,14 @@ size_t RadixIndex::BeginWrite(absl::Span<const WriteRequest> requests,
   size_t accepted = 0;
   absl::MutexLock lock(&mu_);
   Cursor cursor;
+  // A new page's insertion probes the hash set at a random place: a cache miss once the index
+  // outgrows the caches. Prefetching the probe of the request kWriteAhead later overlaps them
+  // (a 2048-page Backup into a 10M-page index: 633 -> 293 us p50, bench_index.cc BM_IndexScale).
+  for (size_t i = 0; i < std::min(requests.size(), kWriteAhead); ++i) {
+    nodes_.prefetch(requests[i].key);
+  }
   for (size_t i = 0; i < requests.size(); ++i) {
+    if (i + kWriteAhead < requests.size()) nodes_.prefetch(requests[i + kWriteAhead].key);
     statuses[i] = BeginWriteLocked(requests[i], cursor);
     accepted += statuses[i].ok();
   }
@@ -615,15 +671,14 @@ absl::Status RadixIndex::BeginWrite(const WriteRequest& request) {
 
 absl::Status RadixIndex::CommitLocked(const ObjectId& object, Cursor& cursor) {
   Node* n = object.shard < shards_per_page_ ? Seek(cursor, object.key) : nullptr;
-  const ShardMask bit = n != nullptr ? ShardMask{1} << object.shard : 0;
-  if (n == nullptr || (n->writing & bit) == 0) {
+  if (n == nullptr || !n->Writing(object.shard)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "commit: page ", ShortKey(object.key), " shard ", object.shard, " is not in flight"));
   }
-  n->writing &= ~bit;
+  --n->writing;
   const ShardMask before = n->resident;
   const bool first = before == 0;
-  n->resident |= bit;
+  n->resident |= ShardMask{1} << object.shard;
   --counters_.l2_inflight_objects;
   ++counters_.l2_objects;
   if (first) {
@@ -662,10 +717,9 @@ size_t RadixIndex::Abort(absl::Span<const ObjectId> objects,
   for (const ObjectId& object : objects) {
     if (object.shard >= shards_per_page_) continue;
     Node* n = Find(object.key);
-    const ShardMask bit = ShardMask{1} << object.shard;
-    if (n == nullptr || (n->writing & bit) == 0) continue;
+    if (n == nullptr || !n->Writing(object.shard)) continue;
     const bool held = n->HoldsL2();
-    n->writing &= ~bit;
+    --n->writing;
     ShardState& s = n->shards()[object.shard];
     released->push_back({n->key, object.shard, s.slot, s.l3_tiers});
     s.slot = SlotRef{};
@@ -896,9 +950,7 @@ HolderEvictResult RadixIndex::EvictHolders(absl::Span<const SlotHolder> holders,
   std::vector<Node*> stack;
   for (const SlotHolder& h : holders) {
     Node* n = h.shard < shards_per_page_ ? Find(h.key) : nullptr;
-    const ShardMask bit = ShardMask{1} << (h.shard & 63);
-    if (n == nullptr || ((n->resident | n->writing) & bit) == 0 ||
-        !(n->shards()[h.shard].slot == h.slot)) {
+    if (n == nullptr || !n->HoldsSlot(h.shard) || !(n->shards()[h.shard].slot == h.slot)) {
       ++result.absent;
       continue;
     }
@@ -909,7 +961,7 @@ HolderEvictResult RadixIndex::EvictHolders(absl::Span<const SlotHolder> holders,
       Node* m = stack.back();
       stack.pop_back();
       if (!waiting.try_emplace(m, m->l2_children).second) continue;
-      for (Node* c = m->first_child; c != nullptr; c = c->next_sibling) {
+      for (Node* c = At(m->first_child); c != nullptr; c = At(c->next_sibling)) {
         if (c->HoldsL2()) stack.push_back(c);
       }
     }
@@ -924,7 +976,7 @@ HolderEvictResult RadixIndex::EvictHolders(absl::Span<const SlotHolder> holders,
   while (!ready.empty()) {
     Node* n = ready.back();
     ready.pop_back();
-    Node* p = n->parent;
+    Node* p = At(n->parent);
     ++result.pages;
     gone.insert(n);
     if (dry_run) {
@@ -970,10 +1022,10 @@ void RadixIndex::Emit(IndexEvent::Kind kind, int8_t medium, const Node* n, int16
   event.l3_tiers = l3_tiers;
   event.key = n->key;
   event.hash = HashOf(n, labels_.empty() ? nullptr : &event.label);
-  if (kind == IndexEvent::Kind::kStored && n->parent != nullptr) {
+  if (const Node* p = At(n->parent); kind == IndexEvent::Kind::kStored && p != nullptr) {
     event.has_parent = true;
-    event.parent = n->parent->key;
-    event.parent_hash = HashOf(n->parent, nullptr);
+    event.parent = p->key;
+    event.parent_hash = HashOf(p, nullptr);
   }
   sink_->OnIndexEvent(event);
 }
@@ -1145,9 +1197,9 @@ void RadixIndex::RemoveSubtreeLocked(Node* root, std::vector<ReleasedObject>* re
     Node* n = stack.back();
     stack.pop_back();
     order.push_back(n);
-    for (Node* c = n->first_child; c != nullptr; c = c->next_sibling) stack.push_back(c);
+    for (Node* c = At(n->first_child); c != nullptr; c = At(c->next_sibling)) stack.push_back(c);
   }
-  Node* above = root->parent;
+  Node* above = At(root->parent);
   for (auto it = order.rbegin(); it != order.rend(); ++it) {
     Node* n = *it;
     if (n->Busy()) {
@@ -1158,7 +1210,7 @@ void RadixIndex::RemoveSubtreeLocked(Node* root, std::vector<ReleasedObject>* re
     ++counts->removed_pages;
     // Not busy, so now empty: it goes unless a busy descendant keeps it. Its parent is
     // processed later, or is `above`, collected below.
-    if (n->first_child == nullptr) FreeNode(n);
+    if (n->first_child == 0) FreeNode(n);
   }
   CollectUpwards(above);
 }
@@ -1179,8 +1231,8 @@ RemoveCounts RadixIndex::Clear(std::vector<ReleasedObject>* released) {
   RemoveCounts counts;
   absl::MutexLock lock(&mu_);
   std::vector<Node*> roots;
-  for (Node* n : nodes_) {
-    if (n->parent == nullptr) roots.push_back(n);
+  for (NodeId id : nodes_) {
+    if (Node* n = At(id); n->parent == 0) roots.push_back(n);
   }
   for (Node* root : roots) RemoveSubtreeLocked(root, released, &counts);
   return counts;
@@ -1194,8 +1246,8 @@ void RadixIndex::ScopeNodesLocked(const std::optional<PageKey>& subtree,
   if (subtree.has_value()) {
     if (Node* root = Find(*subtree); root != nullptr) stack.push_back(root);
   } else {
-    for (Node* n : nodes_) {
-      if (n->parent == nullptr) stack.push_back(n);
+    for (NodeId id : nodes_) {
+      if (Node* n = At(id); n->parent == 0) stack.push_back(n);
     }
   }
   // Pre-order: every node before its descendants. Iterative: chains can be 100k pages deep.
@@ -1203,7 +1255,7 @@ void RadixIndex::ScopeNodesLocked(const std::optional<PageKey>& subtree,
     Node* n = stack.back();
     stack.pop_back();
     order->push_back(n);
-    for (Node* c = n->first_child; c != nullptr; c = c->next_sibling) stack.push_back(c);
+    for (Node* c = At(n->first_child); c != nullptr; c = At(c->next_sibling)) stack.push_back(c);
   }
 }
 
@@ -1256,7 +1308,7 @@ AdminEvictResult RadixIndex::EvictScope(const std::optional<PageKey>& subtree,
       const Node* n = *it;
       if (!n->HoldsL2()) continue;
       bool stays = n->resident == 0 || n->Busy();
-      for (const Node* c = n->first_child; c != nullptr && !stays; c = c->next_sibling) {
+      for (const Node* c = At(n->first_child); c != nullptr && !stays; c = At(c->next_sibling)) {
         stays = blocked.contains(c);
       }
       if (stays) {
@@ -1331,7 +1383,7 @@ RemoveCounts RadixIndex::ClearScope(const std::optional<PageKey>& subtree, bool 
       ++counts.removed_pages;
       for (int s = 0; s < shards_per_page_; ++s) {
         const ShardState& st = n->shards()[s];
-        if (((n->resident | n->writing) >> s) & 1 || st.l3_tiers != 0) {
+        if (n->HoldsSlot(s) || st.l3_tiers != 0) {
           released->push_back({n->key, static_cast<uint16_t>(s), st.slot, st.l3_tiers});
         }
       }
@@ -1345,7 +1397,7 @@ RemoveCounts RadixIndex::ClearScope(const std::optional<PageKey>& subtree, bool 
       doomed_.push_back(n->key);
     }
   }
-  Node* above = subtree.has_value() ? order.front()->parent : nullptr;
+  Node* above = subtree.has_value() ? At(order.front()->parent) : nullptr;
   for (auto it = order.rbegin(); it != order.rend(); ++it) {
     Node* n = *it;
     if (n->Busy()) {
@@ -1354,7 +1406,7 @@ RemoveCounts RadixIndex::ClearScope(const std::optional<PageKey>& subtree, bool 
     }
     if (!n->Empty()) ++counts.removed_pages;
     DropCopies(n, released);
-    if (n->first_child == nullptr) FreeNode(n);
+    if (n->first_child == 0) FreeNode(n);
   }
   if (above != nullptr) CollectUpwards(above);
   return counts;
@@ -1413,7 +1465,7 @@ size_t RadixIndex::GetParents(absl::Span<const PageKey> keys,
     parents[i] = std::nullopt;
     if (n == nullptr) continue;
     ++found;
-    if (n->parent != nullptr) parents[i] = n->parent->key;
+    if (const Node* p = At(n->parent); p != nullptr) parents[i] = p->key;
   }
   return found;
 }
@@ -1424,8 +1476,8 @@ std::optional<PageInfo> RadixIndex::Inspect(const PageKey& key) const {
   if (n == nullptr) return std::nullopt;
   PageInfo info;
   info.key = n->key;
-  if (n->parent != nullptr) info.parent = n->parent->key;
-  for (const Node* c = n->first_child; c != nullptr; c = c->next_sibling) ++info.children;
+  if (const Node* p = At(n->parent); p != nullptr) info.parent = p->key;
+  for (const Node* c = At(n->first_child); c != nullptr; c = At(c->next_sibling)) ++info.children;
   info.l2_children = n->l2_children;
   info.pins = n->pins;
   info.evictable = n->Evictable();
@@ -1433,9 +1485,9 @@ std::optional<PageInfo> RadixIndex::Inspect(const PageKey& key) const {
   for (int s = 0; s < shards_per_page_; ++s) {
     ShardInfo& si = info.shards[s];
     const ShardState& st = n->shards()[s];
-    si.l2 = ((n->resident >> s) & 1)  ? L2State::kResident
-            : ((n->writing >> s) & 1) ? L2State::kWriting
-                                      : L2State::kAbsent;
+    si.l2 = ((n->resident >> s) & 1) ? L2State::kResident
+            : n->Writing(s)          ? L2State::kWriting
+                                     : L2State::kAbsent;
     si.write_kind = st.write_kind;
     si.slot = st.slot;
     si.l3_tiers = st.l3_tiers;
@@ -1444,7 +1496,7 @@ std::optional<PageInfo> RadixIndex::Inspect(const PageKey& key) const {
 }
 
 uint64_t RadixIndex::MemoryBytesLocked() const {
-  return sizeof(*this) + slab_->MemoryBytes() + nodes_.capacity() * (sizeof(Node*) + 1) +
+  return sizeof(*this) + slab_->MemoryBytes() + nodes_.capacity() * (sizeof(NodeId) + 1) +
          pinned_.capacity() * sizeof(PinRecord) + scratch_.capacity() * sizeof(Node*) +
          policy_->MemoryBytes() + label_bytes_;
 }
@@ -1459,7 +1511,7 @@ RadixIndexStats RadixIndex::Stats() const {
   stats.label_bytes = label_bytes_;
   // pinned_ is dense: O(pinned pages), not O(index).
   for (const PinRecord& r : pinned_) {
-    stats.pinned_bytes += std::popcount(r.node->resident | r.node->writing) * object_bytes();
+    stats.pinned_bytes += (std::popcount(r.node->resident) + r.node->writing) * object_bytes();
   }
   return stats;
 }
@@ -1490,35 +1542,49 @@ absl::Status RadixIndex::CheckInvariants() const {
   absl::flat_hash_set<uint64_t> slots;
   size_t linked_children = 0;
   const ShardMask all = AllShards(shards_per_page_);
-  for (const Node* n : nodes_) {
-    if (Find(n->key) != n) return fail(n, "hash set lookup does not find the node");
-    if (n->parent != nullptr && !nodes_.contains(n->parent)) return fail(n, "parent not indexed");
-    if (n->parent == nullptr && (n->prev_sibling != nullptr || n->next_sibling != nullptr)) {
+  const size_t id_bound = slab_->IdBound();
+  for (const NodeId id : nodes_) {
+    const Node* n = At(id);
+    NodeId found = 0;
+    if (Find(n->key, &found) != n || found != id) {
+      return fail(n, "hash set lookup does not find the node");
+    }
+    if (n->parent != 0 && (n->parent >= id_bound || !nodes_.contains(n->parent))) {
+      return fail(n, "parent not indexed");
+    }
+    if (n->parent == 0 && (n->prev_sibling != 0 || n->next_sibling != 0)) {
       return fail(n, "root with siblings");
     }
     uint32_t l2_children = 0;
-    const Node* prev = nullptr;
-    for (const Node* ch = n->first_child; ch != nullptr; prev = ch, ch = ch->next_sibling) {
-      if (ch->parent != n) return fail(n, "child whose parent is another node");
+    NodeId prev = 0;
+    for (NodeId c = n->first_child; c != 0; prev = c, c = At(c)->next_sibling) {
+      if (c >= id_bound || !nodes_.contains(c)) return fail(n, "child not indexed");
+      const Node* ch = At(c);
+      if (ch->parent != id) return fail(n, "child whose parent is another node");
       if (ch->prev_sibling != prev) return fail(n, "broken sibling link");
       if (++linked_children > nodes_.size()) return fail(n, "child list cycle");
       l2_children += ch->HoldsL2();
     }
     if (l2_children != n->l2_children) return fail(n, "l2_children count is wrong");
-    if ((n->resident & n->writing) != 0) return fail(n, "shard both committed and in flight");
-    if (((n->resident | n->writing) & ~all) != 0) return fail(n, "shard beyond shards_per_page");
+    if ((n->resident & ~all) != 0) return fail(n, "shard beyond shards_per_page");
     uint32_t l3_copies = 0;
+    int writing = 0;
     for (int s = 0; s < shards_per_page_; ++s) {
       const ShardState& st = n->shards()[s];
-      const bool holds = ((n->resident | n->writing) >> s) & 1;
-      if (st.slot.valid() != holds) return fail(n, "slot validity disagrees with L2 state");
-      if (holds && !slots.insert(st.slot.Packed()).second) return fail(n, "slot held twice");
+      writing += n->Writing(s);
+      if (((n->resident >> s) & 1) && !st.slot.valid()) {
+        return fail(n, "committed shard without a slot");
+      }
+      if (st.slot.valid() && !slots.insert(st.slot.Packed()).second) {
+        return fail(n, "slot held twice");
+      }
       if ((st.l3_tiers >> l3_tiers_) != 0) return fail(n, "copy in a tier beyond l3_tiers");
       l3_copies += std::popcount(st.l3_tiers);
       for (uint32_t t = st.l3_tiers; t != 0; t &= t - 1) ++c.l3_objects[LowBit(t)];
     }
     if (l3_copies != n->l3_copies) return fail(n, "l3_copies count is wrong");
-    if (n->Empty() && n->first_child == nullptr) return fail(n, "empty leaf left in the tree");
+    if (writing != n->writing) return fail(n, "count of shards in flight is wrong");
+    if (n->Empty() && n->first_child == 0) return fail(n, "empty leaf left in the tree");
     if (n->pins != 0 && n->resident == 0) return fail(n, "pinned page without L2 data");
     if (n->pins != 0) {
       if (n->pin_slot >= pinned_.size() || pinned_[n->pin_slot].node != n) {
@@ -1535,19 +1601,19 @@ absl::Status RadixIndex::CheckInvariants() const {
     ++c.pages;
     c.l2_pages += n->resident != 0;
     c.l2_objects += std::popcount(n->resident);
-    c.l2_inflight_objects += std::popcount(n->writing);
+    c.l2_inflight_objects += n->writing;
     c.pinned_pages += n->pins != 0;
     c.pins += n->pins;
   }
   size_t with_parent = 0;
-  for (const Node* n : nodes_) with_parent += n->parent != nullptr;
+  for (const NodeId id : nodes_) with_parent += At(id)->parent != 0;
   if (with_parent != linked_children) {
     return absl::InternalError("radix index: a node is missing from its parent's child list");
   }
   for (size_t r = 0; r < pinned_.size(); ++r) {
     const Node* n = pinned_[r].node;
     const PinList& list = pinned_[r].entries;
-    if (!nodes_.contains(const_cast<Node*>(n))) {
+    if (Find(n->key) != n) {
       return absl::InternalError("radix index: pin record of a freed page");
     }
     if (n->pins == 0 || n->pin_slot != r) {

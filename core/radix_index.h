@@ -462,18 +462,24 @@ class RadixIndex {
   class NodeSlab;
   class Candidates;
 
-  // Hash set of nodes looked up by key (heterogeneous): 8 bytes per slot instead of 40 for a
-  // key-to-pointer map, and Match reads the node anyway.
+  // A node's place in the slab (NodeSlab::At): 32-bit links and hash slots instead of pointers
+  // save 24 bytes per page (bench_index.cc BM_IndexScale). 0 is no node.
+  using NodeId = uint32_t;
+
+  // Hash set of node ids looked up by key (heterogeneous): 4 bytes per slot instead of 40 for a
+  // key-to-pointer map, and Match reads the node anyway. Both functors read keys from the slab.
   struct NodeHash {
     using is_transparent = void;
+    const NodeSlab* slab;
     size_t operator()(const PageKey& key) const;
-    size_t operator()(const Node* node) const;
+    size_t operator()(NodeId id) const;
   };
   struct NodeEq {
     using is_transparent = void;
-    bool operator()(const Node* a, const Node* b) const { return a == b; }
-    bool operator()(const Node* a, const PageKey& b) const;
-    bool operator()(const PageKey& a, const Node* b) const { return (*this)(b, a); }
+    const NodeSlab* slab;
+    bool operator()(NodeId a, NodeId b) const { return a == b; }
+    bool operator()(NodeId a, const PageKey& b) const;
+    bool operator()(const PageKey& a, NodeId b) const { return (*this)(b, a); }
   };
 
   struct PinEntry {
@@ -492,14 +498,19 @@ class RadixIndex {
   // operations that free no node while it is in use.
   struct Cursor {
     Node* last = nullptr;
+    NodeId last_id = 0;
   };
 
   RadixIndex(const RadixIndexOptions& options, std::unique_ptr<EvictionPolicy> policy);
 
-  Node* Find(const PageKey& key) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // The child of `parent` with `key`, or nullptr.
-  Node* FindChild(Node* parent, const PageKey& key) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // Find, starting from the cursor's last node.
+  // The node of `key` or nullptr; its id into *id when given.
+  Node* Find(const PageKey& key, NodeId* id = nullptr) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The node with `id`; nullptr for 0.
+  Node* At(NodeId id) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The child of `parent` with `key`, or nullptr; its id into *id when given.
+  Node* FindChild(Node* parent, const PageKey& key, NodeId* id = nullptr) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Find, starting from the cursor's last node. A node found becomes the cursor's last.
   Node* Seek(Cursor& cursor, const PageKey& key) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Finds or creates the node for (key, parent); FailedPrecondition as BeginWrite describes.
   absl::StatusOr<Node*> FindOrCreate(const PageKey& key, const std::optional<PageKey>& parent,
@@ -593,7 +604,7 @@ class RadixIndex {
   mutable absl::Mutex mu_;
   uint64_t capacity_bytes_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<NodeSlab> slab_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<Node*, NodeHash, NodeEq> nodes_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<NodeId, NodeHash, NodeEq> nodes_ ABSL_GUARDED_BY(mu_);
   // One record per pinned page (dense, swap-removed; Node::pin_slot indexes it).
   std::vector<PinRecord> pinned_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<EvictionPolicy> policy_ ABSL_GUARDED_BY(mu_) ABSL_PT_GUARDED_BY(mu_);

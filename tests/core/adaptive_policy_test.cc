@@ -45,9 +45,12 @@ Trace Skewed(uint32_t pages, int requests) {
 }
 
 // The index owns its policy; the test keeps the AdaptivePolicy alive past the replay through this.
+// Its queues link the index's nodes, so they are checked here, while the nodes still exist (the
+// index destroys its policy before its nodes); after the replay only the counters may be read.
 class Shared final : public EvictionPolicy {
  public:
   explicit Shared(std::shared_ptr<AdaptivePolicy> p) : p_(std::move(p)) {}
+  ~Shared() override { EXPECT_TRUE(p_->CheckConsistency().ok()) << p_->CheckConsistency(); }
   absl::string_view Name() const override { return p_->Name(); }
   void OnInsert(EvictionHook* h, uint64_t fp) override { p_->OnInsert(h, fp); }
   void OnAccess(EvictionHook* h) override { p_->OnAccess(h); }
@@ -81,7 +84,6 @@ TEST(AdaptivePolicyTest, ACycleLargerThanTheCacheTeachesItMru) {
   // The larger weight evicts, and the weights swing around 0.5 as each expert errs in turn; MRU
   // errs less here and makes more of the evictions (1744 of 2904).
   EXPECT_GT(policy->mru_evictions(), policy->queue_evictions());
-  EXPECT_TRUE(policy->CheckConsistency().ok());
   const SimResult s3fifo = *SimulateIndex(trace, EvictionPolicyKind::kS3Fifo, {capacity});
   const SimResult bound = SimulateBelady(trace, capacity);
   std::printf("cycle: adaptive %.3f (MRU evicted %llu, the queues %llu), s3fifo %.3f, bound %.3f\n",

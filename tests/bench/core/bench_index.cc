@@ -294,6 +294,7 @@ BENCHMARK(BM_InsertEvict)
     ->ArgNames({"policy", "shards"})
     ->Args({int(EvictionPolicyKind::kS3Fifo), 1})
     ->Args({int(EvictionPolicyKind::kLru), 1})
+    ->Args({int(EvictionPolicyKind::kAdaptive), 1})
     ->Args({int(EvictionPolicyKind::kS3Fifo), 8});
 
 // The textbook LRU cache: a hash map from key to a list node, the list in recency order.
@@ -381,6 +382,9 @@ BENCHMARK(BM_IndexMemoryPerObject)
 //   beyond_key_bytes      heap_bytes_per_page - 32: what a page costs beyond its key
 //   match_p50_us / p99    a 2048-page Match of a random indexed prompt (L2 hits all along)
 //   match_vs_1m           match_p50_us / the 1M-page figure of this run
+//   backup_p50_us / p99   BeginWrite + Commit of a 2048-page turn under an indexed prompt
+//   backup_vs_1m          backup_p50_us / the 1M-page figure of this run
+//   estimate_bytes_per_page  the index's own account (Stats().memory_bytes), per page
 //   build_ns_per_page     inserting (BeginWrite + Commit, 2048-page chains)
 // 10M pages take about 2 GB and a minute; 50M (10 GB) only with KVCELLAR_BENCH_50M=1:
 //   KVCELLAR_BENCH_50M=1 kvcellar_bench_core --benchmark_filter=IndexScale
@@ -389,10 +393,16 @@ double& MatchP50At1M() {
   return v;
 }
 
+double& BackupP50At1M() {
+  static double v = 0;
+  return v;
+}
+
 void BM_IndexScale(benchmark::State& state) {
   const size_t pages = static_cast<size_t>(state.range(0));
   const size_t prompts = pages / kPromptPages;
-  double heap_per_page = 0, map_per_key = 0, build_ns = 0, p50 = 0, p99 = 0;
+  double heap_per_page = 0, estimate_per_page = 0, map_per_key = 0, build_ns = 0, p50 = 0, p99 = 0,
+         backup_p50 = 0, backup_p99 = 0;
   for (auto _ : state) {
     auto prompt_key = [](size_t p, int i) { return BenchKey(uint64_t(p + 7) << 32 | i); };
     std::vector<PageKey> keys(kPromptPages);
@@ -412,6 +422,7 @@ void BM_IndexScale(benchmark::State& state) {
     objs = {};
     st = {};
     heap_per_page = double(HeapBytes() - before) / double(index->Stats().pages);
+    estimate_per_page = double(index->Stats().memory_bytes) / double(index->Stats().pages);
     {
       const size_t map_before = HeapBytes();
       absl::flat_hash_map<PageKey, LookupValue> map;
@@ -437,16 +448,50 @@ void BM_IndexScale(benchmark::State& state) {
     std::sort(us.begin(), us.end());
     p50 = us[us.size() / 2];
     p99 = us[us.size() * 99 / 100];
+    // Backup: a conversation's next turn, 2048 new pages under a random indexed prompt's last
+    // page (BeginWrite and Commit, as the daemon's Backup does; measured last, after the memory).
+    us.clear();
+    for (int b = 0; b < 100; ++b) {
+      const size_t p = rng() % prompts;
+      reqs.clear();
+      objs.clear();
+      std::optional<PageKey> parent = prompt_key(p, kPromptPages - 1);
+      for (int i = 0; i < kPromptPages; ++i) {
+        const PageKey k = prompt_key(prompts + size_t(b), i);
+        reqs.push_back({k, parent, 0, SlotRef{0, 0, slot++}});
+        objs.push_back({k, 0});
+        parent = k;
+      }
+      st.resize(reqs.size());
+      const absl::Time b0 = absl::Now();
+      const size_t begun = index->BeginWrite(reqs, absl::MakeSpan(st));
+      const size_t committed = index->Commit(objs, absl::MakeSpan(st));
+      us.push_back(absl::ToDoubleMicroseconds(absl::Now() - b0));
+      if (begun != reqs.size() || committed != objs.size()) {
+        state.SkipWithError("Backup refused");
+        return;
+      }
+    }
+    std::sort(us.begin(), us.end());
+    backup_p50 = us[us.size() / 2];
+    backup_p99 = us[us.size() * 99 / 100];
   }
-  if (pages == (size_t{1} << 20)) MatchP50At1M() = p50;
+  if (pages == (size_t{1} << 20)) {
+    MatchP50At1M() = p50;
+    BackupP50At1M() = backup_p50;
+  }
   state.counters["pages"] = double(pages);
   state.counters["heap_bytes_per_page"] = heap_per_page;
+  state.counters["estimate_bytes_per_page"] = estimate_per_page;
   state.counters["map_bytes_per_key"] = map_per_key;
   state.counters["beyond_key_bytes"] = heap_per_page - double(sizeof(PageKey));
   state.counters["build_ns_per_page"] = build_ns;
   state.counters["match_p50_us"] = p50;
   state.counters["match_p99_us"] = p99;
   if (MatchP50At1M() > 0) state.counters["match_vs_1m"] = p50 / MatchP50At1M();
+  state.counters["backup_p50_us"] = backup_p50;
+  state.counters["backup_p99_us"] = backup_p99;
+  if (BackupP50At1M() > 0) state.counters["backup_vs_1m"] = backup_p50 / BackupP50At1M();
 }
 BENCHMARK(BM_IndexScale)
     ->ArgName("pages")

@@ -22,6 +22,9 @@
 // and as a baseline: on tmpfs with 4 KiB pages it was no faster than touching, 0.69 s against
 // 0.55-0.62 s for 4 GiB, so neither uses it.)
 //
+// --restart_object_kib=4 --restart_pool_gib=4 gives 1M pages (#29's scale table; 10M would need
+// 40 GiB of /dev/shm).
+//
 // Needs pool_gib of free /dev/shm and memory; the shm objects are removed at exit.
 #include <unistd.h>
 
@@ -50,11 +53,21 @@
 namespace kvcellar::bench {
 namespace {
 
-constexpr uint64_t kObjectBytes = 64 << 10;
+constexpr uint64_t kDefaultObjectBytes = 64 << 10;
 constexpr uint32_t kChainPages = 64;
 constexpr uint64_t kTouchStride = 4096;
 
 uint64_t g_pool_gib = 16;
+// --restart_object_kib: the page object size. The default, 64 KiB, is the smallest of the pool's
+// default size classes; any other size gets a pool with that one class (4 KiB at least, the slot
+// alignment), so that 1M pages fit in 4 GiB (#29's scale figures).
+uint64_t g_object_bytes = kDefaultObjectBytes;
+
+std::vector<uint64_t> SlotSizes() {
+  return g_object_bytes == kDefaultObjectBytes
+             ? core::HostPool::DefaultSlotSizes(core::kDefaultRegionBytes)
+             : std::vector<uint64_t>{g_object_bytes};
+}
 
 struct Names {
   std::string pool = absl::StrCat("kvc-bench-restart-", getpid());
@@ -75,7 +88,7 @@ core::KvLayout Layout() {
   core::KvLayout l;
   for (int i = 0; i < 2; ++i) {
     core::LayerLayout layer;
-    layer.k.bytes_per_block = kObjectBytes / 4;
+    layer.k.bytes_per_block = g_object_bytes / 4;
     layer.v = layer.k;
     l.layers.push_back(layer);
   }
@@ -94,6 +107,7 @@ absl::StatusOr<Mapped> MapBoth(const Names& names) {
   Mapped m;
   core::HostPoolOptions options;
   options.capacity_bytes = g_pool_gib << 30;
+  options.slot_sizes = SlotSizes();
   platform::HostMemoryOptions memory;
   memory.shm_name = names.pool;
   memory.bytes = options.capacity_bytes;
@@ -136,8 +150,7 @@ absl::StatusOr<uint64_t> Fill(const Names& names) {
     core::PageKey key;
     std::memcpy(key.bytes.data(), &pages, sizeof(pages));
     key.bytes[31] = 0x5a;
-    absl::StatusOr<core::SlotRef> slot =
-        m->pool->Allocate(kObjectBytes, {key, ns->id(), 0});
+    absl::StatusOr<core::SlotRef> slot = m->pool->Allocate(g_object_bytes, {key, ns->id(), 0});
     if (!slot.ok()) break;  // Full.
     const std::optional<core::PageKey> p =
         pages % kChainPages == 0 ? std::nullopt : std::optional(parent);
@@ -145,9 +158,11 @@ absl::StatusOr<uint64_t> Fill(const Names& names) {
     if (absl::Status s = index.BeginWrite(w); !s.ok()) return s;
     (*journal)->MarkWriting(*slot, ns->id(), ns->geometry_epoch(), 0, key, p);
     uint64_t* words = reinterpret_cast<uint64_t*>(m->pool->Address(*slot));
-    for (uint64_t i = 0; i < kObjectBytes / 8; ++i) words[i] = pages * 0x9e3779b97f4a7c15ull + i;
-    (*journal)->MarkCommitted(*slot, kObjectBytes,
-                              core::Crc32c(m->pool->Address(*slot), kObjectBytes));
+    for (uint64_t i = 0; i < g_object_bytes / 8; ++i) {
+      words[i] = pages * 0x9e3779b97f4a7c15ull + i;
+    }
+    (*journal)->MarkCommitted(*slot, g_object_bytes,
+                              core::Crc32c(m->pool->Address(*slot), g_object_bytes));
     if (absl::Status s = index.Commit({key, 0}); !s.ok()) return s;
     parent = key;
     ++pages;
@@ -227,14 +242,16 @@ void BM_WarmRestart(benchmark::State& state) {
   const double n = static_cast<double>(state.iterations());
   absl::StatusOr<uint64_t> journal_bytes = core::SlotJournal::Bytes(
       {g_pool_gib << 30, core::kDefaultRegionBytes,
-       static_cast<uint32_t>((g_pool_gib << 30) / core::kDefaultRegionBytes),
-       core::HostPool::DefaultSlotSizes(core::kDefaultRegionBytes)});
+       static_cast<uint32_t>((g_pool_gib << 30) / core::kDefaultRegionBytes), SlotSizes()});
   state.counters["pool_GiB"] = static_cast<double>(g_pool_gib);
   state.counters["pages"] = static_cast<double>(*pages);
   state.counters["touch_s"] = touch / n;
   state.counters["restart_s"] = restart / n;
   state.counters["recover_s"] = g_recover_seconds / n;
   state.counters["ratio"] = restart / touch;
+  state.counters["object_KiB"] = static_cast<double>(g_object_bytes >> 10);
+  // What each page adds to a restart beyond re-attaching its memory.
+  state.counters["us_per_page_beyond_touch"] = 1e6 * (restart - touch) / n / double(*pages);
   state.counters["journal_pct_of_pool"] =
       journal_bytes.ok() ? 100.0 * static_cast<double>(*journal_bytes) / (g_pool_gib << 30) : -1;
 }
@@ -253,6 +270,14 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "kvcellar_bench_restart: bad %s\n", a.c_str());
         return 2;
       }
+    } else if (absl::StartsWith(a, "--restart_object_kib=")) {
+      uint64_t kib = 0;
+      if (!absl::SimpleAtoi(a.substr(21), &kib) || kib == 0 || kib % 4 != 0 || kib > 64 * 1024) {
+        std::fprintf(stderr, "kvcellar_bench_restart: bad %s (want a multiple of 4, <= 65536)\n",
+                     a.c_str());
+        return 2;
+      }
+      kvcellar::bench::g_object_bytes = kib << 10;
     } else {
       argv[out++] = argv[i];
     }
