@@ -95,6 +95,45 @@ def test_rerun_with_the_same_revision_verifies_the_earlier_pages(daemon_factory,
     assert second["verification"]["verified_bytes"] > first["verification"]["verified_bytes"]
 
 
+def test_shape_replays_the_eviction_benchmarks_trace(daemon_factory, tmp_path):
+    """--shape runs a trace of core/eviction_shapes.h through the daemon: every request, every
+    loaded byte verified, and beside the hit rate Belady's bound on the same trace at the pages L2
+    holds (64 MiB of 1 MiB pages: 16 layers x 64 KiB). The bound lies between the measured rate
+    and the unbounded cache's; the shape fixes the page size (128 tokens)."""
+    d = daemon_factory(args=("--set", "device.kind=sim", "--set", "pool.capacity=64MiB"))
+    out = tmp_path / "shape.json"
+    p = run_bench(d.socket, "--shape", "zipf_prompts", "--shape-scale", "0.1", "--layers", "16",
+                  "--no-progress", "--json", str(out))
+    assert p.returncode == 0, f"rc {p.returncode}\n{p.stdout}\n{p.stderr}"
+    assert "shape zipf_prompts" in p.stdout and "Belady's bound at 64" in p.stdout
+    r = json.loads(out.read_text())
+    assert r["workload"]["shape"] == "zipf_prompts"
+    assert r["requests_done"] == r["workload"]["requests"] == 600
+    assert r["model"]["page_size"] == 128
+    assert r["model"]["page_object_bytes"] == 1 << 20
+    assert r["verification"]["mismatched_bytes"] == 0
+    hit = r["hit_rate"]
+    assert hit["l2_pages"] == 64
+    assert 0 < hit["measured"] <= hit["bound"] < hit["best_case"]
+    assert r["backup_status"].get("OK", 0) > 0
+
+
+def test_bad_shape_flags_name_the_flag(tmp_path):
+    """Usage errors before any daemon is reached."""
+    sock = str(tmp_path / "nobody.sock")
+    p = run_bench(sock, "--shape", "zipf")
+    assert p.returncode == 2
+    assert "--shape: unknown shape 'zipf' (want multi_turn, multi_turn_2, zipf_prompts" in p.stderr
+    p = run_bench(sock, "--shape", "zipf_prompts", "--shape-scale", "2")
+    assert p.returncode == 2 and "--shape-scale" in p.stderr, p.stderr
+
+
+def test_shape_fixes_the_page_size(daemon):
+    p = run_bench(daemon.socket, "--shape", "two_tenants", "--page-size", "64", "--no-progress")
+    assert p.returncode == 2
+    assert "--page-size: shape two_tenants has pages of 128 tokens" in p.stderr
+
+
 def test_bad_flags_name_the_flag(daemon):
     for args, needle in ((["--clinets", "3"], "unknown flag --clinets"),
                          (["--clients", "x"], "--clients: 'x' is not"),

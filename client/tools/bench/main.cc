@@ -13,8 +13,8 @@
 #include <cstring>
 #include <deque>
 #include <memory>
-#include <random>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -30,9 +30,10 @@
 #include "client/tools/bench/report.h"
 #include "client/tools/bench/stats.h"
 #include "client/tools/bench/workload.h"
-#include "platform/runtime_paths.h"
+#include "core/eviction_sim.h"
 #include "grpcpp/client_context.h"
 #include "kvcellar/v1/admin_service.grpc.pb.h"
+#include "platform/runtime_paths.h"
 
 namespace kvcellar::bench {
 namespace {
@@ -78,6 +79,7 @@ struct Config {
   bool auto_layers = true;
   bool auto_page_size = true;
   double fill = 0.8;
+  bool fill_given = false;
   uint32_t gpu_blocks = 0;  // 0: parallel x the largest request.
   std::string revision;
   std::string model_id;
@@ -105,6 +107,14 @@ void DefineFlags(Flags& f) {
   f.Define("--parallel", "4", "requests in flight at most");
   f.Define("--system-prompt-tokens", "0", "a system prompt shared by every client");
   f.Define("--seed", "1", "seed of the token ids and of the KV byte pattern");
+  f.Define("--shape", "",
+           "instead of the conversations above, replay a traffic shape of the\n"
+           "eviction benchmark (core/eviction_shapes.h): multi_turn, multi_turn_2,\n"
+           "zipf_prompts, chat_and_scans or two_tenants; its page size is fixed,\n"
+           "--fill defaults to its history / L2, and the summary gives Belady's\n"
+           "bound at the run's L2",
+           "NAME");
+  f.Define("--shape-scale", "1", "shrink the shape's clients, requests and documents (< 1)", "F");
   f.Section("model (see Scaling)");
   f.Define("--page-size", "", "tokens per page (default: scaled; 64 with --layers)");
   f.Define("--layers", "", "layers (default: scaled to L2)");
@@ -151,6 +161,9 @@ absl::Status ReadConfig(const Flags& f, Config* c) {
   if (!(s = u32("--parallel", 1, 1024, &c->parallel)).ok()) return s;
   if (!(s = u32("--system-prompt-tokens", 0, 1 << 24, &w.system_prompt_tokens)).ok()) return s;
   if (!(s = f.U64("--seed", 0, UINT64_MAX, &w.seed)).ok()) return s;
+  w.shape = f.Str("--shape");
+  if (f.Given("--shape") && w.shape.empty()) return absl::InvalidArgumentError("--shape: empty");
+  if (!(s = f.Double("--shape-scale", 0.001, 1, &w.shape_scale)).ok()) return s;
   ModelShape& m = c->shape;
   if (!(s = u32("--tp", 1, 64, &m.tp)).ok()) return s;
   c->auto_page_size = !f.Given("--page-size");
@@ -165,6 +178,7 @@ absl::Status ReadConfig(const Flags& f, Config* c) {
   m.dtype = f.Str("--dtype");
   if (!(s = m.Validate()).ok()) return s;
   if (!(s = f.Double("--fill", 0.001, 1000, &c->fill)).ok()) return s;
+  c->fill_given = f.Given("--fill");
   if (f.Given("--gpu-blocks") && !(s = u32("--gpu-blocks", 1, 1 << 24, &c->gpu_blocks)).ok()) {
     return s;
   }
@@ -215,31 +229,36 @@ double MemcpyGbPerS() {
   return s > 0 ? kCopies * static_cast<double>(kBytes) / s / 1e9 : 0;
 }
 
-// Hands (client, round) requests to worker threads first come, first served.
+// Hands the workload's requests to worker threads: chains first come, first served, a chain's
+// next request once its previous one is done.
 class Scheduler {
  public:
-  Scheduler(uint32_t clients, uint32_t rounds) : rounds_(rounds), round_(clients, 0) {
-    for (uint32_t c = 0; c < clients; ++c) queue_.push_back(c);
-    remaining_ = uint64_t{clients} * rounds;
+  explicit Scheduler(std::vector<std::vector<uint64_t>> chains)
+      : chains_(std::move(chains)), next_(chains_.size(), 0) {
+    for (uint32_t c = 0; c < chains_.size(); ++c) {
+      if (chains_[c].empty()) continue;
+      queue_.push_back(c);
+      remaining_ += chains_[c].size();
+    }
   }
-  // The next request, or false when everything is done or the run was stopped.
-  bool Next(uint32_t* client, uint32_t* round, uint64_t* step) {
+  // The next request and its chain, or false when everything is done or the run was stopped.
+  bool Next(uint32_t* chain, uint64_t* request, uint64_t* step) {
     absl::MutexLock lock(&mu_);
     auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return !queue_.empty() || remaining_ == 0 || stopped_;
     };
     mu_.Await(absl::Condition(&ready));
     if (queue_.empty() || stopped_) return false;
-    *client = queue_.front();
+    *chain = queue_.front();
     queue_.pop_front();
-    *round = round_[*client];
+    *request = chains_[*chain][next_[*chain]];
     *step = ++steps_;
     return true;
   }
-  void Done(uint32_t client) {
+  void Done(uint32_t chain) {
     absl::MutexLock lock(&mu_);
     --remaining_;
-    if (++round_[client] < rounds_) queue_.push_back(client);
+    if (++next_[chain] < chains_[chain].size()) queue_.push_back(chain);
   }
   void Stop(const std::string& why) {
     absl::MutexLock lock(&mu_);
@@ -252,10 +271,10 @@ class Scheduler {
   }
 
  private:
-  const uint32_t rounds_;
+  const std::vector<std::vector<uint64_t>> chains_;
   mutable absl::Mutex mu_;
   std::deque<uint32_t> queue_ ABSL_GUARDED_BY(mu_);
-  std::vector<uint32_t> round_ ABSL_GUARDED_BY(mu_);
+  std::vector<size_t> next_ ABSL_GUARDED_BY(mu_);
   uint64_t remaining_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
@@ -265,25 +284,43 @@ class Scheduler {
 // The run's description from the daemon's status and the workload: shape (auto-scaled to L2
 // when asked), device blocks, namespace revision, the memcpy baseline. Returns an exit code on a
 // usage error, nullopt when the run can go ahead.
-std::optional<int> PlanRun(const v1::GetStatusResponse& status, Config& c, RunInfo& info) {
+std::optional<int> PlanRun(const v1::GetStatusResponse& status, Config& c, Workload& workload,
+                           RunInfo& info) {
   info.socket = c.socket;
   info.daemon_version = status.version();
   info.l2_capacity = status.pool().capacity_bytes();
   info.l2_used_at_start = status.pool().used_bytes();
   info.parallel = c.parallel;
+  if (const uint32_t fixed = workload.FixedPageSize(); fixed != 0) {
+    if (!c.auto_page_size && c.shape.page_size != fixed) {
+      std::fprintf(stderr, "kvcellar-bench: --page-size: shape %s has pages of %u tokens\n",
+                   c.workload.shape.c_str(), fixed);
+      return kExitUsage;
+    }
+    c.auto_page_size = false;
+    c.shape.page_size = fixed;
+    // The shape's own ratio of history to L2, unless asked otherwise.
+    if (!c.fill_given) {
+      c.fill = static_cast<double>(workload.DistinctPages()) /
+               static_cast<double>(workload.shape()->capacity_pages);
+    }
+  }
   info.fill = c.fill;
   info.auto_scaled = c.auto_layers;
-  auto pages_at = [&c](uint32_t page_size) {
-    WorkloadSpec w = c.workload;
-    w.page_size = page_size;
-    return Workload(w).DistinctPages();
+  auto pages_at = [&workload](uint32_t page_size) {
+    return workload.WithPageSize(page_size).DistinctPages();
   };
   if (c.auto_layers) {
     AutoScale(info.l2_capacity, c.fill, c.auto_page_size, pages_at, &c.shape);
   }
+  workload = workload.WithPageSize(c.shape.page_size);
   c.workload.page_size = c.shape.page_size;
-  const Workload workload(c.workload);
   info.workload = c.workload;
+  if (const core::EvictionShape* shape = workload.shape(); shape != nullptr) {
+    info.shape_name = shape->name;
+    info.l2_pages = c.shape.L2BytesPerPage() == 0 ? 0 : info.l2_capacity / c.shape.L2BytesPerPage();
+    info.bound_hit_rate = core::SimulateBelady(shape->trace, info.l2_pages).HitRate();
+  }
   info.shape = c.shape;
   info.requests = workload.requests();
   info.total_prompt_tokens = workload.TotalPromptTokens();
@@ -334,18 +371,18 @@ void RunWorkload(const Config& c, const Workload& workload, EngineGroup& group, 
   std::vector<std::thread> workers;
   for (uint32_t t = 0; t < c.parallel; ++t) {
     workers.emplace_back([&] {
-      uint32_t client = 0, round = 0;
-      uint64_t step = 0;
-      while (scheduler.Next(&client, &round, &step)) {
-        const std::vector<uint32_t> tokens = workload.Tokens(client, round);
-        absl::StatusOr<RequestResult> r = group.Run(step, tokens, workload.PromptTokens(round));
+      uint32_t chain = 0;
+      uint64_t request = 0, step = 0;
+      while (scheduler.Next(&chain, &request, &step)) {
+        const std::vector<uint32_t> tokens = workload.Tokens(request);
+        absl::StatusOr<RequestResult> r = group.Run(step, tokens, workload.PromptTokens(request));
         if (!r.ok()) {
           scheduler.Stop(std::string(r.status().message()));
           return;
         }
-        r->best_case_hit_tokens = workload.BestCaseHitTokens(client, round);
+        r->best_case_hit_tokens = workload.BestCaseHitTokens(request);
         stats.Add(*r);
-        scheduler.Done(client);
+        scheduler.Done(chain);
       }
     });
   }
@@ -432,6 +469,11 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "kvcellar-bench: %s\n", std::string(s.message()).c_str());
     return kExitUsage;
   }
+  absl::StatusOr<Workload> workload = Workload::Create(c.workload);
+  if (!workload.ok()) {
+    std::fprintf(stderr, "kvcellar-bench: %s\n", std::string(workload.status().message()).c_str());
+    return kExitUsage;
+  }
   // An engine whose daemon dies must not die of SIGPIPE.
   signal(SIGPIPE, SIG_IGN);
 
@@ -441,8 +483,7 @@ int Main(int argc, char** argv) {
     return kExitSetup;
   }
   RunInfo info;
-  if (std::optional<int> exit = PlanRun(*status, c, info)) return *exit;
-  const Workload workload(c.workload);
+  if (std::optional<int> exit = PlanRun(*status, c, *workload, info)) return *exit;
 
   Stats stats;
   EngineGroupOptions go;
@@ -462,8 +503,8 @@ int Main(int argc, char** argv) {
     return kExitSetup;
   }
   info.l3_tiers = (*group)->l3_tier_names();
-  Scheduler scheduler(c.workload.clients, c.workload.rounds);
-  RunWorkload(c, workload, **group, stats, scheduler, info);
+  Scheduler scheduler(workload->Chains());
+  RunWorkload(c, *workload, **group, stats, scheduler, info);
   info.quarantined_blocks = (*group)->quarantined_blocks();
   info.client = (*group)->client_stats();
   (*group)->Close();

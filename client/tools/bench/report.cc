@@ -54,14 +54,20 @@ std::string SummaryText(const RunInfo& info, const Stats::Snapshot& s,
   const WorkloadSpec& w = info.workload;
   std::string o;
   auto line = [&o](const std::string& l) { absl::StrAppend(&o, l, "\n"); };
-  line(absl::StrFormat(
-      "kvcellar-bench: %llu requests (%u clients x %u rounds, %u new + %u output tokens per round, "
-      "%u in parallel%s) in %.1f s",
-      s.requests, w.clients, w.rounds, w.new_tokens, w.output_tokens, info.parallel,
-      w.system_prompt_tokens > 0
-          ? absl::StrCat(", ", w.system_prompt_tokens, " shared system prompt tokens")
-          : "",
-      info.wall_s));
+  if (info.shape_name.empty()) {
+    line(absl::StrFormat(
+        "kvcellar-bench: %llu requests (%u clients x %u rounds, %u new + %u output tokens per "
+        "round, %u in parallel%s) in %.1f s",
+        s.requests, w.clients, w.rounds, w.new_tokens, w.output_tokens, info.parallel,
+        w.system_prompt_tokens > 0
+            ? absl::StrCat(", ", w.system_prompt_tokens, " shared system prompt tokens")
+            : "",
+        info.wall_s));
+  } else {
+    line(absl::StrFormat(
+        "kvcellar-bench: %llu requests (shape %s at scale %g, %u in parallel) in %.1f s",
+        s.requests, info.shape_name, w.shape_scale, info.parallel, info.wall_s));
+  }
   line(absl::StrFormat("daemon:     %s at %s, L2 %s (%s in use at start), L3 %s",
                        info.daemon_version, info.socket, HumanBytes(info.l2_capacity),
                        HumanBytes(info.l2_used_at_start),
@@ -77,6 +83,12 @@ std::string SummaryText(const RunInfo& info, const Stats::Snapshot& s,
   line("hit rate (share of prompt tokens served by the cache):");
   line(absl::StrFormat("  best case (unbounded cache)   %6.2f%%",
                        Pct(r.best_case_hit_tokens, r.prompt_tokens)));
+  if (!info.shape_name.empty()) {
+    line(
+        absl::StrFormat("  Belady's bound at %-10llu  %6.2f%%  (the most any eviction order "
+                        "serves with L2 = %llu pages)",
+                        info.l2_pages, 100 * info.bound_hit_rate, info.l2_pages));
+  }
   line(absl::StrFormat("  measured (loaded, verified)   %6.2f%%",
                        Pct(r.loaded_tokens, r.prompt_tokens)));
   line(absl::StrFormat("    L2 (Match)                  %6.2f%%",
@@ -138,7 +150,9 @@ std::string SummaryJson(const RunInfo& info, const Stats::Snapshot& s,
       .Num("parallel", info.parallel)
       .Num("seed", w.seed)
       .Num("requests", info.requests)
-      .Num("prompt_tokens", info.total_prompt_tokens);
+      .Num("prompt_tokens", info.total_prompt_tokens)
+      .Str("shape", w.shape)
+      .Real("shape_scale", w.shape_scale);
   Json model;
   model.Num("layers", info.shape.layers)
       .Num("kv_heads", info.shape.mla() ? 0 : info.shape.kv_heads)
@@ -177,6 +191,8 @@ std::string SummaryJson(const RunInfo& info, const Stats::Snapshot& s,
   hit.Real("best_case", Ratio(static_cast<double>(r.best_case_hit_tokens), pt))
       .Real("measured", Ratio(static_cast<double>(r.loaded_tokens), pt))
       .Obj("matched_by_tier", by_tier)
+      .Num("l2_pages", info.l2_pages)
+      .Real("bound", info.bound_hit_rate)
       .Num("prompt_tokens", r.prompt_tokens)
       .Num("best_case_hit_tokens", r.best_case_hit_tokens)
       .Num("loaded_tokens", r.loaded_tokens)

@@ -36,6 +36,11 @@ struct RunInfo {
   uint64_t distinct_pages = 0;
   uint64_t l2_capacity = 0;
   uint64_t l2_used_at_start = 0;
+  // A shape's run (WorkloadSpec::shape): its name, the pages L2 holds (capacity / page bytes)
+  // and Belady's bound on the shape's trace at that many pages (core/eviction_sim.h).
+  std::string shape_name;
+  uint64_t l2_pages = 0;
+  double bound_hit_rate = 0;
   std::vector<std::string> l3_tiers;
   uint32_t gpu_blocks = 0;
   double memcpy_gb_s = 0;

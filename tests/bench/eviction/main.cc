@@ -1,7 +1,7 @@
-// kvcellar_bench_eviction: each traffic shape (shapes.h) replayed through the radix index with
-// each of its policies (LRU, S3-FIFO, adaptive), beside Belady's bound and the best case (an
-// unbounded cache) of the same trace (core/eviction_sim.h). Prints a Markdown table; exits 1 if a
-// policy beats the bound or the bound beats the best case (the simulator would be wrong).
+// kvcellar_bench_eviction: each traffic shape (core/eviction_shapes.h) replayed through the radix
+// index with each of its policies (LRU, S3-FIFO, adaptive), beside Belady's bound and the best case
+// (an unbounded cache) of the same trace (core/eviction_sim.h). Prints a Markdown table; exits 1 if
+// a policy beats the bound or the bound beats the best case (the simulator would be wrong).
 //
 // Run: kvcellar_bench_eviction [--smoke] [--seed N]
 //   --smoke  every shape at a tenth of its clients and requests (what ctest runs).
@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "core/eviction_shapes.h"
 #include "core/eviction_sim.h"
-#include "tests/bench/eviction/shapes.h"
 #include "tests/bench/markdown_table.h"
 
 namespace {
@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
   }
   std::vector<std::string> rows;
   bool consistent = true;
-  for (const kvcellar::bench::Shape& shape : kvcellar::bench::Shapes(scale, seed)) {
+  for (const kvcellar::core::EvictionShape& shape : kvcellar::core::EvictionShapes(scale, seed)) {
     const SimResult best = kvcellar::core::SimulateUnbounded(shape.trace);
     const SimResult bound = kvcellar::core::SimulateBelady(shape.trace, shape.capacity_pages);
     double rate[3] = {0, 0, 0};

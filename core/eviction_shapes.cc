@@ -1,10 +1,10 @@
-#include "tests/bench/eviction/shapes.h"
+#include "core/eviction_shapes.h"
 
 #include <algorithm>
 #include <cmath>
 #include <random>
 
-namespace kvcellar::bench {
+namespace kvcellar::core {
 namespace {
 
 // kvcellar-bench's multi-turn workload (client/tools/bench/workload.h): 128-token pages, 2048 new
@@ -26,16 +26,16 @@ constexpr uint64_t kPrompts = 3 << 20;
 constexpr uint64_t kUserParts = 4 << 20;
 
 // Round r's prompt of conversation `sequence`: the conversation so far and the new tokens.
-core::TraceRequest ChatRequest(uint64_t sequence, uint32_t round) {
-  core::TraceRequest request;
+TraceRequest ChatRequest(uint64_t sequence, uint32_t round) {
+  TraceRequest request;
   request.tokens = (round + 1) * kNewTokens + round * kOutputTokens;
   for (uint64_t p = 0; p < request.tokens / kPage; ++p)
     request.pages.push_back(PageId(sequence, p));
   return request;
 }
 
-core::TraceRequest DocumentRequest(uint64_t sequence, uint32_t pages) {
-  core::TraceRequest request;
+TraceRequest DocumentRequest(uint64_t sequence, uint32_t pages) {
+  TraceRequest request;
   request.tokens = uint64_t{pages} * kPage + kPage / 2;
   for (uint32_t p = 0; p < pages; ++p) request.pages.push_back(PageId(sequence, p));
   return request;
@@ -45,10 +45,10 @@ uint64_t Scaled(uint64_t n, double scale) {
   return std::max<uint64_t>(2, static_cast<uint64_t>(std::llround(static_cast<double>(n) * scale)));
 }
 
-uint64_t HistoryPages(const core::Trace& trace) { return trace.DistinctPages(); }
+uint64_t HistoryPages(const Trace& trace) { return trace.DistinctPages(); }
 
-Shape MultiTurn(double scale, double divisor) {
-  Shape s;
+EvictionShape MultiTurn(double scale, double divisor) {
+  EvictionShape s;
   s.trace.page_size = kPage;
   const uint64_t clients = Scaled(80, scale);
   for (uint32_t round = 0; round < 10; ++round) {
@@ -60,12 +60,13 @@ Shape MultiTurn(double scale, double divisor) {
   std::snprintf(name, sizeof(name), "multi_turn (%llu clients x 10 rounds)",
                 static_cast<unsigned long long>(clients));
   s.name = name;
+  s.id = divisor == 1.56 ? "multi_turn" : "multi_turn_2";
   std::snprintf(name, sizeof(name), "history / %.2f", divisor);
   s.l2 = name;
   return s;
 }
 
-Shape ZipfPrompts(double scale, std::mt19937_64& rng) {
+EvictionShape ZipfPrompts(double scale, std::mt19937_64& rng) {
   constexpr uint32_t kPromptPages = 16;
   constexpr uint32_t kUserPages = 4;
   const uint64_t prompts = Scaled(200, scale);
@@ -73,10 +74,10 @@ Shape ZipfPrompts(double scale, std::mt19937_64& rng) {
   std::vector<double> weights(prompts);
   for (uint64_t k = 0; k < prompts; ++k) weights[k] = 1.0 / static_cast<double>(k + 1);
   std::discrete_distribution<uint64_t> popular(weights.begin(), weights.end());
-  Shape s;
+  EvictionShape s;
   s.trace.page_size = kPage;
   for (uint64_t i = 0; i < requests; ++i) {
-    core::TraceRequest request;
+    TraceRequest request;
     const uint64_t prompt = popular(rng);
     for (uint32_t p = 0; p < kPromptPages; ++p)
       request.pages.push_back(PageId(kPrompts + prompt, p));
@@ -87,15 +88,15 @@ Shape ZipfPrompts(double scale, std::mt19937_64& rng) {
     s.trace.requests.push_back(std::move(request));
   }
   s.capacity_pages = prompts * kPromptPages / 3;
-  s.name = "zipf_prompts";
+  s.name = s.id = "zipf_prompts";
   s.l2 = "system prompts / 3";
   return s;
 }
 
-Shape ChatAndScans(double scale) {
+EvictionShape ChatAndScans(double scale) {
   constexpr uint32_t kDocPages = 64;
   const uint64_t clients = Scaled(40, scale);
-  Shape s;
+  EvictionShape s;
   s.trace.page_size = kPage;
   uint64_t docs = 0;
   uint64_t chat_pages = 0;
@@ -107,17 +108,17 @@ Shape ChatAndScans(double scale) {
     }
   }
   s.capacity_pages = static_cast<uint64_t>(static_cast<double>(chat_pages) / 1.56);
-  s.name = "chat_and_scans";
+  s.name = s.id = "chat_and_scans";
   s.l2 = "chat history / 1.56";
   return s;
 }
 
-Shape TwoTenants(double scale, std::mt19937_64& rng) {
+EvictionShape TwoTenants(double scale, std::mt19937_64& rng) {
   constexpr uint32_t kDocPages = 32;
   const uint64_t clients = Scaled(20, scale);
   const uint64_t docs = Scaled(400, scale);
   std::uniform_int_distribution<uint64_t> any_doc(0, docs - 1);
-  Shape s;
+  EvictionShape s;
   s.trace.page_size = kPage;
   for (uint32_t round = 0; round < 10; ++round) {
     for (uint64_t c = 0; c < clients; ++c) {
@@ -126,16 +127,16 @@ Shape TwoTenants(double scale, std::mt19937_64& rng) {
     }
   }
   s.capacity_pages = HistoryPages(s.trace) / 4;
-  s.name = "two_tenants";
+  s.name = s.id = "two_tenants";
   s.l2 = "history / 4";
   return s;
 }
 
 }  // namespace
 
-std::vector<Shape> Shapes(double scale, uint64_t seed) {
+std::vector<EvictionShape> EvictionShapes(double scale, uint64_t seed) {
   std::mt19937_64 rng(seed);
-  std::vector<Shape> shapes;
+  std::vector<EvictionShape> shapes;
   shapes.push_back(MultiTurn(scale, 1.56));
   shapes.push_back(MultiTurn(scale, 2.0));
   shapes.push_back(ZipfPrompts(scale, rng));
@@ -144,4 +145,4 @@ std::vector<Shape> Shapes(double scale, uint64_t seed) {
   return shapes;
 }
 
-}  // namespace kvcellar::bench
+}  // namespace kvcellar::core
