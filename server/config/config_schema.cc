@@ -515,7 +515,7 @@ std::vector<KeySpec> SchemaTable() {
       DoubleKey(KVC_FIELD(pool, low_watermark), "0.90", {0, true, 1, true},
                 "Pool fill fraction at which eviction stops; below high_watermark."),
       // eviction
-      ChoiceKey(KVC_ENUM(eviction, policy), "s3fifo", {"s3fifo", "lru", "adaptive"},
+      ChoiceKey(KVC_ENUM(eviction, policy), "adaptive", {"s3fifo", "lru", "adaptive"},
                 "Which unpinned L2 pages are evicted first."),
       // sessions
       DurationKey(KVC_FIELD(sessions, lease_ms), "10000", 100, kOneHourMs,

@@ -1,6 +1,6 @@
-"""kvcellar beside SGLang's own `file` storage backend, both driven by SGLang 0.5.23's own
-HiCacheController as a scheduler drives it (#29 item 2), in one run, same host pools, same
-prompts.
+"""kvcellar beside SGLang's own `file` storage backend and Mooncake's store, all driven by SGLang
+0.5.23's own HiCacheController as a scheduler drives it (#29 item 2), in one run, same host pools,
+same prompts.
 
 Per backend, with fresh controllers (an "engine" is a HiCacheController over its own host pool):
     backup      engine A write_storage()s every prompt's pages (the controller's own backup path:
@@ -17,8 +17,14 @@ Every prefetched page is compared with what engine A wrote.
 
 kvcellar: kvcellard (sim device, its pool in shared memory) with the backend in
 `kvcellar.integrations.sglang`. file: SGLang's HiCacheFile, a file per page under a temporary
-directory on this machine's disk (`file_storage_path`). Mooncake's store is not run: its
-master and transfer engine were not tried in this session.
+directory on this machine's disk (`file_storage_path`). mooncake: SGLang's MooncakeStore
+(`storage_backend="mooncake"`) against Mooncake 0.3.13's store as a node runs it without RDMA:
+`mooncake_master` with its HTTP metadata server, and one standalone `mooncake_client` holding
+the node's memory segment (the size of kvcellard's pool), which the engines reach over Mooncake's
+TCP transfer engine and contribute no memory to (`global_segment_size` 0): the layout in which
+pages outlive the engine that wrote them, as they do in kvcellard. (An engine that contributes
+its own segment takes the pages stored there with it when it stops.) The package is
+`mooncake-transfer-engine-non-cuda` (the CUDA build needs libcuda and libcudart to import).
 
     .venv-sglang/bin/python client/python/bench/bench_sglang_peers.py          # about a minute
     .venv-sglang/bin/python client/python/bench/bench_sglang_peers.py --json
@@ -31,7 +37,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -179,6 +188,76 @@ def measure(args: argparse.Namespace, backend: str,
             "mismatched_pages": bad_b + bad_a + bad_r}
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class MooncakeNode:
+    """mooncake_master (with its HTTP metadata server) and a standalone mooncake_client holding
+    `segment_mib` of memory: Mooncake's store on one node over TCP. The binaries are the ones
+    the package installed beside the interpreter."""
+
+    def __init__(self, tmp: Path, segment_mib: int) -> None:
+        bindir = Path(sys.executable).parent
+        self.rpc, self.http, self.metrics, self.client = (free_port() for _ in range(4))
+        self.metadata = f"http://127.0.0.1:{self.http}/metadata"
+        self.procs: list[subprocess.Popen] = []
+        self.logs = tmp / "mooncake"
+        self.logs.mkdir()
+        self._start("master", [str(bindir / "mooncake_master"), f"--rpc_port={self.rpc}",
+                               "--enable_http_metadata_server=true",
+                               "--http_metadata_server_host=127.0.0.1",
+                               f"--http_metadata_server_port={self.http}",
+                               f"--metrics_port={self.metrics}"],
+                    "HTTP metadata server started")
+        self._start("client", [str(bindir / "mooncake_client"),
+                               f"--master_server_address=127.0.0.1:{self.rpc}",
+                               f"--metadata_server={self.metadata}",
+                               f"--global_segment_size={segment_mib}MB", "--protocol=tcp",
+                               "--host=127.0.0.1", f"--port={self.client}"],
+                    "Starting real client service")
+
+    def _start(self, name: str, argv: list[str], ready: str) -> None:
+        log = self.logs / f"{name}.log"
+        with open(log, "w") as out:
+            self.procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 30
+        while ready not in log.read_text(errors="replace"):
+            if self.procs[-1].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"mooncake {name} did not start:\n{log.read_text()[-2000:]}")
+            time.sleep(0.1)
+
+    def config(self) -> dict[str, Any]:
+        """An engine's extra config: a pure client of the node's segment."""
+        return {"master_server_address": f"127.0.0.1:{self.rpc}",
+                "metadata_server": self.metadata, "protocol": "tcp", "device_name": "",
+                "local_hostname": "127.0.0.1", "global_segment_size": 0, "check_server": False}
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.terminate()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def mooncake_available() -> Optional[str]:
+    """Why Mooncake's store cannot run here, or None."""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as e:
+        return f"mooncake.store does not import: {e}"
+    bindir = Path(sys.executable).parent
+    for b in ("mooncake_master", "mooncake_client"):
+        if not os.access(bindir / b, os.X_OK):
+            return f"{bindir / b} is missing"
+    return None
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from kvcellard_process import Daemons
 
@@ -196,6 +275,15 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         files.mkdir()
         row = measure(args, "file", lambda e: {"file_storage_path": str(files)})
         rows.append(row)
+        if "mooncake" in args.backends:
+            why = mooncake_available()
+            if why is not None:
+                raise RuntimeError(f"mooncake: {why} (--backends kvcellar,file leaves it out)")
+            node = MooncakeNode(tmp, args.pool_mib)
+            try:
+                rows.append(measure(args, "mooncake", lambda e: node.config()))
+            finally:
+                node.close()
         return rows
     finally:
         daemons.close()
@@ -211,7 +299,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--pool-mib", type=int, default=2048, help="kvcellard's pool")
+    ap.add_argument("--pool-mib", type=int, default=2048,
+                    help="kvcellard's pool, and Mooncake's node segment")
+    ap.add_argument("--backends", default="kvcellar,file,mooncake",
+                    help="kvcellar and file always run; mooncake when listed")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)

@@ -39,8 +39,9 @@ def test_json_rows():
 PEERS = ROOT / "client" / "python" / "bench" / "bench_sglang_peers.py"
 
 
-def test_peers_bench_finds_every_page_with_both_backends():
-    """bench_sglang_peers.py, smoke-sized: kvcellar and SGLang's file backend under SGLang's
+def test_peers_bench_finds_every_page_with_every_backend():
+    """bench_sglang_peers.py, smoke-sized: kvcellar, SGLang's file backend and Mooncake's store
+    (its master and a standalone client holding the node's segment, over TCP) under SGLang's
     HiCacheController each find every page on a second engine and after an engine restart,
     restore the long prompt whole, and every prefetched page equals what was written."""
     proc = subprocess.run([sys.executable, str(PEERS), "--prompts", "2", "--prompt-pages", "8",
@@ -48,7 +49,7 @@ def test_peers_bench_finds_every_page_with_both_backends():
                            "--json"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(proc.stdout[proc.stdout.index("["):])
-    assert [r["backend"] for r in rows] == ["kvcellar", "file"]
+    assert [r["backend"] for r in rows] == ["kvcellar", "file", "mooncake"]
     for r in rows:
         assert r["second_engine_found"] == 1.0 and r["after_restart_found"] == 1.0, r
         assert r["restore_found"] == 1.0 and r["mismatched_pages"] == 0, r

@@ -100,7 +100,7 @@ TEST_F(ConfigTest, DefaultsMatchTheSpec) {
   EXPECT_EQ(c.pool.shm_name, "");
   EXPECT_DOUBLE_EQ(c.pool.high_watermark, 0.95);
   EXPECT_DOUBLE_EQ(c.pool.low_watermark, 0.90);
-  EXPECT_EQ(c.eviction.policy, EvictionPolicy::kS3Fifo);
+  EXPECT_EQ(c.eviction.policy, EvictionPolicy::kAdaptive);
   EXPECT_EQ(c.sessions.lease_ms, 10000);
   EXPECT_EQ(c.sessions.pin_lease_ms, 30000);
   EXPECT_EQ(c.device.kind, DeviceKind::kAuto);
@@ -523,7 +523,7 @@ TEST_F(ConfigTest, OverridePrecedence) {
   ASSERT_TRUE(from_file.ok()) << from_file.status();
   EXPECT_EQ(from_file->log.level, platform::LogLevel::kWarn);
   EXPECT_EQ(from_file->pool.capacity, 2 * kGiB);
-  EXPECT_EQ(from_file->eviction.policy, EvictionPolicy::kS3Fifo);  // Default.
+  EXPECT_EQ(from_file->eviction.policy, EvictionPolicy::kAdaptive);  // Default.
 
   absl::StatusOr<Config> c = LoadConfig(
       file, {"log.level=error", "pool.capacity=3GiB", "log.level=debug", "eviction.policy=lru"});
