@@ -2,15 +2,20 @@
 0.5.23's own HiCacheController as a scheduler drives it (#29 item 2), in one run, same host pools,
 same prompts.
 
-Per backend, with fresh controllers (an "engine" is a HiCacheController over its own host pool):
-    backup      engine A write_storage()s every prompt's pages (the controller's own backup path:
-                kvcellar's zero-copy batch_set_v1, the file backend's page-by-page batch_set)
-                until each op is acknowledged; pages/s and GB/s
-    second      engine B, a second engine of the same model, prefetches every prompt through the
-                controller (prefetch, hit query, host buffers, transfer): share of the pages it
-                found, GB/s
+The workload is multi-turn, as kvcellar-bench's and SGLang HiCache's own benchmark: C
+conversations of R rounds, each round adding P pages to its conversation, served round-robin
+(every conversation's round r before any round r+1). Per backend, with fresh controllers (an
+"engine" is a HiCacheController over its own host pool):
+    backup      engine A write_storage()s each round's new pages as the radix node under the
+                conversation so far (prefix_keys: the earlier rounds' page hashes), with the
+                controller's own backup path (kvcellar's zero-copy batch_set_v1, the file
+                backend's page-by-page batch_set, Mooncake's batch put), until each op is
+                acknowledged; pages/s and GB/s
+    second      engine B, a second engine of the same model, prefetches every conversation's
+                whole history (R x P pages) through the controller (prefetch, hit query, host
+                buffers, transfer): share of the pages it found, GB/s
     restart     engine A is closed and made again (an engine restart), then prefetches every
-                prompt: share found
+                conversation: share found
     restore     the time for engine B to prefetch a 16K-token prompt (1,024 pages of 16 tokens)
                 into its host pool, from the prefetch call to the last acknowledgement
 Every prefetched page is compared with what engine A wrote.
@@ -30,7 +35,8 @@ its own segment takes the pages stored there with it when it stops.) The package
     .venv-sglang/bin/python client/python/bench/bench_sglang_peers.py --json
 
 Default geometry: 4 layers of 8 KV heads of 128, bf16, 16-token pages: 256 KiB per page;
-32 prompts of 64 pages (512 MiB), and the 16K-token prompt (256 MiB).
+32 conversations of 4 rounds of 16 pages (2,048 pages, 512 MiB), and the 16K-token prompt
+(256 MiB).
 """
 
 from __future__ import annotations
@@ -75,7 +81,8 @@ class Engine:
 
     def __init__(self, args: argparse.Namespace, backend: str, config: dict[str, Any]) -> None:
         self.page = args.page_size
-        tokens = max(args.prompt_pages, args.restore_tokens // args.page_size) * self.page * 2
+        tokens = max(args.rounds * args.round_pages,
+                     args.restore_tokens // args.page_size) * self.page * 2
         dev = MHATokenToKVPool(tokens, self.page, torch.bfloat16, args.heads, args.head_dim,
                                args.layers, "cpu", False, start_layer=0, end_layer=args.layers)
         with host_memory_budget_scope(psutil.virtual_memory().available):
@@ -119,30 +126,38 @@ def measure(args: argparse.Namespace, backend: str,
             config: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
     """`config(engine)`: the backend's extra config for engine "a" (and its restart) or "b"."""
     rng = np.random.default_rng(args.seed)
-    prompts = [rng.integers(0, 50000, args.prompt_pages * args.page_size).tolist()
-               for _ in range(args.prompts)]
+    round_tokens = args.round_pages * args.page_size
+    # Conversation c's tokens, round by round.
+    convs = [rng.integers(0, 50000, args.rounds * round_tokens).tolist()
+             for _ in range(args.clients)]
     restore = rng.integers(0, 50000, args.restore_tokens).tolist()
     a = Engine(args, backend, config("a"))
-    # Untimed warm-up, the same for both: one prompt backed up (kvcellar's session registers on
-    # first use; the file backend makes its directory).
-    warm = rng.integers(0, 50000, args.prompt_pages * args.page_size).tolist()
-    widx = a.write(args.prompt_pages, seed=999)
+    # Untimed warm-up, the same for every backend: one round backed up (kvcellar's session
+    # registers on first use; the file backend makes its directory).
+    warm = rng.integers(0, 50000, round_tokens).tolist()
+    widx = a.write(args.round_pages, seed=999)
     if a.backup(widx, warm) != len(warm):
         raise RuntimeError(f"{backend}: the warm-up backup is incomplete")
     a.host.free(widx)
-    written = {}
+    written: dict[int, list] = {c: [] for c in range(args.clients)}
+    prefix: dict[int, list] = {c: [] for c in range(args.clients)}
     # Only the controller's calls are timed: filling the host slots (the engine's device->host
     # copy) and keeping the pages to compare are not.
     backup_s = 0.0
-    for i, tokens in enumerate(prompts):
-        idx = a.write(args.prompt_pages, seed=i)
-        written[i] = a.pages(idx)
-        t0 = time.perf_counter()
-        saved = a.backup(idx, tokens)
-        backup_s += time.perf_counter() - t0
-        if saved != len(tokens):
-            raise RuntimeError(f"{backend}: backup of prompt {i} incomplete")
-        a.host.free(idx)
+    for r in range(args.rounds):
+        for c in range(args.clients):
+            tokens = convs[c][r * round_tokens:(r + 1) * round_tokens]
+            idx = a.write(args.round_pages, seed=r * args.clients + c)
+            written[c] += a.pages(idx)
+            t0 = time.perf_counter()
+            saved, hashes = controller_backup(a.ctl, idx, tokens, a.page, prefix_keys=prefix[c],
+                                              timeout=OP_TIMEOUT_S)
+            backup_s += time.perf_counter() - t0
+            if saved != len(tokens):
+                raise RuntimeError(f"{backend}: backup of round {r} of conversation {c} "
+                                   f"incomplete ({saved} of {len(tokens)} tokens)")
+            prefix[c] += hashes
+            a.host.free(idx)
     ridx = a.write(len(restore) // args.page_size, seed=77)
     restore_pages = a.pages(ridx)
     if a.backup(ridx, restore) != len(restore):
@@ -151,14 +166,14 @@ def measure(args: argparse.Namespace, backend: str,
 
     def fetch_all(engine: Engine) -> tuple[int, float, int]:
         found, mismatched, fetch_s = 0, 0, 0.0
-        for i, tokens in enumerate(prompts):
+        for c in range(args.clients):
             t = time.perf_counter()
-            done, idx = engine.prefetch(tokens)
+            done, idx = engine.prefetch(convs[c])
             fetch_s += time.perf_counter() - t
             found += done // args.page_size
             if idx is not None:
                 got = engine.pages(idx[:done])
-                mismatched += sum(not torch.equal(x, y) for x, y in zip(got, written[i]))
+                mismatched += sum(not torch.equal(x, y) for x, y in zip(got, written[c]))
                 engine.host.free(idx)
         return found, fetch_s, mismatched
 
@@ -177,7 +192,7 @@ def measure(args: argparse.Namespace, backend: str,
     a2 = Engine(args, backend, config("a"))
     found_r, _, bad_a = fetch_all(a2)
     a2.close()
-    total = args.prompts * args.prompt_pages
+    total = args.clients * args.rounds * args.round_pages
     gb = total * a.page_bytes / 1e9
     return {"backend": backend, "page_bytes": a.page_bytes, "pages": total,
             "backup_pages_per_s": total / backup_s, "backup_gb_per_s": gb / backup_s,
@@ -292,8 +307,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--prompt-pages", type=int, default=64)
+    ap.add_argument("--clients", type=int, default=32, help="conversations")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds per conversation")
+    ap.add_argument("--round-pages", type=int, default=16, help="new pages per round")
     ap.add_argument("--restore-tokens", type=int, default=16384)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--layers", type=int, default=4)
@@ -311,7 +327,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps(rows, indent=1))
     else:
         r0 = rows[0]
-        print(f"{args.prompts} prompts of {args.prompt_pages} pages of "
+        print(f"{args.clients} conversations x {args.rounds} rounds x {args.round_pages} pages of "
               f"{r0['page_bytes'] / 2**10:.0f} KiB, and a {args.restore_tokens}-token prompt; "
               "SGLang 0.5.23's HiCacheController")
         print("| backend | backup pages/s | backup GB/s | second engine found | prefetch GB/s "

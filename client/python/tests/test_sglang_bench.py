@@ -40,11 +40,14 @@ PEERS = ROOT / "client" / "python" / "bench" / "bench_sglang_peers.py"
 
 
 def test_peers_bench_finds_every_page_with_every_backend():
-    """bench_sglang_peers.py, smoke-sized: kvcellar, SGLang's file backend and Mooncake's store
-    (its master and a standalone client holding the node's segment, over TCP) under SGLang's
-    HiCacheController each find every page on a second engine and after an engine restart,
-    restore the long prompt whole, and every prefetched page equals what was written."""
-    proc = subprocess.run([sys.executable, str(PEERS), "--prompts", "2", "--prompt-pages", "8",
+    """bench_sglang_peers.py, smoke-sized (2 conversations x 2 rounds of 4 pages, each round
+    backed up under the earlier ones): kvcellar, SGLang's file backend and Mooncake's store (its
+    master and a standalone client holding the node's segment, over TCP) under SGLang's
+    HiCacheController each find every page of every conversation on a second engine and after an
+    engine restart, restore the long prompt whole, and every prefetched page equals what was
+    written."""
+    proc = subprocess.run([sys.executable, str(PEERS), "--clients", "2", "--rounds", "2",
+                           "--round-pages", "4",
                            "--restore-tokens", "1024", "--layers", "2", "--pool-mib", "256",
                            "--json"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -149,8 +149,8 @@ struct MatchFixture {
     index->Commit(objs, absl::MakeSpan(st));
   }
   static MatchFixture& Get(EvictionPolicyKind policy, Layout layout = kSequential) {
-    static MatchFixture* fixtures[2][3] = {};
-    MatchFixture*& f = fixtures[policy == EvictionPolicyKind::kLru][layout];
+    static MatchFixture* fixtures[3][3] = {};
+    MatchFixture*& f = fixtures[static_cast<int>(policy)][layout];
     if (f == nullptr) f = new MatchFixture(policy, layout);
     return *f;
   }
@@ -181,6 +181,7 @@ void BM_Match2048(benchmark::State& state) {
 }
 BENCHMARK(BM_Match2048)
     ->ArgNames({"policy", "pin", "layout"})
+    ->Args({int(EvictionPolicyKind::kAdaptive), 0, kSequential})
     ->Args({int(EvictionPolicyKind::kS3Fifo), 0, kSequential})
     ->Args({int(EvictionPolicyKind::kLru), 0, kSequential})
     ->Args({int(EvictionPolicyKind::kS3Fifo), 1, kSequential})
