@@ -290,7 +290,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         files.mkdir()
         row = measure(args, "file", lambda e: {"file_storage_path": str(files)})
         rows.append(row)
-        if "mooncake" in args.backends:
+        if "mooncake" in args.backends.split(","):
             why = mooncake_available()
             if why is not None:
                 raise RuntimeError(f"mooncake: {why} (--backends kvcellar,file leaves it out)")

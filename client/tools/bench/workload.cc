@@ -78,13 +78,16 @@ std::vector<std::vector<uint64_t>> Workload::Chains() const {
 
 uint64_t Workload::PromptTokens(uint64_t request) const {
   if (shape_ != nullptr) return shape_->trace.requests[request].tokens;
-  const uint64_t round = request % spec_.rounds;
-  return spec_.system_prompt_tokens + round * (spec_.new_tokens + spec_.output_tokens) +
+  return RoundPromptTokens(static_cast<uint32_t>(request % spec_.rounds));
+}
+
+uint64_t Workload::RoundPromptTokens(uint32_t round) const {
+  return spec_.system_prompt_tokens + uint64_t{round} * (spec_.new_tokens + spec_.output_tokens) +
          spec_.new_tokens;
 }
 
 uint64_t Workload::ComputedTokens(uint32_t round) const {
-  return PromptTokens(round) + spec_.output_tokens - 1;
+  return RoundPromptTokens(round) + spec_.output_tokens - 1;
 }
 
 std::vector<uint32_t> Workload::Tokens(uint64_t request) const {
@@ -99,7 +102,7 @@ std::vector<uint32_t> Workload::Tokens(uint64_t request) const {
   }
   const uint64_t client = request / spec_.rounds;
   const uint32_t round = static_cast<uint32_t>(request % spec_.rounds);
-  t.reserve(PromptTokens(round) + spec_.output_tokens);
+  t.reserve(RoundPromptTokens(round) + spec_.output_tokens);
   AppendStream(spec_.seed, 0, spec_.system_prompt_tokens, &t);
   for (uint32_t r = 0; r <= round; ++r) {
     // Streams 1, 2, ...: (client, round, new or output), all distinct.

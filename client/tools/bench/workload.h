@@ -82,7 +82,9 @@ class Workload {
 
  private:
   explicit Workload(const WorkloadSpec& spec) : spec_(spec) {}
-  // Multi-turn: request = client * rounds + round.
+  // Multi-turn (request = client * rounds + round): round `round`'s prompt tokens, and the
+  // tokens whose KV the engine holds after it.
+  uint64_t RoundPromptTokens(uint32_t round) const;
   uint64_t ComputedTokens(uint32_t round) const;
 
   WorkloadSpec spec_;
