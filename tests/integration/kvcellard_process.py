@@ -9,6 +9,7 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
 
 BIN_DIR = os.environ.get("KVCELLAR_BIN_DIR", os.path.join(os.path.dirname(__file__), "../../build/bin"))
 KVCELLARD = os.path.join(BIN_DIR, "kvcellard")
@@ -163,5 +164,17 @@ try:
     @pytest.fixture
     def daemon(daemon_factory):
         return daemon_factory()
+
+    @pytest.fixture
+    def pool_shm_name():
+        """A unique pool.shm_name for a daemon whose pool is to survive its restarts; the pool,
+        its journal and its label log are removed after the test."""
+        name = f"kvc-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        yield name
+        for suffix in ("", ".journal", ".labels"):
+            try:
+                os.unlink(f"/dev/shm/{name}{suffix}")
+            except FileNotFoundError:
+                pass
 except ImportError:  # a script without pytest
     pass

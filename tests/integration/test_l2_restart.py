@@ -19,7 +19,6 @@ import struct
 import subprocess
 import threading
 import time
-import uuid
 
 import pytest
 
@@ -37,14 +36,8 @@ STATE_COMMITTED = 2
 
 
 @pytest.fixture
-def shm_name():
-    name = f"kvc-l2it-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    yield name
-    for path in (f"/dev/shm/{name}", f"/dev/shm/{name}.journal"):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+def shm_name(pool_shm_name):
+    return pool_shm_name
 
 
 def daemon_args(shm, tier_dir=None, capacity="64MiB"):

@@ -26,7 +26,6 @@ import struct
 import subprocess
 import tarfile
 import time
-import uuid
 
 import pytest
 import yaml
@@ -41,14 +40,8 @@ OBJECT_VERSION_OFFSET = 8   # storage/object_format.h: u16 after the 8-byte magi
 
 
 @pytest.fixture
-def shm_name():
-    name = f"kvc-upgrade-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    yield name
-    for suffix in ("", ".journal", ".labels"):
-        try:
-            os.unlink(f"/dev/shm/{name}{suffix}")
-        except FileNotFoundError:
-            pass
+def shm_name(pool_shm_name):
+    return pool_shm_name
 
 
 def daemon_args(shm, l3):

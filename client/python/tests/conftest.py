@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 sys.path.insert(0, str(ROOT / "client" / "python"))
 
-from kvcellard_process import BIN_DIR, Daemons, daemon, daemon_factory  # noqa: E402,F401
+from kvcellard_process import (BIN_DIR, Daemons, daemon, daemon_factory,  # noqa: E402,F401
+                               pool_shm_name)
 
 GOLDEN_KEYS = ROOT / "tests" / "data" / "keys_golden.json"
 
