@@ -455,7 +455,8 @@ class LmcacheInprocPair(Pair):
                 "remote_storage_plugin.kvcellar.instance_id": "bench-lmcache-inproc"}})
         meta = LMCacheMetadata(model_name="bench-inproc", world_size=1, local_world_size=1,
                                worker_id=0, local_worker_id=0, kv_dtype=torch.float32,
-                               kv_shape=(LMC_LAYERS, 2, BLOCK_TOKENS, HEADS, kib))
+                               kv_shape=(LMC_LAYERS, 2, BLOCK_TOKENS, HEADS, kib),
+                               chunk_size=BLOCK_TOKENS)
         self.engine_name = f"bench-inproc-{os.getpid()}"
         self.engine = LMCacheEngineBuilder.get_or_create(
             self.engine_name, cfg, meta, MockGPUConnector((LMC_LAYERS, 2, 2 * n, HEADS, kib)),

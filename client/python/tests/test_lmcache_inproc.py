@@ -71,7 +71,8 @@ def _engine(socket: str, extra: dict, name: str):
                          "remote_storage_plugin.kvcellar.socket": socket,
                          "remote_storage_plugin.kvcellar.io_timeout_ms": 2000, **extra}})
     meta = LMCacheMetadata(model_name="lmc-test", world_size=1, local_world_size=1, worker_id=0,
-                           local_worker_id=0, kv_dtype=torch.float32, kv_shape=(L, 2, CHUNK, H, D))
+                           local_worker_id=0, kv_dtype=torch.float32, kv_shape=(L, 2, CHUNK, H, D),
+                           chunk_size=CHUNK)
     gc = CpuKv()
     eng = LMCacheEngineBuilder.get_or_create(name, cfg, meta, gc, lambda t, r: None,
                                             lambda o, r: o)
