@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -398,3 +399,42 @@ def test_the_way_in(daemon, env):
 
     cls = kvc_aibrix.offloading_connector_class(Base, "KvcellarOffloadingConnector")
     assert issubclass(cls, Base) and cls("cfg", "worker").args == ("cfg", "worker")
+
+
+def test_a_slot_is_not_reused_while_the_daemon_may_still_read_it(daemon_factory, env):
+    """A put whose Backup has not ended when the connector stops waiting (io 0 ms, 32 MiB
+    objects) keeps its slot out of use until the daemon ends it: the next put takes another
+    slot instead of overwriting bytes the daemon is still copying, so what is stored under the
+    first key is that object's bytes, never the next one's."""
+    big = spec(head_size=1 << 17)  # 16 tokens x 2 heads x 2 layers x 128 Ki x K, V x bf16
+    daemon = daemon_factory(args=["--set", "pool.capacity=512MiB"])
+    env(aibrix_env(daemon.socket, zero_copy=False, arena_mb=160,
+                   AIBRIX_KV_CACHE_OL_KVCELLAR_IO_TIMEOUT_MS="0"))
+    writer = manager(big)
+    env(aibrix_env(daemon.socket, zero_copy=False, arena_mb=160,
+                   AIBRIX_KV_CACHE_OL_KVCELLAR_INSTANCE_ID="reader"))
+    reader = manager(big)
+    w, r = writer._l2_cache._backend, reader._l2_cache._backend
+    assert w.session.wait_active(5000) and r.session.wait_active(5000)
+
+    def run(m, coro):
+        return asyncio.run_coroutine_threadsafe(coro, m._event_loop).result()
+
+    x, y = _plain_region(w.object_bytes), _plain_region(w.object_bytes)
+    x.slab.fill_(0x11)
+    y.slab.fill_(0x22)
+    seen = 0
+    for trial in range(4):
+        kx, ky = b"x%d" % trial, b"y%d" % trial
+        run(writer, w.put(kx, x))
+        run(writer, w.put(ky, y))
+        got = _plain_region(w.object_bytes)
+        deadline = time.time() + 10
+        while not run(reader, r.get(kx, got)).is_ok() and time.time() < deadline:
+            time.sleep(0.05)
+        if time.time() < deadline:
+            seen += 1
+            assert torch.all(got.slab[:w.object_bytes] == 0x11), f"trial {trial}: other bytes"
+    assert seen, "no put of x was ever stored"
+    writer.close()
+    reader.close()

@@ -31,6 +31,7 @@ from framework_util import require  # noqa: E402
 
 require("lmcache")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -394,11 +395,17 @@ def test_mp_server_end_to_end(daemon_factory, shm_name, tmp_path):
         # Server B, a fresh process whose L1 never held them: served from kvcellard.
         eb = _Engine(b)
         engines.append(eb)
-        loads = _metric(d, "kvcellar_op_pages_total", kind="load", status="ok")
-        hit, ok, got = eb.retrieve(1)
-        assert (hit, ok) == (chunks, True)
-        assert _same(got, data)
-        assert _metric(d, "kvcellar_op_pages_total", kind="load", status="ok") == loads + chunks
+
+        def retrieve_from_kvcellar():
+            """B retrieves request 1 byte-exact, every chunk loaded from kvcellard's pool."""
+            loads = _metric(d, "kvcellar_op_pages_total", kind="load", status="ok")
+            hit, ok, got = eb.retrieve(1)
+            assert (hit, ok) == (chunks, True)
+            assert _same(got, data)
+            assert _metric(d, "kvcellar_op_pages_total", kind="load", status="ok") == \
+                loads + chunks
+
+        retrieve_from_kvcellar()
 
         # kvcellard warm restart; B's L1 cleared: B's adapter registers again by itself and the
         # chunks come from the surviving pool.
@@ -411,11 +418,7 @@ def test_mp_server_end_to_end(daemon_factory, shm_name, tmp_path):
             b.clear_l1()
             time.sleep(0.2)
         b.clear_l1()
-        loads = _metric(d, "kvcellar_op_pages_total", kind="load", status="ok")
-        hit, ok, got = eb.retrieve(1)
-        assert (hit, ok) == (chunks, True)
-        assert _same(got, data)
-        assert _metric(d, "kvcellar_op_pages_total", kind="load", status="ok") == loads + chunks
+        retrieve_from_kvcellar()
 
         # kvcellard down: a lookup of chunks only kvcellard held is a miss; the server still
         # stores and serves from its L1.
@@ -441,3 +444,41 @@ def test_mp_server_end_to_end(daemon_factory, shm_name, tmp_path):
             s.stop()
         for s in servers:
             s.wait_stopped()
+
+
+def test_a_slot_is_not_reused_while_the_daemon_may_still_read_it(daemon_factory):
+    """A put whose Backup has not ended when the adapter stops waiting (io_timeout_ms 0) keeps
+    its slot out of use until it ends: the next put gets no slot rather than overwriting the
+    bytes the daemon is still copying, and what a reader gets under the first key is never the
+    second object's bytes (nor a mix)."""
+    from kvcellar import Client, Namespace
+    from kvcellar.integrations.lmcache import ObjectStore, object_digest
+
+    d = daemon_factory(args=["--set", "pool.capacity=512MiB"])
+    size = 48 << 20  # large enough that the daemon's copy outlasts a zero wait
+    ns = Namespace("lmc-race", "r", "int8", 1, layout="mla", tp_size=1, opaque_keys=True)
+    with Client(d.socket) as ca, Client(d.socket) as cb:
+        writer = ObjectStore(ca, ns, "writer", size, 1, 0, None, "none", 0)
+        reader = ObjectStore(cb, ns, "reader", size, 1, 5000, None, "none", 0)
+        assert writer.session.wait_active(5000) and reader.session.wait_active(5000)
+        x, y = np.full(size, 0x11, np.uint8), np.full(size, 0x22, np.uint8)
+        seen = 0
+        for trial in range(4):
+            kx, ky = object_digest(f"x{trial}"), object_digest(f"y{trial}")
+            writer.put([kx], [memoryview(x)])
+            writer.put([ky], [memoryview(y)])
+            got = {}
+
+            def deliver(i, data, meta):
+                got[i] = np.frombuffer(data, np.uint8).copy()
+                return True
+
+            deadline = time.time() + 10
+            while not reader.get([kx], deliver)[0] and time.time() < deadline:
+                time.sleep(0.05)
+            if 0 in got:
+                seen += 1
+                assert np.array_equal(got[0], x), f"trial {trial}: key x served other bytes"
+        assert seen, "no put of x was ever stored"
+        writer.close()
+        reader.close()

@@ -339,3 +339,43 @@ def test_calls_larger_than_one_daemon_batch(daemon_factory):
     store.wait(store.load_data(ids, [0] * n, block_addrs(caches, range(n))))
     assert all(torch.equal(g, w) for g, w in zip(read(caches, range(n)), want))
     store.close()
+
+
+def test_wait_returns_only_once_the_daemon_no_longer_touches_the_blocks(daemon):
+    """UCM reuses a block as soon as ``wait`` returns or raises, and the daemon's Backups cannot
+    be cancelled: a dump whose wait runs out of time (io 0 ms, RPCs of 2 ms, 32 MiB blocks) must
+    still end before ``wait`` comes back, so the engine's next bytes in that block never reach
+    what another engine loads under the first block's id."""
+    heads, dim = 128, 1024  # 16 tokens: 4 MiB per tensor-block, 8 tensors: 32 MiB per block
+    ca = kv_caches(num_blocks=4, heads=heads, head_dim=dim)
+    cb = kv_caches(num_blocks=4, heads=heads, head_dim=dim)
+    a = KvcellarStore(ucm_config(ca, daemon.socket, kvcellar_io_timeout_ms=0,
+                                 kvcellar_rpc_timeout_ms=2))
+    cfg_b = ucm_config(cb, daemon.socket)
+    cfg_b["unique_id"] = "engine-b"
+    b = KvcellarStore(cfg_b)
+    assert a.session.wait_active(5000) and b.session.wait_active(5000)
+    loaded = 0
+    for trial in range(5):
+        bid = bytes([trial + 1]) * 16
+        for t in tensors_of(ca):
+            t[0].fill_(1.0)  # block 0: request X's KV
+        try:
+            a.wait(a.dump_data([bid], [0], block_addrs(ca, [0])))
+        except (RuntimeError, StoreUnhealthyError):
+            pass  # a failed dump is fine; what it may have stored must be X's bytes
+        for t in tensors_of(ca):
+            t[0].fill_(2.0)  # UCM gives block 0 to request Y
+        for t in tensors_of(cb):
+            t[0].zero_()
+        if b.lookup([bid])[0]:
+            try:
+                b.wait(b.load_data([bid], [0], block_addrs(cb, [0])))
+            except StoreNotFoundError:
+                continue  # still being written when looked up: a miss, which UCM recomputes
+            assert all(bool((t[0] == 1.0).all()) for t in tensors_of(cb)), \
+                f"trial {trial}: block {bid.hex()} served bytes other than request X's"
+            loaded += 1
+    a.close()
+    b.close()
+    assert loaded, "no dump was ever stored"

@@ -86,6 +86,7 @@ from ..client import BackupSeq, Client, LoadSeq, Session
 from ..keys import Namespace
 from ..layout import Buffer, KvLayout, Region, kv_dtype_for
 from ._options import parse_options
+from ._settle import Quarantine, keep_out
 
 AIBRIX_VERSION = "0.8.0"  # the aibrix-kvcache Connector this module implements
 BACKEND_NAME = "KVCELLAR"  # AIBRIX_KV_CACHE_OL_L2_CACHE_BACKEND (AIBrix upper-cases it)
@@ -165,13 +166,15 @@ class Arena:
     KvLayout whose block b is slot b (one buffer: the object's bytes in order). The free list is
     thread-safe; a slot belongs to one operation from take to give."""
 
-    def __init__(self, slot_bytes: int, num_slots: int, pin: bool) -> None:
+    def __init__(self, slot_bytes: int, num_slots: int, pin: bool, grace_ms: int) -> None:
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
         self.tensor = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, pin_memory=pin)
         self.base = int(self.tensor.data_ptr())
         self._free = list(range(num_slots - 1, -1, -1))
         self._lock = threading.Lock()
+        # Slots of ops that did not end in time: out of use until they do (_settle).
+        self.quarantine = Quarantine(self._give_now)
 
     def layout(self, tokens_per_block: int) -> KvLayout:
         nbytes = self.slot_bytes * self.num_slots
@@ -193,6 +196,10 @@ class Arena:
             return out[::-1]
 
     def give(self, slots: Sequence[int]) -> None:
+        """Back to the free list, but for the slots the quarantine holds (it gives them)."""
+        self._give_now(keep_out(self.quarantine, slots))
+
+    def _give_now(self, slots: Sequence[int]) -> None:
         with self._lock:
             self._free.extend(slots)
 
@@ -342,7 +349,8 @@ class KvcellarConnector(Connector[bytes, torch.Tensor], AsyncBase):
                 return Status.ok()
             o = self.options
             try:
-                self.arena = Arena(self.object_bytes, self._slots, torch.cuda.is_available())
+                self.arena = Arena(self.object_bytes, self._slots, torch.cuda.is_available(),
+                                   o.io_timeout_ms)
                 self.client = Client(o.socket, rpc_timeout_ms=o.rpc_timeout_ms,
                                      register_timeout_ms=o.register_timeout_ms)
                 self.session = self.client.register(
@@ -407,6 +415,20 @@ class KvcellarConnector(Connector[bytes, torch.Tensor], AsyncBase):
         limit = s.info().max_batch_sequences if s is not None else 0
         return max(1, min(limit or n, n))
 
+    def _outcome(self, op: Any, slots: Sequence[int]) -> Optional[Any]:
+        """The op's status once it has ended within io_timeout_ms, else None with ``slots``
+        quarantined until it ends (the daemon may still read or write them)."""
+        st = op.wait(self.options.io_timeout_ms) if op.ok else None
+        if st is not None and st.terminal:
+            return st
+        self.arena.quarantine.hold([op], slots)
+        return None
+
+    def _take(self, n: int) -> List[int]:
+        """Up to ``n`` free slots, after taking back those whose ops have ended."""
+        self.arena.quarantine.reap(self.session)
+        return self.arena.take(n)
+
     def _load(self, s: Session, keys: Sequence[Any], slots: Sequence[int]) -> List[bool]:
         """Loads keys[i] into slots[i]: per object, whether it landed."""
         out: List[bool] = []
@@ -416,7 +438,7 @@ class KvcellarConnector(Connector[bytes, torch.Tensor], AsyncBase):
             arr = _keys_array(ks)
             op = s.load([LoadSeq(arr[i:i + 1], np.array([ss[i]], np.uint32))
                          for i in range(len(ks))], layerwise=False)
-            st = op.wait(self.options.io_timeout_ms) if op.ok else None
+            st = self._outcome(op, ss)
             if st is None or not st.done:
                 log.debug("kvcellar: load of %d objects: %s", len(ks),
                           op.reason if st is None else st.reason or st.state)
@@ -435,7 +457,7 @@ class KvcellarConnector(Connector[bytes, torch.Tensor], AsyncBase):
             op = s.backup([BackupSeq(arr[i:i + 1], np.array([ss[i]], np.uint32))
                            for i in range(len(ks))], ready=False,
                           write_policy=self.options.write_policy)
-            st = op.wait(self.options.io_timeout_ms) if op.ok else None
+            st = self._outcome(op, ss)
             if st is None or not st.done:
                 why = op.reason if st is None else st.reason or st.state
                 out.extend([_error(f"backup: {why}")] * len(ks))
@@ -551,7 +573,7 @@ class KvcellarConnector(Connector[bytes, torch.Tensor], AsyncBase):
                 else:
                     todo.append((i, view))
             while todo:
-                slots = self.arena.take(len(todo))
+                slots = self._take(len(todo))
                 if not slots:
                     for i, _ in todo:
                         out[i] = Status(StatusCodes.OUT_OF_MEMORY, "kvcellar: arena is full")
@@ -580,7 +602,7 @@ class KvcellarConnector(Connector[bytes, torch.Tensor], AsyncBase):
             return bad
         if self.arena is None:
             return _error("connector is not open")
-        slots = self.arena.take(1)
+        slots = self._take(1)
         if slots:
             return Status.ok(SlotRegion(self.arena, slots[0], bytes(key), int(length)))
         return Status.ok(SpillRegion(bytes(key), int(length)))
@@ -590,7 +612,7 @@ class KvcellarConnector(Connector[bytes, torch.Tensor], AsyncBase):
         if not mr.finish():
             return None
         if isinstance(mr, SpillRegion):
-            slots = self.arena.take(1)
+            slots = self._take(1)
             if not slots:
                 log.warning("kvcellar: seal: arena is full: an object was not stored")
                 return None
@@ -617,7 +639,7 @@ class KvcellarConnector(Connector[bytes, torch.Tensor], AsyncBase):
         s, err = self._live()
         if s is None:
             return err
-        slots = self.arena.take(1)
+        slots = self._take(1)
         if not slots:
             return Status(StatusCodes.OUT_OF_MEMORY, "kvcellar: arena is full")
         try:

@@ -70,6 +70,7 @@ import os
 import queue
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -81,6 +82,7 @@ from ..client import Client, LoadSeq, BackupSeq, Session
 from ..keys import Namespace
 from ..layout import Buffer, KvLayout, Region, kv_dtype_for
 from ._options import parse_options
+from ._settle import Quarantine, keep_out
 
 LMCACHE_VERSION = "0.5.6"  # the RemoteConnector and native L2 client contracts implemented here
 
@@ -132,29 +134,58 @@ class ObjectStore:
                                                 engine_name=f"lmcache-{LMCACHE_VERSION}")
         self._free = list(range(slots))
         self._cv = threading.Condition()
+        # Slots of ops that did not end in time stay out of use until they do (_settle).
+        self._quarantine = Quarantine(self._give_now)
 
     # Slots: a batch takes up to all of them; a larger batch goes in rounds.
     def _take(self, n: int) -> list[int]:
-        with self._cv:
-            while not self._free:
-                self._cv.wait()
-            got, self._free = self._free[:n], self._free[n:]
-            return got
+        """Up to ``n`` free slots, waiting up to io_timeout_ms for one; [] if none came."""
+        deadline = time.monotonic() + self.io_timeout_ms / 1000
+        while True:
+            self._quarantine.reap(self.session)
+            with self._cv:
+                if self._free:
+                    got, self._free = self._free[:n], self._free[n:]
+                    return got
+                if time.monotonic() >= deadline:
+                    return []
+                self._cv.wait(0.05)
 
-    def _give(self, slots: list[int]) -> None:
+    def _give_now(self, slots: list[int]) -> None:
         with self._cv:
             self._free.extend(slots)
             self._cv.notify_all()
+
+    def _give(self, slots: list[int]) -> None:
+        self._give_now(keep_out(self._quarantine, slots))
 
     def _rounds(self, n: int) -> Any:
         i = 0
         while i < n:
             slots = self._take(n - i)
+            if not slots:
+                log.warning("kvcellar: no free slot in %d ms (%d held by ops the daemon has not "
+                            "ended)", self.io_timeout_ms, len(self._quarantine))
+                return
             try:
                 yield i, slots
             finally:
                 self._give(slots)
             i += len(slots)
+
+    def _outcome(self, op: Any, slots: list[int], what: str) -> Optional[Any]:
+        """The op's status once it has ended within io_timeout_ms, else None with ``slots`` held
+        until it ends (the daemon may still read or write them)."""
+        st = op.wait(self.io_timeout_ms) if op.ok else None
+        if st is not None and st.terminal:
+            if not st.done:
+                log.debug("kvcellar: %s of %d objects: %s", what, len(slots),
+                          st.reason or st.state)
+            return st
+        self._quarantine.hold([op], slots)
+        log.debug("kvcellar: %s of %d objects: %s", what, len(slots),
+                  op.reason if st is None else st.reason or st.state)
+        return None
 
     def put(self, digests: Sequence[bytes], views: Sequence[memoryview],
             metas: Optional[Sequence[bytes]] = None) -> list[bool]:
@@ -182,10 +213,8 @@ class ObjectStore:
                 if not seqs:
                     continue
                 op = self.session.backup(seqs, ready=False, write_policy=self.write_policy)
-                st = op.wait(self.io_timeout_ms) if op.ok else None
+                st = self._outcome(op, slots, "put")
                 if st is None or not st.done:
-                    log.debug("kvcellar: put of %d objects: %s", len(seqs),
-                              op.reason if st is None else st.reason or st.state)
                     continue
                 for i, n in zip(idx, st.leading_ok_pages):
                     ok[i] = n == 1
@@ -206,10 +235,8 @@ class ObjectStore:
                 for s in slots:  # a slot's stale header must never pass for a loaded one
                     self._np[s, :8] = 0
                 op = self.session.load(seqs, layerwise=False)
-                st = op.wait(self.io_timeout_ms) if op.ok else None
+                st = self._outcome(op, slots, "get")
                 if st is None or not st.done:
-                    log.debug("kvcellar: get of %d objects: %s", len(seqs),
-                              op.reason if st is None else st.reason or st.state)
                     continue
                 for j, (slot, n) in enumerate(zip(slots, st.leading_ok_pages)):
                     i = start + j
@@ -556,7 +583,13 @@ class KvcellarNativeClient:
 
     def close(self) -> None:
         self._jobs.put(None)
-        self._worker.join(timeout=10)
-        self.store.close()
-        self.client.close()
+        # A job ends within its io_timeout_ms (and a slot wait of as long): the session is
+        # closed only after it, never under a job still calling the daemon.
+        self._worker.join(timeout=10 + 3 * self.store.io_timeout_ms / 1000)
+        if self._worker.is_alive():
+            log.warning("kvcellar: MP adapter closed with a job still running; its session is "
+                        "left to lapse")
+        else:
+            self.store.close()
+            self.client.close()
         os.close(self._efd)

@@ -87,6 +87,7 @@ from ..client import Client, Session
 from ..keys import KvGroup, Namespace
 from ..layout import Buffer, KvLayout, Region, kv_dtype_for
 from ._options import parse_options
+from ._settle import may_run, settle
 
 SGLANG_VERSION = "0.5.23"  # the HiCacheStorage this module implements
 
@@ -512,6 +513,10 @@ class KvcellarStorage(HiCacheStorage):
             t0 = time.perf_counter()
             op = call(s, _keys_array(keys), np.ascontiguousarray(grid()).ravel())
             st = op.wait(self.options.io_timeout_ms) if op.ok else None
+            if (st is None or not st.terminal) and may_run(op):
+                # SGLang reuses the host slots once this returns, and the daemon's Loads and
+                # Backups cannot be cancelled: waited for until the op has ended (_settle).
+                st = settle(s, [op], self.options.io_timeout_ms, name)[0]
             ok = st.leading_ok_pages[0] if st is not None and st.done else 0
             if ok:
                 secs = max(time.perf_counter() - t0, 1e-9)

@@ -55,9 +55,13 @@ Semantics kept from UCM:
   it without blocking (True once it has ended, however), ``wait`` blocks until it ends and raises
   when it failed, as the pipeline store's ``Wait`` does: ``StoreNotFoundError`` when a block to
   load is not there (UCM's rank-consistency manager then marks it missing), RuntimeError for other
-  failures (a dump the daemon stored only in part, e.g. no pool space; a timeout, after which the
-  task's ops are cancelled; the daemon lost mid-op). A call of more blocks than the daemon takes
-  per request (``max_batch_sequences``) is split; its task covers every part.
+  failures (a dump the daemon stored only in part, e.g. no pool space; the daemon lost mid-op).
+  UCM reuses the blocks as soon as ``wait`` returns or raises, and the daemon's Loads and
+  Backups cannot be cancelled, so ``wait`` returns only once the daemon has ended them (past
+  ``kvcellar_io_timeout_ms`` it keeps waiting and logs; a daemon gone for that long counts as
+  ended), and so does a submission refused after others of the same call were accepted. A call
+  of more blocks than the daemon takes per request (``max_batch_sequences``) is split; its task
+  covers every part.
 - Dumping a block that exists succeeds and keeps the copy the daemon holds (ALREADY_PRESENT). The
   Posix store rewrites the file instead; with UCM's keys (equal id, equal tokens and model) both
   hold the same bytes.
@@ -92,6 +96,7 @@ from ..client import BackupSeq, Client, LoadSeq, Op, Session
 from ..keys import Namespace
 from ..layout import Buffer, KvLayout, Region, _cuda_identity
 from ._options import parse_options
+from ._settle import may_run, settle
 
 UCM_VERSION = "0.8.1"  # the UcmKVStoreBaseV1 this module implements
 
@@ -189,7 +194,9 @@ class KvColumns:
         # same for every layer (KVCacheLayout.tensor_size_list).
         if len(addrs) % len(tsl):
             raise ValueError(f"ucm_connector_config: tensor_size_list ({len(tsl)} entries) does "
-                             f"not describe {len(addrs)} KV buffers (gpu_kv_buffer_addrs)")
+                             f"not describe {len(addrs)} KV buffers (gpu_kv_buffer_addrs); a "
+                             "UCM block of several vLLM blocks (a chunk) is not served: "
+                             "kvcellar stores UCMDirectConnector's one block per id")
         block = np.tile(np.asarray(tsl, np.int64), len(addrs) // len(tsl))
         total = np.asarray(sizes, np.int64)
         if np.any(total % block):
@@ -490,11 +497,12 @@ class KvcellarStore(UcmKVStoreBaseV1):
                               ready=self._cuda, write_policy=self.options.kvcellar_write_policy)
             if not op.ok:
                 # Not accepted: the daemon is down, restarting or refusing (the health breaker's
-                # StoreUnhealthy at submission, which UCM's connector turns into a miss). Ops of
-                # earlier chunks still touch the blocks UCM gets back now: ended first.
-                if task.ops:
-                    self._end(task, self.options.kvcellar_io_timeout_ms)
-                    self._cancel(task)
+                # StoreUnhealthy at submission, which UCM's connector turns into a miss). UCM
+                # reuses the blocks at once: the ops of earlier chunks, and this one if its reply
+                # was lost, must have ended first.
+                running = task.ops + ([op] if may_run(op) else [])
+                if running:
+                    settle(s, running, self.options.kvcellar_io_timeout_ms, kind)
                 raise StoreUnhealthyError(f"kvcellard: {kind} of {n} blocks not accepted: "
                                           f"{op.reason}")
             task.ops.append(op)
@@ -539,13 +547,6 @@ class KvcellarStore(UcmKVStoreBaseV1):
         task._ended = True
         return True
 
-    def _cancel(self, task: KvcellarTask) -> None:
-        """Cancels what of ``task`` is still running: UCM reuses the blocks once ``wait``
-        returns or raises, and a cancelled Backup's pages are never indexed."""
-        if not task._ended and task.ops:
-            self.session.release(cancel=task.ops)
-            self._end(task, self.options.kvcellar_rpc_timeout_ms)
-
     def check(self, task: Task) -> bool:
         if not isinstance(task, KvcellarTask):
             raise ValueError(f"task: not a kvcellar task ({type(task).__name__})")
@@ -558,10 +559,14 @@ class KvcellarStore(UcmKVStoreBaseV1):
     def wait(self, task: Task) -> None:
         if not isinstance(task, KvcellarTask):
             raise ValueError(f"task: not a kvcellar task ({type(task).__name__})")
-        if not self._end(task, self.options.kvcellar_io_timeout_ms):
-            self._cancel(task)
-            raise RuntimeError(f"kvcellard: {task.kind} of {task.num_blocks} blocks did not end "
-                               f"within {self.options.kvcellar_io_timeout_ms} ms")
+        timeout = self.options.kvcellar_io_timeout_ms
+        if not self._end(task, timeout):
+            # UCM reuses the blocks once wait returns or raises, and the daemon's Load and
+            # Backup cannot be cancelled: waited for until they end (_settle).
+            settle(self.session, task.ops, timeout, f"{task.kind} of {task.num_blocks} blocks")
+            if not self._end(task, 0):
+                raise RuntimeError(f"kvcellard: {task.kind} of {task.num_blocks} blocks: the "
+                                   "daemon went away before they ended")
         if task._final is not None:
             raise task._final
 

@@ -75,6 +75,7 @@ from ..client import BackupSeq, Client, LoadSeq, Op, Session
 from ..keys import KvGroup, Namespace, as_tokens, page_keys
 from ..layout import KvLayout, kv_dtype_for
 from ._options import parse_options
+from ._settle import unreachable
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -710,11 +711,6 @@ def _tp_rank(vllm_config: "VllmConfig") -> int:
     return pc.rank % pc.tensor_parallel_size
 
 
-def _unreachable(reason: str) -> bool:
-    """The daemon could not be asked (down or restarting), as opposed to an op still running."""
-    return reason.startswith("unavailable") or reason.startswith("error")
-
-
 @dataclass
 class _Load:
     op: Optional[Op]
@@ -876,7 +872,7 @@ class _WorkerSide:
                 for spec in a.specs:
                     finished.add(spec.req_id)
                     failed.add(spec.req_id)
-                if st is not None and not _unreachable(st.reason):
+                if st is not None and not unreachable(st.reason):
                     self.stale_loads.append(a.op)
             else:
                 keep.append(a)
@@ -922,7 +918,7 @@ class _WorkerSide:
         for b, st in zip(self.backups, sts):
             if st.terminal:
                 continue
-            if _unreachable(st.reason):
+            if unreachable(st.reason):
                 b.unreachable_since = b.unreachable_since or now
                 if now - b.unreachable_since >= self.opts.load_timeout_ms / 1000:
                     continue
@@ -960,7 +956,7 @@ class _WorkerSide:
         keep = []
         for op in self.stale_loads:
             st = op.wait(self.opts.load_timeout_ms)
-            if not st.terminal and not _unreachable(st.reason):
+            if not st.terminal and not unreachable(st.reason):
                 keep.append(op)
         self.stale_loads = keep
 
