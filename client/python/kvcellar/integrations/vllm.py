@@ -75,7 +75,7 @@ from ..client import BackupSeq, Client, LoadSeq, Op, Session
 from ..keys import KvGroup, Namespace, as_tokens, page_keys
 from ..layout import KvLayout, kv_dtype_for
 from ._options import parse_options
-from ._settle import unreachable
+from ._settle import settle, unreachable
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -948,17 +948,19 @@ class _WorkerSide:
         self._settle_stale_loads()
 
     def _settle_backups(self, req_ids: set[str]) -> None:
-        deadline = time.monotonic() + self.opts.load_timeout_ms / 1000
-        while any(b.req_ids & req_ids for b in self.backups) and time.monotonic() < deadline:
-            self._poll_backups(50)
+        """Until the Backups of ``req_ids`` have ended: their blocks are about to be reused
+        (_settle: the native client ends a gone daemon's ops once the lease has run out)."""
+        ops = [b.op for b in self.backups if b.req_ids & req_ids]
+        if ops and self.session is not None:
+            settle(self.session, ops, self.opts.load_timeout_ms, "backups of preempted requests")
+        self._poll_backups(0)
 
     def _settle_stale_loads(self) -> None:
-        keep = []
-        for op in self.stale_loads:
-            st = op.wait(self.opts.load_timeout_ms)
-            if not st.terminal and not unreachable(st.reason):
-                keep.append(op)
-        self.stale_loads = keep
+        """Until the Loads left pending by a timeout have ended: they would write into blocks
+        this step reuses."""
+        if self.stale_loads and self.session is not None:
+            settle(self.session, self.stale_loads, self.opts.load_timeout_ms, "timed-out loads")
+        self.stale_loads = []
 
     def unregister(self) -> None:
         """Ends the session once its Backups are settled; idempotent."""
