@@ -3,10 +3,14 @@
 Shared by the integration tests (tests/integration/conftest.py) and the Python package's tests
 (client/python/tests); plain Python, no third-party imports, so either interpreter can use it.
 """
+import contextlib
 import os
+import pathlib
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -148,6 +152,19 @@ class Daemons:
             if daemon.proc and daemon.proc.poll() is None:
                 daemon.proc.kill()
                 daemon.proc.wait()
+
+
+@contextlib.contextmanager
+def temp_daemons(prefix):
+    """Daemons under a temp folder of their own (``daemons.root``), for a script: at the end
+    those still running are killed and the folder is removed."""
+    root = tempfile.mkdtemp(prefix=prefix)
+    daemons = Daemons(pathlib.Path(root))
+    try:
+        yield daemons
+    finally:
+        daemons.close()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 # pytest fixtures for any test folder: a conftest imports them (`from kvcellard_process import

@@ -45,10 +45,8 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -61,9 +59,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kvcellar import Client, KvLayout, Namespace  # noqa: E402
-from kvcellar import _native as N  # noqa: E402
 from kvcellar.client import BackupSeq, LoadSeq, Session  # noqa: E402
-from kvcellar.layout import Buffer, Region  # noqa: E402
+from kvcellar.integrations._arena import SlotArena  # noqa: E402
 
 FRAMEWORKS = ("ucm", "aibrix", "lmcache")
 OP_TIMEOUT_MS = 60000
@@ -148,13 +145,10 @@ class Direct:
 
 def plain_arena(n: int, obj: int, seed: int) -> tuple[torch.Tensor, KvLayout]:
     """A [2n, obj] byte tensor registered as /proc/<pid>/mem, rows [0, n) random."""
-    arena = torch.zeros((2 * n, obj), dtype=torch.uint8)
-    arena[:n] = torch.randint(0, 256, (n, obj), dtype=torch.uint8,
-                              generator=torch.Generator().manual_seed(seed))
-    layout = KvLayout([Region(f"/proc/{os.getpid()}/mem", arena.data_ptr(), 2 * n * obj)],
-                      [(Buffer(0, 0, obj, obj), None)], 2 * n, N.DEVICE_SIM,
-                      device_name="bench-direct", _keep=[arena])
-    return arena, layout
+    arena = SlotArena(obj, 2 * n)
+    arena.tensor[:n] = torch.randint(0, 256, (n, obj), dtype=torch.uint8,
+                                     generator=torch.Generator().manual_seed(seed))
+    return arena.tensor, arena.layout("bench-direct")
 
 
 def plain_direct(client: Client, name: str, n: int, obj: int, seed: int) -> tuple[Direct,
@@ -557,17 +551,15 @@ def measure(pair: Pair, repeats: int) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from kvcellard_process import Daemons
+    from kvcellard_process import temp_daemons
 
     n, kib = args.objects, args.object_kib
     # Every store writes fresh keys: room for all of them, so no store waits for an eviction.
     pages = 2 * 5 * n * (args.repeats + 1)
     pool_mib = args.pool_mib or max(256, pages * (kib + 1) // 1024 * 5 // 4 + 64)
     pool_mib = (pool_mib + 63) // 64 * 64  # a whole number of pool.region_size (64 MiB)
-    tmp = Path(tempfile.mkdtemp(prefix="kvc-bench-frameworks-"))
-    daemons = Daemons(tmp)
     rows: list[dict[str, Any]] = []
-    try:
+    with temp_daemons("kvc-bench-frameworks-") as daemons:
         d = daemons.start(args=("--set", f"pool.capacity={pool_mib}MiB",
                                 "--set", "device.kind=sim"))
         with Client(d.socket, rpc_timeout_ms=10000) as client:
@@ -578,9 +570,6 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     finally:
                         pair.close()
         return rows
-    finally:
-        daemons.close()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -31,7 +31,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -77,12 +76,10 @@ def build(args: argparse.Namespace, socket: str) -> tuple[Any, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kvcellard_process import Daemons
+    from kvcellard_process import temp_daemons
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
-    tmp = Path(tempfile.mkdtemp(prefix="kvc-bench-sgl-"))
-    daemons = Daemons(tmp)
-    try:
+    with temp_daemons("kvc-bench-sgl-") as daemons:
         d = daemons.start(args=("--set", f"pool.capacity={args.pool_mib}MiB"))
         host, backend = build(args, d.socket)
         if not backend._session().wait_active(10000):
@@ -137,8 +134,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          "vs_memcpy": med / base})
         return {"pages": n, "page_bytes": page_bytes, "layout": args.layout,
                 "iterations": args.iterations, "rows": rows}
-    finally:
-        daemons.close()
 
 
 def main(argv: Optional[list[str]] = None) -> int:

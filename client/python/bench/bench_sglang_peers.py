@@ -44,11 +44,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -274,12 +272,11 @@ def mooncake_available() -> Optional[str]:
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from kvcellard_process import Daemons
+    from kvcellard_process import temp_daemons
 
     init_single_rank()
-    tmp = Path(tempfile.mkdtemp(prefix="kvc-bench-peers-"))
-    daemons = Daemons(tmp)
-    try:
+    with temp_daemons("kvc-bench-peers-") as daemons:
+        tmp = daemons.root
         d = daemons.start(args=("--set", f"pool.capacity={args.pool_mib}MiB"))
         # Each engine its own instance id (the restarted one its old id), as separate engines'
         # schedulers have: engines of one process would otherwise share the default one.
@@ -300,9 +297,6 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             finally:
                 node.close()
         return rows
-    finally:
-        daemons.close()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

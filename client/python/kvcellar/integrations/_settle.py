@@ -5,8 +5,8 @@ lost) may still run in the daemon: a Load still writes the blocks it names, a Ba
 them, and neither can be cancelled (docs/api.md: "Backup block reuse"; Release cancels
 prefetches only). Memory handed back to a framework before then can be overwritten under a
 Backup (a torn page, stored and served to every engine) or by a late Load (another object's
-bytes in a reused buffer). ``settle`` waits for the end; ``Quarantine`` keeps an adapter's own
-slots out of use until it comes.
+bytes in a reused buffer). ``settle`` waits for the end; ``_arena.SlotArena`` keeps an
+adapter's own slots out of use until it comes.
 
 An op has ended when the client says it is terminal. The native client decides that with the
 daemon: an op the daemon ended, or one of a session the daemon has ended (restarted, or the
@@ -18,9 +18,8 @@ as the op when it is merely slow.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from typing import Any, Callable, Iterable, List, Optional, Sequence
+from typing import List, Sequence
 
 from ..client import Op, OpStatus, Session
 
@@ -62,53 +61,3 @@ def settle(session: Session, ops: Sequence[Op], log_every_ms: int, what: str
             log.warning("kvcellar: %s: waiting %.1f s for the daemon to end ops that still name "
                         "the engine's memory (%s)", what, now - start,
                         "; ".join(sorted({st.reason for st in sts if not st.terminal})))
-
-
-class Quarantine:
-    """Slots of an adapter's arena whose ops did not end in time: ``give`` gets them back once
-    the ops end (checked by ``reap``, which the adapter calls before taking slots)."""
-
-    def __init__(self, give: Callable[[List[int]], None]) -> None:
-        self._give = give
-        self._held: list = []  # (ops, slots)
-        self._slots: set = set()
-        self._lock = threading.Lock()
-
-    def hold(self, ops: Iterable[Op], slots: Iterable[int]) -> None:
-        ops, slots = [op for op in ops if may_run(op)], list(slots)
-        if not ops or not slots:
-            return
-        with self._lock:
-            self._held.append((ops, slots))
-            self._slots.update(slots)
-
-    def holds(self, slot: int) -> bool:
-        with self._lock:
-            return slot in self._slots
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._slots)
-
-    def reap(self, session: Optional[Session]) -> None:
-        """Gives back the slots whose ops have ended; all of them when ``session`` is None (the
-        session is closed: the daemon touches none of its memory any more)."""
-        with self._lock:
-            held = list(self._held)
-        if not held:
-            return
-        freed = [entry for entry in held
-                 if session is None or ended(session.wait(entry[0], 0))]
-        if not freed:
-            return
-        with self._lock:
-            for entry in freed:
-                self._held.remove(entry)
-                self._slots.difference_update(entry[1])
-        for _, slots in freed:
-            self._give(slots)
-
-
-def keep_out(quarantine: Quarantine, slots: Iterable[Any]) -> List[Any]:
-    """``slots`` without those the quarantine holds (they come back through it)."""
-    return [s for s in slots if not quarantine.holds(s)]

@@ -81,12 +81,11 @@ from aibrix_kvcache.l2.connectors import (Connector, ConnectorConfig, ConnectorF
 from aibrix_kvcache.memory import MemoryRegion
 from aibrix_kvcache.status import Status, StatusCodes
 
-from .. import _native as N
 from ..client import BackupSeq, Client, LoadSeq, Session
 from ..keys import Namespace
-from ..layout import Buffer, KvLayout, Region, kv_dtype_for
+from ..layout import kv_dtype_for
+from ._arena import SlotArena
 from ._options import parse_options
-from ._settle import Quarantine, keep_out
 
 AIBRIX_VERSION = "0.8.0"  # the aibrix-kvcache Connector this module implements
 BACKEND_NAME = "KVCELLAR"  # AIBRIX_KV_CACHE_OL_L2_CACHE_BACKEND (AIBrix upper-cases it)
@@ -161,59 +160,11 @@ class KvcellarOptions:
 MIN_SLOTS = 4  # below this a chunk of AIBrix's (at least 4 blocks, cache_manager.py) cannot fit
 
 
-class Arena:
-    """Fixed-size slots of host memory this process owns, registered once with the daemon as a
-    KvLayout whose block b is slot b (one buffer: the object's bytes in order). The free list is
-    thread-safe; a slot belongs to one operation from take to give."""
-
-    def __init__(self, slot_bytes: int, num_slots: int, pin: bool, grace_ms: int) -> None:
-        self.slot_bytes = slot_bytes
-        self.num_slots = num_slots
-        self.tensor = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, pin_memory=pin)
-        self.base = int(self.tensor.data_ptr())
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._lock = threading.Lock()
-        # Slots of ops that did not end in time: out of use until they do (_settle).
-        self.quarantine = Quarantine(self._give_now)
-
-    def layout(self, tokens_per_block: int) -> KvLayout:
-        nbytes = self.slot_bytes * self.num_slots
-        region = Region(f"/proc/{os.getpid()}/mem", self.base, nbytes)
-        buf = Buffer(0, 0, self.slot_bytes, self.slot_bytes)
-        return KvLayout([region], [(buf, None)], self.num_slots, N.DEVICE_SIM,
-                        device_name="aibrix-arena", dtype="", tokens_per_block=tokens_per_block,
-                        _keep=[self.tensor])
-
-    def address(self, slot: int) -> int:
-        return self.base + slot * self.slot_bytes
-
-    def take(self, n: int) -> List[int]:
-        """Up to ``n`` free slots (fewer, or none, when the arena is short)."""
-        with self._lock:
-            k = min(n, len(self._free))
-            out = self._free[len(self._free) - k:]
-            del self._free[len(self._free) - k:]
-            return out[::-1]
-
-    def give(self, slots: Sequence[int]) -> None:
-        """Back to the free list, but for the slots the quarantine holds (it gives them)."""
-        self._give_now(keep_out(self.quarantine, slots))
-
-    def _give_now(self, slots: Sequence[int]) -> None:
-        with self._lock:
-            self._free.extend(slots)
-
-    @property
-    def free(self) -> int:
-        with self._lock:
-            return len(self._free)
-
-
 class SlotRegion(ConnectorZeroCopyMemoryRegion):
     """A slot lent to AIBrix by allocate (to be sealed or dropped) or acquire (to be released).
     ``done`` guards against giving the slot back twice."""
 
-    def __init__(self, arena: Arena, slot: int, key: bytes, length: int) -> None:
+    def __init__(self, arena: SlotArena, slot: int, key: bytes, length: int) -> None:
         self.arena = arena
         self.slot = slot
         self.key = key
@@ -309,7 +260,7 @@ class KvcellarConnector(Connector[bytes, torch.Tensor], AsyncBase):
             f"aibrix-{(namespace or 'aibrix').rstrip('/').split('/')[-1]}-"
             f"{socketlib.gethostname()}-{os.getpid()}-{abs(hash(conn_id)) % 10**8}")
         slots = max(MIN_SLOTS, options.arena_mb * (1 << 20) // self.object_bytes)
-        self.arena: Optional[Arena] = None
+        self.arena: Optional[SlotArena] = None
         self._slots = slots
         self.client: Optional[Client] = None
         self.session: Optional[Session] = None
@@ -349,13 +300,12 @@ class KvcellarConnector(Connector[bytes, torch.Tensor], AsyncBase):
                 return Status.ok()
             o = self.options
             try:
-                self.arena = Arena(self.object_bytes, self._slots, torch.cuda.is_available(),
-                                   o.io_timeout_ms)
+                self.arena = SlotArena(self.object_bytes, self._slots, torch.cuda.is_available())
                 self.client = Client(o.socket, rpc_timeout_ms=o.rpc_timeout_ms,
                                      register_timeout_ms=o.register_timeout_ms)
                 self.session = self.client.register(
                     self.instance_id, self.namespace,
-                    layout=self.arena.layout(int(self.block_spec.block_ntokens)),
+                    layout=self.arena.layout("aibrix-arena", int(self.block_spec.block_ntokens)),
                     rank=0, load_slots=0, ready_slots=0, replace_existing=True,
                     engine_name=f"aibrix-kvcache {AIBRIX_VERSION}")
             except ValueError as e:  # refused registration: a configuration error
@@ -415,55 +365,47 @@ class KvcellarConnector(Connector[bytes, torch.Tensor], AsyncBase):
         limit = s.info().max_batch_sequences if s is not None else 0
         return max(1, min(limit or n, n))
 
-    def _outcome(self, op: Any, slots: Sequence[int]) -> Optional[Any]:
-        """The op's status once it has ended within io_timeout_ms, else None with ``slots``
-        quarantined until it ends (the daemon may still read or write them)."""
-        st = op.wait(self.options.io_timeout_ms) if op.ok else None
-        if st is not None and st.terminal:
-            return st
-        self.arena.quarantine.hold([op], slots)
-        return None
-
     def _take(self, n: int) -> List[int]:
         """Up to ``n`` free slots, after taking back those whose ops have ended."""
-        self.arena.quarantine.reap(self.session)
-        return self.arena.take(n)
+        return self.arena.take(n, self.session)
 
-    def _load(self, s: Session, keys: Sequence[Any], slots: Sequence[int]) -> List[bool]:
-        """Loads keys[i] into slots[i]: per object, whether it landed."""
-        out: List[bool] = []
+    def _one_page_ops(self, keys: Sequence[Any], slots: Sequence[int], submit: Callable
+                      ) -> Any:
+        """keys[i] with slots[i], each object a one-page sequence, in ops of at most the
+        daemon's max_batch_sequences: per op (its objects, the op, its status once ended in
+        io_timeout_ms, else None with its slots held until it ends)."""
         step = self._chunks(len(keys))
         for lo in range(0, len(keys), step):
             ks, ss = keys[lo:lo + step], slots[lo:lo + step]
             arr = _keys_array(ks)
-            op = s.load([LoadSeq(arr[i:i + 1], np.array([ss[i]], np.uint32))
-                         for i in range(len(ks))], layerwise=False)
-            st = self._outcome(op, ss)
+            op = submit([(arr[i:i + 1], np.array([ss[i]], np.uint32)) for i in range(len(ks))])
+            yield len(ks), op, self.arena.outcome(op, ss, self.options.io_timeout_ms)
+
+    def _load(self, s: Session, keys: Sequence[Any], slots: Sequence[int]) -> List[bool]:
+        """Loads keys[i] into slots[i]: per object, whether it landed."""
+        out: List[bool] = []
+        for n, op, st in self._one_page_ops(keys, slots, lambda seqs: s.load(
+                [LoadSeq(k, b) for k, b in seqs], layerwise=False)):
             if st is None or not st.done:
-                log.debug("kvcellar: load of %d objects: %s", len(ks),
+                log.debug("kvcellar: load of %d objects: %s", n,
                           op.reason if st is None else st.reason or st.state)
-                out.extend([False] * len(ks))
+                out.extend([False] * n)
             else:
-                out.extend(bool(n) for n in st.leading_ok_pages)
+                out.extend(bool(k) for k in st.leading_ok_pages)
         return out
 
     def _backup(self, s: Session, keys: Sequence[Any], slots: Sequence[int]) -> List[Status]:
         """Backs slots[i] up under keys[i], waited for until the daemon holds the bytes."""
         out: List[Status] = []
-        step = self._chunks(len(keys))
-        for lo in range(0, len(keys), step):
-            ks, ss = keys[lo:lo + step], slots[lo:lo + step]
-            arr = _keys_array(ks)
-            op = s.backup([BackupSeq(arr[i:i + 1], np.array([ss[i]], np.uint32))
-                           for i in range(len(ks))], ready=False,
-                          write_policy=self.options.write_policy)
-            st = self._outcome(op, ss)
+        for n, op, st in self._one_page_ops(keys, slots, lambda seqs: s.backup(
+                [BackupSeq(k, b) for k, b in seqs], ready=False,
+                write_policy=self.options.write_policy)):
             if st is None or not st.done:
                 why = op.reason if st is None else st.reason or st.state
-                out.extend([_error(f"backup: {why}")] * len(ks))
+                out.extend([_error(f"backup: {why}")] * n)
             else:
-                out.extend(Status.ok() if n else _error("backup: not stored")
-                           for n in st.leading_ok_pages)
+                out.extend(Status.ok() if k else _error("backup: not stored")
+                           for k in st.leading_ok_pages)
         return out
 
     # ---- exists / prefetch / delete -------------------------------------------------------

@@ -70,19 +70,16 @@ import os
 import queue
 import struct
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
-import torch
 
-from .. import _native as N
 from ..client import Client, LoadSeq, BackupSeq, Session
 from ..keys import Namespace
-from ..layout import Buffer, KvLayout, Region, kv_dtype_for
+from ..layout import kv_dtype_for
+from ._arena import SlotArena
 from ._options import parse_options
-from ._settle import Quarantine, keep_out
 
 LMCACHE_VERSION = "0.5.6"  # the RemoteConnector and native L2 client contracts implemented here
 
@@ -123,69 +120,37 @@ class ObjectStore:
         self.write_policy = write_policy
         self.prefetch_policy = prefetch_policy
         self.prefetch_timeout_ms = prefetch_timeout_ms
-        self.arena = torch.zeros((slots, self.slot_bytes), dtype=torch.uint8)
-        self._np = self.arena.numpy()
-        layout = KvLayout([Region(f"/proc/{os.getpid()}/mem", int(self.arena.data_ptr()),
-                                  slots * self.slot_bytes)],
-                          [(Buffer(0, 0, self.slot_bytes, self.slot_bytes), None)], slots,
-                          N.DEVICE_SIM, device_name="lmcache-arena", _keep=[self.arena])
-        self.session: Session = client.register(instance_id, ns, layout=layout, load_slots=0,
-                                                ready_slots=0, replace_existing=True,
-                                                engine_name=f"lmcache-{LMCACHE_VERSION}")
-        self._free = list(range(slots))
-        self._cv = threading.Condition()
-        # Slots of ops that did not end in time stay out of use until they do (_settle).
-        self._quarantine = Quarantine(self._give_now)
-
-    # Slots: a batch takes up to all of them; a larger batch goes in rounds.
-    def _take(self, n: int) -> list[int]:
-        """Up to ``n`` free slots, waiting up to io_timeout_ms for one; [] if none came."""
-        deadline = time.monotonic() + self.io_timeout_ms / 1000
-        while True:
-            self._quarantine.reap(self.session)
-            with self._cv:
-                if self._free:
-                    got, self._free = self._free[:n], self._free[n:]
-                    return got
-                if time.monotonic() >= deadline:
-                    return []
-                self._cv.wait(0.05)
-
-    def _give_now(self, slots: list[int]) -> None:
-        with self._cv:
-            self._free.extend(slots)
-            self._cv.notify_all()
-
-    def _give(self, slots: list[int]) -> None:
-        self._give_now(keep_out(self._quarantine, slots))
+        # Slots of ops that did not end in time stay out of use until they do (_arena).
+        self.slots = SlotArena(self.slot_bytes, slots)
+        self._np = self.slots.tensor.numpy()
+        self.session: Session = client.register(
+            instance_id, ns, layout=self.slots.layout("lmcache-arena"), load_slots=0,
+            ready_slots=0, replace_existing=True, engine_name=f"lmcache-{LMCACHE_VERSION}")
 
     def _rounds(self, n: int) -> Any:
+        """The batch of ``n`` objects in rounds of as many slots as are free (waiting up to
+        io_timeout_ms for one): (index of the round's first object, its slots)."""
         i = 0
         while i < n:
-            slots = self._take(n - i)
+            slots = self.slots.take(n - i, self.session, self.io_timeout_ms / 1000)
             if not slots:
                 log.warning("kvcellar: no free slot in %d ms (%d held by ops the daemon has not "
-                            "ended)", self.io_timeout_ms, len(self._quarantine))
+                            "ended)", self.io_timeout_ms, self.slots.held)
                 return
             try:
                 yield i, slots
             finally:
-                self._give(slots)
+                self.slots.give(slots)
             i += len(slots)
 
     def _outcome(self, op: Any, slots: list[int], what: str) -> Optional[Any]:
-        """The op's status once it has ended within io_timeout_ms, else None with ``slots`` held
-        until it ends (the daemon may still read or write them)."""
-        st = op.wait(self.io_timeout_ms) if op.ok else None
-        if st is not None and st.terminal:
-            if not st.done:
-                log.debug("kvcellar: %s of %d objects: %s", what, len(slots),
-                          st.reason or st.state)
-            return st
-        self._quarantine.hold([op], slots)
-        log.debug("kvcellar: %s of %d objects: %s", what, len(slots),
-                  op.reason if st is None else st.reason or st.state)
-        return None
+        """The op's status once it has ended within io_timeout_ms, else None (its slots held
+        until it ends); logs what did not succeed."""
+        st = self.slots.outcome(op, slots, self.io_timeout_ms)
+        if st is None or not st.done:
+            log.debug("kvcellar: %s of %d objects: %s", what, len(slots),
+                      op.reason if st is None else st.reason or st.state)
+        return st
 
     def put(self, digests: Sequence[bytes], views: Sequence[memoryview],
             metas: Optional[Sequence[bytes]] = None) -> list[bool]:
